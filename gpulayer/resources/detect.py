@@ -1,0 +1,247 @@
+"""Detect what this machine offers: raw system facts in, Resources out.
+
+`collect_facts` is the only code that touches the system; `parse_facts` is pure, so recorded
+facts (tests/resources/facts/*.json) replay any machine.
+
+"GB" means 2**30 bytes throughout, as Apple and NVIDIA label memory: a 32 GB Mac has
+hw.memsize 34359738368 (32.0 GB), an "H100 80GB" has 81559 MiB in nvidia-smi (79.6 GB).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from gpulayer.resources.model import Device, Framework, Resources
+
+log = logging.getLogger(__name__)
+
+PROBE = Path(__file__).with_name("probe.py")
+PROBE_TIMEOUT_S = 60
+NVIDIA_SMI = ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
+NVIDIA_SMI_TIMEOUT_S = 10
+GB = 2**30
+MIB = 2**20
+
+
+def _run(args: list[str], timeout: float) -> dict:
+    """Run a command: {"stdout": ..., "error": None or "..."}; never raises."""
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, errors="replace", timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"stdout": "", "error": f"{type(exc).__name__}: {exc}"}
+    error = None if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-500:]}"
+    return {"stdout": done.stdout, "error": error}
+
+
+def _sysctl(key: str) -> str | None:
+    return _run(["sysctl", "-n", key], 5)["stdout"].strip() or None
+
+
+def _cpu_brand(system: str) -> str | None:
+    if system == "Darwin":
+        return _sysctl("machdep.cpu.brand_string")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _probe(python: str) -> dict:
+    """The probe's JSON from running probe.py in `python`, or {"error": "..."}."""
+    done = _run([python, str(PROBE)], PROBE_TIMEOUT_S)
+    if done["error"]:
+        return {"error": done["error"]}
+    try:
+        return json.loads(done["stdout"])
+    except ValueError:
+        return {"error": f"probe printed no JSON: {done['stdout'][-500:]!r}"}
+
+
+def collect_facts(python: str | None = None) -> dict:
+    """Gather raw facts about this machine and the job interpreter `python`; never raises.
+
+    Keys (JSON-serializable, so they can be recorded and replayed):
+      hostname       socket.gethostname()
+      system         platform.system(): "Linux", "Darwin", "Windows"
+      machine        platform.machine(): "x86_64", "arm64", "aarch64"
+      release        platform.release(): the kernel release
+      mac_ver        platform.mac_ver()[0]: "14.4.1" on macOS, "" elsewhere
+      cpu_count      logical CPUs (psutil)
+      memory_bytes   total RAM (psutil)
+      cpu_brand      /proc/cpuinfo "model name" on Linux, `sysctl -n machdep.cpu.brand_string`
+                     on macOS, else platform.processor(); None when unknown
+      sysctl         on macOS {"hw.memsize": "34359738368", "hw.model": "Mac14,6"} (raw strings,
+                     None when unreadable); {} elsewhere
+      nvidia_smi     None without nvidia-smi on PATH, else {"stdout", "error"} of
+                     `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits`
+      probe_python   the job interpreter that was probed (default sys.executable)
+      probe          probe.py's JSON (see gpulayer.resources.probe), or {"error": "..."}
+    """
+    python = python or sys.executable
+    system = platform.system()
+    facts = {
+        "hostname": socket.gethostname(),
+        "system": system,
+        "machine": platform.machine(),
+        "release": platform.release(),
+        "mac_ver": platform.mac_ver()[0],
+        "cpu_count": psutil.cpu_count() or 1,
+        "memory_bytes": psutil.virtual_memory().total,
+        "cpu_brand": _cpu_brand(system),
+        "sysctl": {key: _sysctl(key) for key in ("hw.memsize", "hw.model")} if system == "Darwin" else {},
+        "nvidia_smi": _run(NVIDIA_SMI, NVIDIA_SMI_TIMEOUT_S) if shutil.which("nvidia-smi") else None,
+        "probe_python": python,
+        "probe": _probe(python),
+    }
+    for where, error in _errors(facts):  # detection goes on without what failed
+        log.warning("resource detection (job python %s): %s: %s", python, where, error)
+    return facts
+
+
+def _errors(record, where: str = ""):
+    """(where, error) for every "error" recorded in facts, e.g. ("probe.torch.cuda.devices[1]", "...")."""
+    if isinstance(record, dict):
+        if record.get("error"):
+            yield where, record["error"]
+        for key, value in record.items():
+            yield from _errors(value, f"{where}.{key}" if where else key)
+    elif isinstance(record, list):
+        for i, value in enumerate(record):
+            yield from _errors(value, f"{where}[{i}]")
+
+
+def _gb(nbytes: float) -> float:
+    return round(nbytes / GB, 1)
+
+
+def _installed(probe: dict, name: str) -> dict:
+    """The probe's record of a framework when it imported, else {}."""
+    record = probe.get(name)
+    return record if isinstance(record, dict) and "version" in record else {}
+
+
+def _smi_rows(smi: dict | None) -> list[tuple[int, str, int | None]]:
+    """(index, name, MiB or None) per GPU line of nvidia-smi's CSV; other lines are skipped."""
+    rows = []
+    for line in (smi or {}).get("stdout", "").splitlines():
+        index, _, rest = line.partition(",")
+        name, _, mib = rest.rpartition(",")
+        if index.strip().isdigit() and name.strip():
+            rows.append((int(index), name.strip(), int(mib) if mib.strip().isdigit() else None))
+    return rows
+
+
+def _cuda_devices(facts: dict, torch: dict) -> list[Device]:
+    """From torch when it sees CUDA, else from nvidia-smi ("detected" only).
+
+    nvidia-smi reports "[N/A]" memory for integrated GPUs (GB10, Jetson): those share system RAM.
+    """
+    cuda = torch.get("cuda") or {}
+    distributed = "nccl" if cuda.get("nccl") else "unsupported"
+    if cuda.get("available"):
+        found = [(d["index"], d["name"], d["memory_bytes"], d.get("ok") is True) for d in cuda.get("devices", [])]
+    else:
+        rows = _smi_rows(facts.get("nvidia_smi"))
+        found = [(i, name, None if mib is None else mib * MIB, False) for i, name, mib in rows]
+    return [
+        Device(
+            index=index,
+            kind="cuda",
+            name=name,
+            memory_gb=_gb(facts["memory_bytes"] if nbytes is None else nbytes),
+            memory_kind="unified" if nbytes is None else "dedicated",
+            independent="hardware-validated" if ok else "detected",
+            distributed=distributed,
+        )
+        for index, name, nbytes, ok in found
+    ]
+
+
+def _mps_devices(facts: dict, torch: dict, mlx: dict) -> list[Device]:
+    """One unified-memory GPU on Apple Silicon (Darwin arm64); none on Intel Macs."""
+    if (facts["system"], facts["machine"]) != ("Darwin", "arm64"):
+        return []
+    chip = (facts.get("cpu_brand") or "").removeprefix("Apple ") or "arm64"
+    memsize = (facts.get("sysctl") or {}).get("hw.memsize") or ""
+    validated = (torch.get("mps") or {}).get("ok") or ((mlx.get("backends") or {}).get("metal") or {}).get("ok")
+    return [
+        Device(
+            index=0,
+            kind="mps",
+            name=f"Apple {chip} GPU (MPS)",
+            memory_gb=_gb(int(memsize) if memsize.isdigit() else facts["memory_bytes"]),
+            memory_kind="unified",
+            independent="hardware-validated" if validated else "detected",
+            distributed="unsupported",
+        )
+    ]
+
+
+def _frameworks(torch: dict, mlx: dict) -> list[Framework]:
+    frameworks = []
+    if torch:
+        available = {"cpu": True, **{k: (torch.get(k) or {}).get("available") for k in ("cuda", "mps")}}
+        frameworks.append(Framework("torch", torch["version"], tuple(f"torch.{k}" for k, v in available.items() if v)))
+    if mlx:
+        backends = mlx.get("backends") or {}
+        caps = tuple(f"mlx.{k}" for k in ("cpu", "metal", "cuda") if (backends.get(k) or {}).get("available"))
+        frameworks.append(Framework("mlx", mlx["version"], caps))
+    return frameworks
+
+
+def parse_facts(facts: dict) -> Resources:
+    """Resources from `collect_facts` output (pure: same facts, same Resources).
+
+    CUDA devices come from torch when it sees CUDA, else from nvidia-smi; Apple Silicon has one
+    MPS device. A device is "hardware-validated" when the probe's tiny op ran on it (for MPS: in
+    torch or in mlx on Metal), else "detected".
+    """
+    probe = facts.get("probe") or {}
+    torch, mlx = _installed(probe, "torch"), _installed(probe, "mlx")
+    return Resources(
+        host=facts["hostname"],
+        system=facts["system"],
+        machine=facts["machine"],
+        cpu_name=facts.get("cpu_brand") or facts["machine"],
+        cpu_count=int(facts["cpu_count"]),
+        memory_gb=_gb(facts["memory_bytes"]),
+        python=(probe.get("python") or {}).get("version", ""),
+        devices=_cuda_devices(facts, torch) + _mps_devices(facts, torch, mlx),
+        frameworks=_frameworks(torch, mlx),
+        source="detected",
+    )
+
+
+def detect(python: str | None = None) -> Resources:
+    """Resources of this machine, with frameworks as seen by the job interpreter `python`."""
+    return parse_facts(collect_facts(python))
+
+
+def format_resources(res: Resources, *, python_path: str | None = None) -> str:
+    """The human report of `gpulayer resources detect`: one "label     value" line each."""
+    devices = [d.describe() for d in res.devices] or ["none (CPU only)"]
+    frameworks = [f"{f.name} {f.version}: {', '.join(f.capabilities) or 'none'}" for f in res.frameworks]
+    lines = [
+        ("host", f"{res.host} ({res.system} {res.machine})"),
+        ("cpu", f"{res.cpu_count} x {res.cpu_name}"),
+        ("memory", f"{res.memory_gb:.1f} GB"),
+        ("python", (res.python or "unknown") + (f" ({python_path})" if python_path else "")),
+        *(("device", d) for d in devices),
+        *(("framework", f) for f in frameworks or ["none"]),
+        ("source", res.source),
+    ]
+    return "\n".join(f"{label:<10}{value}" for label, value in lines)

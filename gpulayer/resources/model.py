@@ -1,0 +1,205 @@
+"""What a machine offers: plain dataclasses, to and from dicts (JSON) and mDNS TXT records."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+PROTOCOL_VERSION = 1
+
+ACCELERATORS = ("cpu", "cuda", "mps")
+TXT_VALUE_MAX = 255  # bytes in one TXT string, key and '=' included
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: a CUDA GPU or an Apple GPU.
+
+    `independent` says how far single-device tasks were proven on it: "hardware-validated"
+    (a tensor op ran on it when the peer started), "detected" (seen in system facts only) or
+    "override" (declared by an --advertise-override file). `distributed` names the
+    multi-device backend ("nccl") or "unsupported".
+    """
+
+    index: int
+    kind: str
+    name: str
+    memory_gb: float
+    memory_kind: str
+    independent: str = "detected"
+    distributed: str = "unsupported"
+
+    def describe(self) -> str:
+        return (
+            f"[{self.index}] {self.kind} {self.name} ({self.memory_gb:.1f} GB {self.memory_kind}) "
+            f"independent={self.independent} distributed={self.distributed}"
+        )
+
+
+@dataclass(frozen=True)
+class Framework:
+    """An installed framework in the job interpreter and what it can use, e.g. torch.cuda."""
+
+    name: str
+    version: str
+    capabilities: tuple[str, ...] = ()
+
+
+@dataclass
+class Resources:
+    """Everything one machine offers to tasks."""
+
+    host: str
+    system: str
+    machine: str
+    cpu_name: str
+    cpu_count: int
+    memory_gb: float
+    python: str
+    devices: list[Device] = field(default_factory=list)
+    frameworks: list[Framework] = field(default_factory=list)
+    source: str = "detected"
+
+    @property
+    def accelerator(self) -> str:
+        """The peer's accelerator: cuda or mps when it has such a device, else cpu."""
+        kinds = {d.kind for d in self.devices}
+        for kind in ("cuda", "mps"):
+            if kind in kinds:
+                return kind
+        return "cpu"
+
+    @property
+    def memory_kind(self) -> str:
+        return self.devices[0].memory_kind if self.devices else "host"
+
+    def framework(self, name: str) -> Framework | None:
+        return next((f for f in self.frameworks if f.name == name), None)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Resources:
+        data = dict(data)
+        data["devices"] = [Device(**d) for d in data.get("devices", [])]
+        data["frameworks"] = [
+            Framework(f["name"], f["version"], tuple(f.get("capabilities", ())))
+            for f in data.get("frameworks", [])
+        ]
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Advert:
+    """A peer as the submitter sees it: identity, resources summary and capacity.
+
+    This is what the TXT record carries; matching works on it alone.
+    """
+
+    peer_id: str
+    name: str
+    cluster: str
+    accelerator: str
+    memory_kind: str
+    device_memory_gb: tuple[float, ...]
+    device_name: str
+    distributed: str
+    ram_gb: float
+    cpu_count: int
+    frameworks: tuple[tuple[str, str], ...]
+    capabilities: frozenset
+    slots: int
+    python: str
+    version: int = PROTOCOL_VERSION
+    validation: str = "detected"
+
+    @property
+    def device_count(self) -> int:
+        return len(self.device_memory_gb)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.accelerator in ("cuda", "mps")
+
+    def framework_version(self, name: str) -> str | None:
+        return dict(self.frameworks).get(name)
+
+    @classmethod
+    def from_resources(cls, res: Resources, *, peer_id: str, name: str, cluster: str, slots: int) -> Advert:
+        gpus = [d for d in res.devices if d.kind == res.accelerator]
+        return cls(
+            peer_id=peer_id,
+            name=name,
+            cluster=cluster,
+            accelerator=res.accelerator,
+            memory_kind=res.memory_kind,
+            device_memory_gb=tuple(round(d.memory_gb, 1) for d in gpus),
+            device_name=gpus[0].name if gpus else res.cpu_name,
+            distributed=gpus[0].distributed if gpus else "unsupported",
+            ram_gb=round(res.memory_gb, 1),
+            cpu_count=res.cpu_count,
+            frameworks=tuple(sorted((f.name, f.version) for f in res.frameworks)),
+            capabilities=frozenset(c for f in res.frameworks for c in f.capabilities),
+            slots=slots,
+            python=res.python,
+            validation=gpus[0].independent if gpus else "detected",
+        )
+
+    def to_txt(self) -> dict[str, str]:
+        """Compact TXT properties; every entry fits one 255-byte TXT string."""
+        txt = {
+            "v": str(self.version),
+            "id": self.peer_id,
+            "cl": self.cluster,
+            "n": self.name,
+            "acc": self.accelerator,
+            "mk": self.memory_kind,
+            "gm": ",".join(f"{m:g}" for m in self.device_memory_gb),
+            "dn": self.device_name,
+            "dist": self.distributed,
+            "ind": self.validation,
+            "ram": f"{self.ram_gb:g}",
+            "cpu": str(self.cpu_count),
+            "fw": ",".join(f"{k}/{v}" for k, v in self.frameworks),
+            "cap": ",".join(sorted(self.capabilities)),
+            "sl": str(self.slots),
+            "py": self.python,
+        }
+        return {k: _fit_txt(k, v) for k, v in txt.items()}
+
+    @classmethod
+    def from_txt(cls, txt: dict) -> Advert:
+        """Parse TXT properties (str or bytes keys/values). Raises ValueError when malformed."""
+        t = {_text(k): _text(v) for k, v in txt.items() if v is not None}
+        try:
+            return cls(
+                version=int(t["v"]),
+                peer_id=t["id"],
+                cluster=t["cl"],
+                name=t.get("n", t["id"]),
+                accelerator=t["acc"],
+                memory_kind=t.get("mk", "host"),
+                device_memory_gb=tuple(float(m) for m in t.get("gm", "").split(",") if m),
+                device_name=t.get("dn", ""),
+                distributed=t.get("dist", "unsupported"),
+                validation=t.get("ind", "detected"),
+                ram_gb=float(t.get("ram", 0)),
+                cpu_count=int(t.get("cpu", 0)),
+                frameworks=tuple(sorted(tuple(item.split("/", 1)) for item in t.get("fw", "").split(",") if "/" in item)),
+                capabilities=frozenset(c for c in t.get("cap", "").split(",") if c),
+                slots=int(t.get("sl", 1)),
+                python=t.get("py", ""),
+            )
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"malformed GPUlayer TXT record: {exc!r}") from None
+
+
+def _text(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _fit_txt(key: str, value: str) -> str:
+    """Truncate a value so that 'key=value' fits one TXT string (UTF-8 safe)."""
+    room = TXT_VALUE_MAX - len(key) - 1
+    data = value.encode("utf-8")
+    return value if len(data) <= room else data[:room].decode("utf-8", "ignore")

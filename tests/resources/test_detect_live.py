@@ -1,0 +1,54 @@
+"""collect_facts and detect on this machine (CPU only, torch and mlx[cpu] installed)."""
+
+import json
+import platform
+import socket
+
+import pytest
+
+from gpulayer.resources.detect import collect_facts, detect, parse_facts
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("mlx.core")
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return collect_facts()
+
+
+def test_detect_this_machine(facts):
+    res = parse_facts(facts)
+    assert json.loads(json.dumps(facts)) == facts
+    assert (res.host, res.system, res.source) == (socket.gethostname(), platform.system(), "detected")
+    assert res.python == platform.python_version()
+    assert res.devices == [] and res.accelerator == "cpu"
+    assert res.framework("torch").version == torch.__version__
+    assert "torch.cpu" in res.framework("torch").capabilities
+    assert "mlx.cpu" in res.framework("mlx").capabilities
+    assert res.cpu_count >= 1 and res.memory_gb > 0
+
+
+def test_detect_parses_collected_facts(facts, monkeypatch):
+    monkeypatch.setattr("gpulayer.resources.detect.collect_facts", lambda python=None: facts)
+    assert detect() == parse_facts(facts)
+
+
+def test_recorded_facts_have_the_live_shape(facts, load_facts):
+    """Guards the fixtures against drift from what collect_facts and probe.py really produce."""
+    recorded = load_facts("mac_m2_max")
+    assert recorded.keys() == facts.keys()
+    live, mac = facts["probe"], recorded["probe"]
+    assert live.keys() == mac.keys() and live["python"].keys() == mac["python"].keys()
+    for section in ("cuda", "mps"):
+        assert live["torch"][section].keys() == mac["torch"][section].keys()
+    assert live["mlx"]["backends"] == {**mac["mlx"]["backends"], "metal": live["mlx"]["backends"]["metal"]}
+    cuda_device = load_facts("linux_h200_recorded")["probe"]["torch"]["cuda"]["devices"][0]
+    assert cuda_device.keys() == load_facts("linux_8x_h100")["probe"]["torch"]["cuda"]["devices"][0].keys()
+
+
+def test_missing_interpreter_is_recorded_not_raised(tmp_path, caplog):
+    facts = collect_facts(python=str(tmp_path / "no-python"))
+    assert "FileNotFoundError" in facts["probe"]["error"]
+    assert "probe: FileNotFoundError" in caplog.text
+    assert parse_facts(facts).python == ""
