@@ -1,0 +1,76 @@
+"""Pickling of functions, arguments and results: cloudpickle with protocol-5 out-of-band buffers.
+
+Buffers of 64 KiB or more (numpy arrays, bytes-like objects, CPU torch tensors) are handed
+back separately so that the wire sends them from their own memory, and the receiver rebuilds
+the objects on top of the received buffers without another copy. Torch tensors on a GPU are
+moved to the CPU: a result that holds a CUDA or MPS tensor arrives as a CPU tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+
+import cloudpickle
+
+OUT_OF_BAND_MIN = 64 * 1024
+
+
+class _Pickler(cloudpickle.Pickler):
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor:
+            reduced = _reduce_tensor(torch, obj)
+            if reduced is not None:
+                return reduced
+        return super().reducer_override(obj)
+
+
+def dumps(obj) -> tuple[bytes, list[memoryview]]:
+    """Pickle `obj`; return the pickle and its out-of-band buffers."""
+    buffers: list[memoryview] = []
+
+    def keep_large(pickle_buffer: pickle.PickleBuffer) -> bool:
+        try:
+            raw = pickle_buffer.raw()
+        except BufferError:  # not contiguous: let pickle copy it in-band
+            return True
+        if raw.nbytes < OUT_OF_BAND_MIN:
+            return True
+        buffers.append(raw)
+        return False
+
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=keep_large).dump(obj)
+    return out.getvalue(), buffers
+
+
+def loads(data: bytes, buffers=()):
+    """Rebuild an object from `dumps` output; large arrays are views of `buffers`."""
+    return pickle.loads(data, buffers=buffers)
+
+
+def _reduce_tensor(torch, tensor):
+    """Reduce a dense tensor to a numpy array (zero-copy on the CPU), or None to fall back."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        return None
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    try:
+        array = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    except (RuntimeError, TypeError):  # numpy missing, or a dtype numpy has no twin for
+        return None
+    return _rebuild_tensor, (array, dtype, tensor.requires_grad)
+
+
+def _rebuild_tensor(array, dtype: str, requires_grad: bool):
+    import torch
+
+    t = torch.from_numpy(array)
+    if dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t.requires_grad_(requires_grad) if requires_grad else t

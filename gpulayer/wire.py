@@ -1,0 +1,234 @@
+"""Frames, messages, limits and the authentication handshake.
+
+A frame is a 4-byte big-endian length followed by that many bytes. A message is one frame
+holding a msgpack map {"t": type, "v": version, ...}; when the map has "nb": N, the next N
+frames are raw out-of-band buffers that belong to it (large arrays travel this way, never
+re-copied into one big bytes object).
+
+`MessageReader` is sans-IO: the caller fills `buffer()` from its socket (blocking or asyncio)
+and calls `feed(n)`. Large frames are read straight into their own bytearray.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections import deque
+
+import msgpack
+
+from . import security
+from .errors import AuthError, FrameTooLarge, ProtocolError, VersionMismatch
+from .resources.model import PROTOCOL_VERSION
+
+HELLO, AUTH, AUTH_OK = "hello", "auth", "auth_ok"
+SUBMIT, ACCEPT, REJECT = "submit", "accept", "reject"
+LOG, RESULT, ERROR, CANCEL = "log", "result", "error", "cancel"
+PING, PONG, STATUS, BYE = "ping", "pong", "status", "bye"
+MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
+                           CANCEL, PING, PONG, STATUS, BYE})
+
+HEADER = struct.Struct(">I")
+PRE_AUTH_MAX_FRAME = 4096
+MAX_BUFFERS = 4096
+_SMALL = 1 << 18  # the shared receive buffer; bigger frames get a bytearray of their own
+
+
+def max_message_bytes() -> int:
+    """Post-auth bound on one message (its frame and its buffers together); GPULAYER_MAX_MESSAGE_MB."""
+    return int(os.environ.get("GPULAYER_MAX_MESSAGE_MB", 4096)) << 20
+
+
+def encode(msg: dict, buffers=()) -> list:
+    """The frames of one message, as a list of bytes-like parts ready to send in order."""
+    msg["v"] = PROTOCOL_VERSION
+    if buffers:
+        msg["nb"] = len(buffers)
+    body = msgpack.packb(msg)
+    parts = [HEADER.pack(len(body)) + body]
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        parts.append(HEADER.pack(view.nbytes))
+        parts.append(view)
+    return parts
+
+
+def join_small(parts: list) -> list:
+    """Merge parts into one bytes object when the message is small (one syscall)."""
+    if len(parts) > 1 and sum(len(p) for p in parts) <= _SMALL:
+        return [b"".join(parts)]
+    return parts
+
+
+def send_parts(sock: socket.socket, parts: list) -> None:
+    """Blocking send of encoded parts; big buffers are sent from their memory as is."""
+    for part in join_small(parts):
+        sock.sendall(part)
+
+
+class MessageReader:
+    """Incremental decoder of frames into (message, buffers) pairs, with size limits."""
+
+    def __init__(self, max_frame: int = PRE_AUTH_MAX_FRAME):
+        self.max_frame = max_frame
+        self.messages: deque[tuple[dict, list]] = deque()
+        self._buf = bytearray(_SMALL)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._big: bytearray | None = None
+        self._big_fill = 0
+        self._pending: tuple[dict, list, int] | None = None
+        self._pending_bytes = 0
+
+    def buffer(self) -> memoryview:
+        """Where the next bytes from the socket should go."""
+        if self._big is not None:
+            return memoryview(self._big)[self._big_fill:]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start:self._end]
+            self._start, self._end = 0, n
+        return self._view[self._end:]
+
+    def feed(self, n: int) -> None:
+        """Account for n bytes written into `buffer()`; parse what is complete.
+
+        Raises ProtocolError (or a subclass) on bad input; the connection must then close.
+        """
+        if self._big is None:
+            self._end += n
+        else:
+            self._big_fill += n
+            if self._big_fill < len(self._big):
+                return
+            frame, self._big = self._big, None
+            self._on_frame(frame)
+        self._parse()
+
+    def _parse(self) -> None:
+        while self._end - self._start >= 4:
+            (length,) = HEADER.unpack_from(self._buf, self._start)
+            if length > self.max_frame:
+                raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {self.max_frame}")
+            body = self._start + 4
+            available = self._end - body
+            if length > _SMALL // 2:
+                take = min(available, length)
+                big = bytearray(length)
+                big[:take] = self._view[body:body + take]
+                self._start = body + take
+                if take < length:
+                    self._big, self._big_fill = big, take
+                    return
+                self._on_frame(big)
+                continue
+            if available < length:
+                return
+            self._start = body + length
+            self._on_frame(self._view[body:self._start])
+
+    def _on_frame(self, frame) -> None:
+        if self._pending is not None:
+            msg, buffers, count = self._pending
+            buffers.append(frame if isinstance(frame, bytearray) else bytes(frame))
+            self._pending_bytes += len(frame)
+            if self._pending_bytes > self.max_frame:
+                raise FrameTooLarge(f"message buffers exceed the limit of {self.max_frame} bytes")
+            if len(buffers) == count:
+                self._pending = None
+                self.messages.append((msg, buffers))
+            return
+        msg = decode(frame)
+        count = msg.get("nb", 0)
+        if not isinstance(count, int) or not 0 <= count <= MAX_BUFFERS:
+            raise ProtocolError(f"bad buffer count {count!r}")
+        if count:
+            self._pending, self._pending_bytes = (msg, [], count), len(frame)
+        else:
+            self.messages.append((msg, []))
+
+
+def decode(frame) -> dict:
+    """One message map from a frame; checks its shape, type and protocol version."""
+    try:
+        msg = msgpack.unpackb(frame, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise ProtocolError("a message must be a msgpack map with a string 't'")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version {msg.get('v')!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    if msg["t"] not in MESSAGE_TYPES:
+        raise ProtocolError(f"unknown message type {msg['t'][:40]!r}")
+    return msg
+
+
+def error(code: str, message: str, task_id=None, **extra) -> dict:
+    return {"t": ERROR, "id": task_id, "code": code, "message": message, **extra}
+
+
+class BlockingConnection:
+    """A blocking socket speaking frames: used by submitters and workers."""
+
+    def __init__(self, sock: socket.socket, max_frame: int = PRE_AUTH_MAX_FRAME):
+        self.sock = sock
+        self.reader = MessageReader(max_frame)
+
+    def send(self, msg: dict, buffers=()) -> None:
+        send_parts(self.sock, encode(msg, buffers))
+
+    def recv(self) -> tuple[dict, list]:
+        """The next message; raises ConnectionError at EOF."""
+        reader = self.reader
+        while not reader.messages:
+            n = self.sock.recv_into(reader.buffer())
+            if n == 0:
+                raise ConnectionError("connection closed by the other side")
+            reader.feed(n)
+        return reader.messages.popleft()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def hello(nonce: bytes, peer_id: str, cluster: str, txt: dict) -> dict:
+    """The peer's greeting: a fresh nonce and its (public) advert."""
+    return {"t": HELLO, "nonce": nonce, "peer": peer_id, "cluster": cluster, "advert": txt}
+
+
+def client_handshake(conn: BlockingConnection, key: bytes, client_id: str) -> dict:
+    """Run the submitter's half of the mutual HMAC handshake; return the peer's HELLO.
+
+    Raises AuthError when either side's proof fails.
+    """
+    msg, _ = conn.recv()
+    if msg["t"] == ERROR:
+        raise ProtocolError(f"peer refused the connection: {msg.get('message')}")
+    nonce_p = msg.get("nonce")
+    if msg["t"] != HELLO or not isinstance(nonce_p, bytes) or len(nonce_p) != security.NONCE_BYTES:
+        raise ProtocolError("expected HELLO with a nonce from the peer")
+    nonce_s = security.new_nonce()
+    conn.send({"t": AUTH, "nonce": nonce_s, "mac": security.submitter_proof(key, nonce_p, nonce_s),
+               "client": client_id})
+    reply, _ = conn.recv()
+    if reply["t"] == ERROR:
+        raise AuthError(f"peer {msg.get('peer')} refused authentication: {reply.get('message')}")
+    if reply["t"] != AUTH_OK or not security.proofs_equal(reply.get("mac"), security.peer_proof(key, nonce_p, nonce_s)):
+        raise AuthError(f"peer {msg.get('peer')} failed to prove the cluster key")
+    return msg
+
+
+def check_auth(msg: dict, key: bytes, nonce_p: bytes) -> dict | None:
+    """The peer's check of an AUTH message: the AUTH_OK reply, or None when the proof fails."""
+    nonce_s = msg.get("nonce")
+    if msg["t"] != AUTH or not isinstance(nonce_s, bytes) or len(nonce_s) != security.NONCE_BYTES:
+        return None
+    if not security.proofs_equal(msg.get("mac"), security.submitter_proof(key, nonce_p, nonce_s)):
+        return None
+    return {"t": AUTH_OK, "mac": security.peer_proof(key, nonce_p, nonce_s)}
