@@ -1,1 +1,25 @@
-"""GPUlayer: a peer-to-peer, zero-config scheduler for the GPUs on a LAN."""
+"""GPUlayer: a peer-to-peer, zero-config scheduler for the GPUs on a LAN.
+
+    import gpulayer as gl
+    gl.run(fn, *args, accelerator="mps")
+
+The API is loaded on first use, so that workers and `gpulayer.torch` import this package
+without the discovery stack.
+"""
+
+from .errors import (AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
+                     TaskRejected, TaskTimeout, WorkerDied)
+
+__version__ = "0.1.0"
+_API = ("run", "submit", "map", "remote", "peers", "device", "configure", "default_client", "RemoteFunction")
+
+__all__ = [*_API, "AuthError", "ConfigError", "GPULayerError", "NoMatchingPeer", "PeerLost", "ProtocolError",
+           "RemoteError", "TaskRejected", "TaskTimeout", "WorkerDied"]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'gpulayer' has no attribute {name!r}")

@@ -1,0 +1,127 @@
+"""`gpulayer`: resources detect | peers | join | demo | key init."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import GPULayerError
+
+
+def _resources_detect(args) -> int:
+    from .resources import detect
+
+    res = detect.detect(args.python)
+    if args.json:
+        print(json.dumps({**res.to_dict(), "accelerator": res.accelerator}, indent=2))
+    else:
+        print(detect.format_resources(res, python_path=args.python or sys.executable))
+    return 0
+
+
+def format_peers(rows: list[dict]) -> str:
+    """The peer table of `gpulayer peers` and `gpulayer demo`."""
+    header = ("NAME", "ADDRESS", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "STATE")
+    lines = [header]
+    for r in rows:
+        if "accelerator" not in r:  # an unreachable static peer
+            lines.append((r["name"], r["address"], "?", "?", "?", "?", f"down: {r['error']}"))
+            continue
+        mem = r["device_memory_gb"]
+        memory = f"{max(mem):g} GB {r['memory_kind']}" if mem else f"{r['ram_gb']:g} GB host"
+        if len(mem) > 1:
+            memory = f"{len(mem)}x{max(mem):g} GB {r['memory_kind']}"
+        busy = "?" if r["busy"] is None else r["busy"]
+        queued = f" +{r['queued']}q" if r.get("queued") else ""
+        state = r["state"] if r["state"] == "up" else f"down: {r['error']}"
+        frameworks = " ".join(f"{k} {v}" for k, v in sorted(r["frameworks"].items())) or "-"
+        lines.append((r["name"], r["address"], r["accelerator"], memory, frameworks,
+                      f"{busy}/{r['slots']}{queued}", state))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _peers(args) -> int:
+    from . import api
+
+    rows = api.default_client().peers(wait=args.wait)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif rows:
+        print(format_peers(rows))
+    else:
+        print("no peers found (is a peer running with the same cluster key? is multicast blocked? "
+              "try GPULAYER_PEERS=host:port)")
+    return 0
+
+
+def _join(args) -> int:
+    from .peer.__main__ import run
+
+    return run(args)
+
+
+def _key_init(args) -> int:
+    from .security import cluster_id, init_key
+
+    path = init_key(args.path, force=args.force)
+    print(f"wrote a new cluster key to {path} (mode 0600); cluster id {cluster_id(path.read_text().strip().encode())}")
+    print("copy this file to every machine of the cluster (same path), or set GPULAYER_KEY there")
+    return 0
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(tasks=args.tasks)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .peer.__main__ import add_arguments
+
+    parser = argparse.ArgumentParser(prog="gpulayer", description="Peer-to-peer scheduler for the GPUs on a LAN.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    resources = sub.add_parser("resources", help="what this machine offers")
+    res_sub = resources.add_subparsers(dest="action", required=True)
+    detect = res_sub.add_parser("detect", help="detect devices, memory and frameworks")
+    detect.add_argument("--json", action="store_true")
+    detect.add_argument("--python", default=None, help="job interpreter to probe (default: this one)")
+    detect.set_defaults(func=_resources_detect)
+
+    peers = sub.add_parser("peers", help="list the peers of this cluster")
+    peers.add_argument("--json", action="store_true")
+    peers.add_argument("--wait", type=float, default=None, help="seconds to listen for mDNS answers (default 1)")
+    peers.set_defaults(func=_peers)
+
+    join = sub.add_parser("join", help="run this machine's peer (same as python -m gpulayer.peer)")
+    add_arguments(join)
+    join.set_defaults(func=_join)
+
+    demo = sub.add_parser("demo", help="start a local peer on loopback and run real tasks on it")
+    demo.add_argument("--tasks", type=int, default=16, help="items in the demo gl.map")
+    demo.set_defaults(func=_demo)
+
+    key = sub.add_parser("key", help="cluster key")
+    key_sub = key.add_subparsers(dest="action", required=True)
+    init = key_sub.add_parser("init", help="create ~/.config/gpulayer/key (mode 0600)")
+    init.add_argument("--path", default=None)
+    init.add_argument("--force", action="store_true")
+    init.set_defaults(func=_key_init)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except GPULayerError as exc:
+        print(f"gpulayer: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""`python -m gpulayer.peer` (also `gpulayer join`): run this machine's peer."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from .. import security
+from ..errors import GPULayerError
+from ..resources import detect, override
+from .server import PeerConfig, run_peer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+    parser.add_argument("--interfaces", default=None,
+                        help="comma-separated IPv4 addresses for TCP and mDNS (default: all; "
+                             "GPULAYER_INTERFACES also sets it)")
+    parser.add_argument("--name", default="", help="peer name shown to submitters (default: host name)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the job interpreter that runs tasks (default: this one)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="tasks at once per GPU (default 1), or in all on a CPU-only peer (default: cores)")
+    parser.add_argument("--key-file", default=None, help="cluster key file (default: ~/.config/gpulayer/key)")
+    parser.add_argument("--advertise-override", metavar="FILE", default=None,
+                        help="JSON file replacing detected resources (operators and tests; see docs)")
+    parser.add_argument("--preload", default=None,
+                        help="comma-separated modules each worker imports at start (default: the GPU frameworks)")
+    parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds to let running tasks finish on SIGINT/SIGTERM")
+    parser.add_argument("--ready-file", default=None, help="write {port, peer_id, name} as JSON here once serving")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> PeerConfig:
+    from ..discovery import configured_interfaces
+
+    if args.concurrency is not None and args.concurrency < 1:
+        raise GPULayerError("--concurrency must be at least 1")
+    resources = detect.detect(args.python)
+    if args.advertise_override:
+        data = override.load_override(args.advertise_override)
+        resources = override.apply_override(resources, data, f"override:{args.advertise_override}")
+    return PeerConfig(
+        key=security.load_key(args.key_file),
+        resources=resources,
+        port=args.port,
+        interfaces=configured_interfaces(args.interfaces.split(",") if args.interfaces else None),
+        name=args.name,
+        python=args.python,
+        concurrency=args.concurrency,
+        preload=args.preload.split(",") if args.preload is not None else None,
+        advertise=not args.no_mdns,
+        drain_timeout=args.drain_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s gpulayer-peer %(levelname)s %(message)s")
+    try:
+        config = config_from_args(args)
+    except (GPULayerError, ValueError) as exc:
+        print(f"gpulayer peer: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(peer) -> None:
+        print(f"gpulayer peer {peer.name} ({peer.peer_id}) ready on port {peer.port}: "
+              f"{len(peer.slots)} slot(s) on {', '.join(sorted({s.device for s in peer.slots}))}", flush=True)
+        if args.ready_file:
+            with open(args.ready_file, "w") as f:
+                json.dump({"port": peer.port, "peer_id": peer.peer_id, "name": peer.name}, f)
+
+    try:
+        asyncio.run(run_peer(config, ready))
+    except GPULayerError as exc:
+        print(f"gpulayer peer: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpulayer.peer", description="Run this machine's GPUlayer peer.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The warm worker: a process of the job interpreter that runs tasks one at a time.
+
+Started by the peer as `python -m gpulayer.peer.worker FD [--preload torch,mlx]`, it talks
+frames over the inherited socket FD. It needs only msgpack and cloudpickle, and it is the
+only place where task data is ever unpickled. Its stdout and stderr are pipes that the peer
+streams back to the submitter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import socket
+import sys
+import traceback
+
+from .. import serialization, wire
+
+_FN_CACHE_SIZE = 128
+
+
+class FunctionCache:
+    """Unpickled functions by their pickle, so that a repeated function is loaded once."""
+
+    def __init__(self):
+        self._fns: dict[bytes, object] = {}
+
+    def load(self, data: bytes):
+        fn = self._fns.get(data)
+        if fn is None:
+            fn = serialization.loads(data)
+            fn = getattr(fn, "__gpulayer_function__", fn)  # a @gl.remote object pickled by reference
+            if not callable(fn):
+                raise TypeError(f"the task's function is a {type(fn).__name__}, not a callable")
+            if len(self._fns) >= _FN_CACHE_SIZE:
+                self._fns.pop(next(iter(self._fns)))
+            self._fns[data] = fn
+        return fn
+
+
+def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, list]:
+    """Run one SUBMIT; return the RESULT or ERROR message and its buffers."""
+    task_id = msg.get("id")
+    try:
+        fn = functions.load(msg["fn"])
+        args, kwargs = serialization.loads(msg["args"], buffers)
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # the task's failure, SystemExit included, goes back to the submitter
+        _flush()
+        return _error(task_id, exc, skip_frames=1), []
+    _flush()
+    try:
+        data, out = serialization.dumps(result)
+    except Exception as exc:
+        return _error(task_id, exc, note=f"the result ({type(result).__name__}) could not be pickled"), []
+    return {"t": wire.RESULT, "id": task_id, "data": data}, out
+
+
+def _error(task_id, exc: BaseException, *, skip_frames: int = 0, note: str = "") -> dict:
+    tb = exc.__traceback__
+    for _ in range(skip_frames):
+        tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        pickled, oob = serialization.dumps(exc)
+        if oob:
+            pickled = None
+    except Exception:
+        pickled = None
+    message = f"{note}: {exc}" if note else str(exc)
+    return wire.error("exception", message, task_id, type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+                      exc=pickled, tb=text)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def preload(names: list[str]) -> list[str]:
+    """Import frameworks now so that tasks find them warm; returns those that imported."""
+    done = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except Exception as exc:
+            print(f"gpulayer worker: preloading {name} failed: {exc}", file=sys.stderr)
+    return done
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("fd", type=int)
+    parser.add_argument("--preload", default="")
+    args = parser.parse_args(argv)
+    conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes())
+    loaded = preload([n for n in args.preload.split(",") if n])
+    conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded})
+    functions = FunctionCache()
+    while True:
+        try:
+            msg, buffers = conn.recv()
+        except (ConnectionError, OSError):
+            return
+        if msg["t"] == wire.BYE:
+            return
+        reply, out = run_task(msg, buffers, functions)
+        del msg, buffers
+        conn.send(reply, out)
+
+
+if __name__ == "__main__":
+    main()

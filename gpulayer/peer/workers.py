@@ -1,0 +1,185 @@
+"""Warm worker subprocesses, one per slot, driven from the peer's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import wire
+from ..errors import WorkerDied
+from .channel import AsyncChannel
+
+log = logging.getLogger("gpulayer.peer")
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Slot:
+    """The right to run one task on one device. `env` is given to its worker."""
+
+    index: int
+    device: str  # "cpu", "cuda:0", "mps"
+    memory_gb: float | None = None
+    env: dict = field(default_factory=dict)
+    worker: Worker | None = None
+    task: object = None  # the peer's running Task, if any
+
+    @property
+    def ready(self) -> bool:
+        return self.task is None and self.worker is not None and self.worker.ready
+
+
+def job_pythonpath(python: str) -> str | None:
+    """PYTHONPATH that lets another interpreter import gpulayer without the peer's site-packages.
+
+    A private folder holds one link to this gpulayer package; the job interpreter still needs
+    msgpack and cloudpickle of its own.
+    """
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="gpulayer-path-"))
+    (folder / "gpulayer").symlink_to(_PACKAGE_DIR, target_is_directory=True)
+    return str(folder)
+
+
+class Worker:
+    """One warm worker process bound to a slot. `run` sends a task and awaits its reply."""
+
+    def __init__(self, slot: Slot, python: str, preload: list[str], on_output, pythonpath: str | None = None):
+        self.slot = slot
+        self.python = python
+        self.preload = preload
+        self.on_output = on_output  # on_output(worker, stream, bytes)
+        self.pythonpath = pythonpath
+        self.ready = False
+        self.pid: int | None = None
+        self.tasks_run = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._channel: AsyncChannel | None = None
+        self._pipes: dict[int, str] = {}
+        self._loop = asyncio.get_running_loop()
+
+    async def start(self, timeout: float) -> None:
+        """Spawn the process and wait for its ready message (after its preloads)."""
+        parent, child = socket.socketpair()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        env = {**os.environ, **self.slot.env, "PYTHONUNBUFFERED": "1"}
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                self.python, "-m", "gpulayer.peer.worker", str(child.fileno()), "--preload", ",".join(self.preload),
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(child.fileno(),),
+                env=env, start_new_session=True,
+            )
+        except OSError:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            parent.close()
+            raise
+        finally:
+            child.close()
+            os.close(out_w)
+            os.close(err_w)
+        self.pid = self._proc.pid
+        self._channel = AsyncChannel(parent, wire.max_message_bytes())
+        for fd, stream in ((out_r, "out"), (err_r, "err")):
+            os.set_blocking(fd, False)
+            self._pipes[fd] = stream
+            self._loop.add_reader(fd, self._read_output, fd)
+        try:
+            msg, _ = await asyncio.wait_for(self._channel.recv(), timeout)
+        except (ConnectionError, asyncio.TimeoutError, OSError) as exc:
+            code = await self.kill()
+            raise WorkerDied(f"worker for slot {self.slot.index} did not start ({type(exc).__name__}, exit {code}); "
+                             f"does {self.python} have msgpack and cloudpickle?") from None
+        self.ready = True
+        log.debug("worker %s ready on %s (preloaded %s)", self.pid, self.slot.device, msg.get("preloaded"))
+
+    async def run(self, msg: dict, buffers: list) -> tuple[dict, list]:
+        """Run one task; raises WorkerDied when the process dies before replying."""
+        self.tasks_run += 1
+        self._channel.write(msg, buffers)
+        try:
+            return await self._channel.recv()
+        except (ConnectionError, OSError):
+            code = await self.wait_exit(5.0)
+            raise WorkerDied(f"worker process {self.pid} died while running the task ({describe_exit(code)})") from None
+
+    def drain_output(self) -> None:
+        """Forward what the process has written so far (call before sending its result)."""
+        for fd in list(self._pipes):
+            self._read_output(fd, until_empty=True)
+
+    def _read_output(self, fd: int, until_empty: bool = False) -> None:
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._close_pipe(fd)
+                return
+            self.on_output(self, self._pipes[fd], data)
+            if not until_empty:
+                return
+
+    def _close_pipe(self, fd: int) -> None:
+        if self._pipes.pop(fd, None) is not None:
+            self._loop.remove_reader(fd)
+            os.close(fd)
+
+    async def wait_exit(self, timeout: float) -> int | None:
+        if self._proc is None:
+            return None
+        try:
+            return await asyncio.wait_for(self._proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    async def kill(self) -> int | None:
+        """Kill the process and its children; return its exit code."""
+        self.ready = False
+        if self._proc is not None and self._proc.returncode is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        code = await self.wait_exit(10.0)
+        self.close()
+        return code
+
+    async def stop(self) -> None:
+        """Ask the process to exit after its current task; kill it if it lingers."""
+        if self._channel is not None and not self._channel.closed:
+            self._channel.write({"t": wire.BYE})
+        if await self.wait_exit(2.0) is None:
+            await self.kill()
+        self.close()
+
+    def close(self) -> None:
+        self.ready = False
+        self.drain_output()
+        if self._channel is not None:
+            self._channel.close()
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        hint = " (killed: out of memory?)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
