@@ -9,8 +9,10 @@ seconds (a killed peer fails them at once, when its socket resets).
 from __future__ import annotations
 
 import itertools
+import linecache
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -126,6 +128,7 @@ class PeerConnection:
         self.client = client
         self.pending: dict[int, _Task] = {}
         self.closed = False
+        self.refusal = ""  # why the peer closed the connection, when it said so
         self.load = (0, 0)
         self._load_base = 0
         self._ids = itertools.count(1)
@@ -211,6 +214,9 @@ class PeerConnection:
             return
         if kind == wire.BYE:
             self.client.mark_down(self.peer_id, "the peer is shutting down")
+            return
+        if kind == wire.ERROR and msg.get("id") is None:  # the peer is about to close this connection
+            self.refusal = f"{msg.get('code')}: {msg.get('message')}"
             return
         task = self.pending.get(msg.get("id"))
         if task is None or kind == wire.ACCEPT:
@@ -355,8 +361,12 @@ class Client:
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         data, buffers = serialization.dumps((tuple(args), kwargs or {}))
-        task = _Task(self, fn_bytes or serialization.dumps(fn)[0], data, buffers, req, timeout, retries,
-                     getattr(fn, "__qualname__", type(fn).__name__))
+        fn_bytes = fn_bytes or serialization.dumps(fn)[0]
+        size = len(data) + len(fn_bytes) + sum(b.nbytes for b in buffers)
+        if size > wire.max_message_bytes():
+            raise ValueError(f"the task's function and arguments take {size / 2**20:.0f} MiB, over the "
+                             f"{wire.max_message_bytes() >> 20} MiB message limit (GPULAYER_MAX_MESSAGE_MB)")
+        task = _Task(self, fn_bytes, data, buffers, req, timeout, retries, getattr(fn, "__qualname__", type(fn).__name__))
         task.future = TaskFuture(task)
         self._place(task)
         return task.future
@@ -437,10 +447,11 @@ class Client:
         with self._lock:
             if self._connections.get(conn.peer_id) is conn:
                 del self._connections[conn.peer_id]
-        if not self._closed.is_set():
-            self.mark_down(conn.peer_id, reason)
         for task in tasks:
-            self._retry_or_fail(task, "peer-lost", PeerLost(f"lost peer {conn.name} ({conn.address}): {reason}"))
+            if conn.refusal:  # the peer refused what we sent: retrying elsewhere would fail the same way
+                task.complete(exc=ProtocolError(f"peer {conn.name} closed the connection: {conn.refusal}"))
+            else:
+                self._retry_or_fail(task, "peer-lost", PeerLost(f"lost peer {conn.name} ({conn.address}): {reason}"))
 
     def on_reject(self, task: _Task, conn: PeerConnection, code: str, message: str) -> None:
         cause = TaskRejected(code, f"{conn.name}: {message}")
@@ -542,9 +553,27 @@ class Client:
         self._helpers.shutdown(wait=False, cancel_futures=True)
 
 
+_FRAME_LINE = re.compile(r'^(\s*)File "([^"]+)", line (\d+), in .*$')
+
+
+def _with_local_source(tb: str) -> str:
+    """Add source lines the peer could not show (the code was shipped from here) from local files."""
+    lines = tb.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        out.append(line)
+        frame = _FRAME_LINE.match(line)
+        has_source = i + 1 < len(lines) and lines[i + 1].startswith(frame.group(1) + "    ") if frame else True
+        if not has_source:
+            source = linecache.getline(frame.group(2), int(frame.group(3))).strip()
+            if source:
+                out.append(f"{frame.group(1)}    {source}")
+    return "\n".join(out) + "\n"
+
+
 def _rebuild_exception(msg: dict) -> BaseException:
     """The remote exception itself when it unpickles here, with its remote traceback as cause."""
-    tb = msg.get("tb") or ""
+    tb = _with_local_source(msg.get("tb") or "")
     if msg.get("exc"):
         try:
             exc = serialization.loads(msg["exc"])

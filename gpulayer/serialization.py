@@ -1,5 +1,9 @@
 """Pickling of functions, arguments and results: cloudpickle with protocol-5 out-of-band buffers.
 
+Functions and classes from the submitter's own modules (files outside site-packages and the
+standard library, e.g. `myproject/tasks.py`) are shipped by value, since a peer does not
+have them; installed packages are pickled by reference and must be installed on the peer.
+
 Buffers of 64 KiB or more (numpy arrays, bytes-like objects, CPU torch tensors) are handed
 back separately so that the wire sends them from their own memory, and the receiver rebuilds
 the objects on top of the received buffers without another copy. Torch tensors on a GPU are
@@ -8,9 +12,14 @@ moved to the CPU: a result that holds a CUDA or MPS tensor arrives as a CPU tens
 
 from __future__ import annotations
 
+import functools
 import io
+import os
 import pickle
+import site
 import sys
+import sysconfig
+import types
 
 import cloudpickle
 
@@ -24,7 +33,38 @@ class _Pickler(cloudpickle.Pickler):
             reduced = _reduce_tensor(torch, obj)
             if reduced is not None:
                 return reduced
+        if isinstance(obj, (types.FunctionType, type)):
+            _ship_local_module(getattr(obj, "__module__", None))
+        elif isinstance(obj, types.CodeType) and _code_reduce is not None:
+            return _code_with_filename, (_code_reduce(obj)[1], obj.co_filename)
         return super().reducer_override(obj)
+
+
+# cloudpickle blanks the file name of code it ships by value; keep it, so that a remote
+# traceback names the submitter's file and its lines (the submitter fills in the source).
+_code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+
+
+def _code_with_filename(args: tuple, filename: str) -> types.CodeType:
+    return types.CodeType(*args).replace(co_filename=filename)
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_dirs() -> tuple[str, ...]:
+    paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths.update(site.getsitepackages() + [site.getusersitepackages(), sys.prefix, sys.base_prefix])
+    return tuple(os.path.realpath(p) + os.sep for p in paths if p)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ship_local_module(name: str | None) -> None:
+    """Have cloudpickle pickle a module's functions by value when the module is the user's own code."""
+    module = sys.modules.get(name or "")
+    if module is None or name == "__main__" or name.partition(".")[0] in ("gpulayer", *sys.stdlib_module_names):
+        return
+    path = getattr(module, "__file__", None)
+    if path and not os.path.realpath(path).startswith(_installed_dirs()):
+        cloudpickle.register_pickle_by_value(module)
 
 
 def dumps(obj) -> tuple[bytes, list[memoryview]]:

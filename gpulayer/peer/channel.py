@@ -90,13 +90,24 @@ class AsyncChannel:
             self._flushed.set_result(None)
         self._flushed = None
 
-    async def aclose(self, timeout: float = 2.0) -> None:
-        """Send what is queued (an ERROR, say), then close."""
+    async def aclose(self, timeout: float = 1.0) -> None:
+        """Send what is queued (an ERROR, say), then close without resetting the connection.
+
+        Closing with unread input makes the kernel send a reset, which can destroy the ERROR
+        before the other side reads it; so input is read and dropped for up to `timeout` first.
+        """
         try:
             await asyncio.wait_for(self.drain(0), timeout)
-        except asyncio.TimeoutError:
+            self.sock.shutdown(socket.SHUT_WR)
+            await asyncio.wait_for(self._discard_input(), timeout)
+        except (asyncio.TimeoutError, OSError):
             pass
         self.close()
+
+    async def _discard_input(self) -> None:
+        scratch = bytearray(1 << 16)
+        while await self._loop.sock_recv_into(self.sock, scratch):
+            pass
 
     def close(self) -> None:
         if self.closed:

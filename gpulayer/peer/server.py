@@ -90,6 +90,7 @@ class Connection:
     address: str
     client: str = "?"
     tasks: dict = field(default_factory=dict)
+    serving: asyncio.Task | None = None  # the coroutine reading this connection; cancel it to drop it
 
 
 class Peer:
@@ -100,13 +101,15 @@ class Peer:
         self.peer_id = uuid.uuid4().hex[:12]
         self.name = config.name or discovery.hostname()
         self.slots = plan_slots(config.resources, config.concurrency)
+        for slot in self.slots:
+            slot.env.update(GPULAYER_PEER_NAME=self.name, GPULAYER_PEER_ID=self.peer_id)
         self.advert = Advert.from_resources(config.resources, peer_id=self.peer_id, name=self.name,
                                             cluster=security.cluster_id(config.key), slots=len(self.slots))
         self.port = 0
         self.tasks_done = 0
         self._queue: deque[Task] = deque()
         self._connections: set[Connection] = set()
-        self._unauthenticated = 0
+        self._unauthenticated: dict[Connection, Connection] = {}  # oldest first
         self._draining = False
         self._forced = False
         self._accepting: asyncio.Task | None = None
@@ -162,7 +165,11 @@ class Peer:
         await asyncio.gather(*runners, return_exceptions=True)
         for conn in list(self._connections):
             conn.channel.write({"t": wire.BYE})
-            await conn.channel.aclose(1.0)
+            try:
+                await asyncio.wait_for(conn.channel.drain(0), 1.0)
+            except asyncio.TimeoutError:
+                pass
+            conn.serving.cancel()
         await asyncio.gather(*(s.worker.stop() for s in self.slots), return_exceptions=True)
         for bg in list(self._background):
             bg.cancel()
@@ -213,29 +220,36 @@ class Peer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if self._unauthenticated >= self.config.max_unauthenticated or self._draining:
+            if self._draining:
                 sock.close()
                 continue
+            if len(self._unauthenticated) >= self.config.max_unauthenticated:
+                oldest = next(iter(self._unauthenticated))  # evict the oldest, so floods cannot lock honest peers out
+                self._unauthenticated.pop(oldest).serving.cancel()
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._spawn(self._serve(sock, f"{addr[0]}:{addr[1]}"))
+            conn = Connection(AsyncChannel(sock, wire.PRE_AUTH_MAX_FRAME), f"{addr[0]}:{addr[1]}")
+            self._unauthenticated[conn] = conn
+            conn.serving = self._spawn(self._serve(conn))
+            conn.serving.add_done_callback(lambda _, channel=conn.channel: channel.close())
 
-    async def _serve(self, sock: socket.socket, address: str) -> None:
-        conn = Connection(AsyncChannel(sock, wire.PRE_AUTH_MAX_FRAME), address)
-        self._unauthenticated += 1
+    async def _serve(self, conn: Connection) -> None:
         try:
             authenticated = await self._authenticate(conn)
+        except asyncio.CancelledError:
+            authenticated = False
         finally:
-            self._unauthenticated -= 1
+            self._unauthenticated.pop(conn, None)
         if not authenticated:
             return
         self._connections.add(conn)
         try:
             await self._read_loop(conn)
+        except asyncio.CancelledError:
+            pass
         finally:
             self._connections.discard(conn)
             for task in list(conn.tasks.values()):
                 self._cancel(task, "cancelled", "the submitter disconnected", notify=False)
-            conn.channel.close()
 
     async def _authenticate(self, conn: Connection) -> bool:
         channel = conn.channel

@@ -1,0 +1,55 @@
+"""Session-wide safety and fixtures: mDNS on loopback only, private config and cache folders."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from support import PeerProcess, new_key
+
+# Network safety: every zeroconf a test (or a peer it starts) creates binds to loopback only.
+os.environ["GPULAYER_INTERFACES"] = "127.0.0.1"
+os.environ["GPULAYER_CACHE"] = "0"
+os.environ.pop("GPULAYER_PEERS", None)
+os.environ.pop("GPULAYER_KEY", None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_dirs(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    os.environ["XDG_CONFIG_HOME"] = str(home / "config")
+    os.environ["XDG_CACHE_HOME"] = str(home / "cache")
+    yield
+
+
+@pytest.fixture(scope="module")
+def peer_factory(tmp_path_factory):
+    """start(name, *args, key=..., env=...) -> a started PeerProcess; all are stopped after the module."""
+    workdir = tmp_path_factory.mktemp("peers")
+    started: list[PeerProcess] = []
+
+    def start(name: str, *args: str, key: str, env: dict | None = None, wait: bool = True) -> PeerProcess:
+        peer = PeerProcess(workdir, key, name, *args, env=env)
+        started.append(peer)
+        return peer.start(wait=wait)
+
+    yield start
+    for peer in started:
+        peer.stop(timeout=10)
+        peer.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster_key() -> str:
+    return new_key()
+
+
+@pytest.fixture(scope="module")
+def gl_client(cluster_key):
+    """The process-wide gl client, set to this module's cluster key; closed after the module."""
+    import gpulayer as gl
+
+    client = gl.configure(key=cluster_key.encode(), interfaces=["127.0.0.1"])
+    yield client
+    gl.api.shutdown()
