@@ -38,7 +38,8 @@ def fleet(peer_factory, tmp_path_factory):
     for name, path in (("mac", mac), ("nvidia", nvidia), ("cpubox", cpu)):
         peer_factory(name, "--advertise-override", str(path), key=key)
     client = Client(key=key.encode(), echo_output=False)
-    client.directory.wait_for(lambda records: len(records) == 3, 10)
+    client.start()
+    assert client.directory.wait_for(lambda records: len(records) == 3, 10)
     yield client
     client.close()
 
