@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     peers = sub.add_parser("peers", help="list the peers of this cluster")
     peers.add_argument("--json", action="store_true")
-    peers.add_argument("--wait", type=float, default=None, help="seconds to listen for mDNS answers (default 1)")
+    peers.add_argument("--wait", type=float, default=None, help="seconds to listen for mDNS answers (default 1.5)")
     peers.set_defaults(func=_peers)
 
     join = sub.add_parser("join", help="run this machine's peer (same as python -m gpulayer.peer)")

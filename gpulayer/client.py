@@ -517,7 +517,9 @@ class Client:
     def peers(self, wait: float | None = None, probe: bool = True) -> list[dict]:
         """The known peers of this cluster with their state; `probe` asks each for its load."""
         self.start()
-        self.directory.wait_for(lambda recs: False, min(self.discovery_timeout, 1.0) if wait is None else wait)
+        # 1.5 s covers the browser's second query: a peer that announced itself under a second ago
+        # stays silent to the first one (mDNS sends a record at most once a second).
+        self.directory.wait_for(lambda recs: False, min(self.discovery_timeout, 1.5) if wait is None else wait)
         rows = [self._describe(r, probe) for r in self.directory.records()]
         rows += [{"name": label, "address": label, "state": "down", "error": err, "source": "static"}
                  for label, err in self.static_errors.items()]

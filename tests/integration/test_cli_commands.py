@@ -1,0 +1,74 @@
+"""The gpulayer command line: resources detect, key init, peers, demo, and clear start-up errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from support import new_key
+
+
+def gpulayer(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpulayer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_resources_detect_prints_the_report_and_json():
+    torch = pytest.importorskip("torch")
+    out = gpulayer("resources", "detect")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("host      ")
+    assert "device    none (CPU only)" in lines
+    assert any(line.startswith(f"framework torch {torch.__version__}: torch.cpu") for line in lines)
+    data = json.loads(gpulayer("resources", "detect", "--json").stdout)
+    assert data["accelerator"] == "cpu" and data["devices"] == []
+    assert {f["name"] for f in data["frameworks"]} >= {"torch"}
+
+
+def test_key_init_writes_a_private_key_once(tmp_path):
+    path = tmp_path / "key"
+    out = gpulayer("key", "init", "--path", str(path))
+    assert out.returncode == 0 and "cluster id" in out.stdout
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text().strip()) == 64
+    again = gpulayer("key", "init", "--path", str(path))
+    assert again.returncode == 1 and "--force" in again.stderr
+
+
+def test_a_peer_without_a_key_says_how_to_make_one(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "gpulayer.peer"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path)})
+    assert out.returncode == 2 and "gpulayer key init" in out.stderr
+
+
+def test_a_bad_override_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"devices": [{"kind": "tpu", "name": "x", "memory_gb": 1}]}))
+    out = subprocess.run([sys.executable, "-m", "gpulayer.peer", "--advertise-override", str(bad)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "GPULAYER_KEY": new_key()})
+    assert out.returncode == 2 and "bad.json" in out.stderr and "tpu" in out.stderr
+
+
+def test_peers_lists_the_cluster_as_a_table_and_json(peer_factory):
+    key = new_key()
+    peer_factory("listed", key=key)
+    env = {"GPULAYER_KEY": key}
+    table = gpulayer("peers", env=env)
+    assert table.returncode == 0
+    header, row = table.stdout.splitlines()[:2]
+    assert header.split() == ["NAME", "ADDRESS", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "STATE"]
+    assert row.startswith("listed") and row.rstrip().endswith("up")
+    rows = json.loads(gpulayer("peers", "--json", env=env).stdout)
+    assert [(r["name"], r["state"], r["busy"]) for r in rows] == [("listed", "up", 0)]
+
+
+def test_demo_runs_a_real_round_trip_on_an_embedded_peer():
+    out = gpulayer("demo", "--tasks", "8")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gl.run(whoami) ->" in out.stdout and "all correct" in out.stdout
+    assert "demo-peer" in out.stdout and "the peer withdrew its mDNS record and stopped" in out.stdout

@@ -1,0 +1,130 @@
+"""Discovery over real zeroconf on loopback: appear, disappear, down, other clusters, static peers, cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import gpulayer as gl
+from gpulayer.client import Client
+from gpulayer.matching import Requirements
+from support import new_key
+
+ANY = Requirements.build()
+
+
+def seen_names(client: Client) -> set[str]:
+    return {r.advert.name for r in client.directory.records()}
+
+
+def wait_for(client: Client, predicate, timeout: float) -> float:
+    """Seconds until predicate(names) holds; fails after `timeout`."""
+    started = time.monotonic()
+    assert client.directory.wait_for(lambda _: predicate(seen_names(client)), timeout), seen_names(client)
+    return time.monotonic() - started
+
+
+def test_a_new_peer_appears_and_a_stopped_one_disappears_quickly(peer_factory):
+    key = new_key()
+    client = Client(key=key.encode(), echo_output=False)
+    client.start()
+    try:
+        peer = peer_factory("latecomer", key=key, wait=False)
+        peer.wait_ready()
+        appeared = wait_for(client, lambda names: "latecomer" in names, 5)
+        assert appeared < 1.0  # the announcement, sent without probing, arrives at once
+        assert client.submit(lambda: "hi", req=ANY).result(30) == "hi"
+        assert peer.stop() == 0
+        gone = wait_for(client, lambda names: "latecomer" not in names, 5)
+        assert gone < 1.0  # the goodbye
+    finally:
+        client.close()
+
+
+def test_a_fresh_submitter_finds_a_running_peer_fast(peer_factory):
+    key = new_key()
+    peer_factory("veteran", key=key)
+    time.sleep(1.2)  # past the one-second multicast rate limit of the announcement
+    client = Client(key=key.encode(), echo_output=False)
+    try:
+        started = time.monotonic()
+        client.start()
+        found = wait_for(client, lambda names: "veteran" in names, 5)
+        assert found < 1.0, f"{time.monotonic() - started:.2f} s"  # a QM question gets multicast answers
+    finally:
+        client.close()
+
+
+def test_a_killed_peer_is_shown_down_and_skipped(peer_factory):
+    key = new_key()
+    doomed = peer_factory("doomed", "--concurrency", "1", key=key)
+    peer_factory("healthy", "--concurrency", "1", key=key)
+    client = Client(key=key.encode(), echo_output=False)
+    try:
+        client.start()
+        wait_for(client, lambda names: {"doomed", "healthy"} <= names, 5)
+        doomed.kill()
+        states = {row["name"]: row["state"] for row in client.peers(wait=0)}
+        assert states == {"doomed": "down", "healthy": "up"}  # zeroconf still lists it; our probe does not
+        for _ in range(4):
+            assert client.submit(lambda: os.environ["GPULAYER_PEER_NAME"], req=ANY).result(30) == "healthy"
+    finally:
+        client.close()
+
+
+def test_peers_of_another_cluster_are_neither_listed_nor_used(peer_factory):
+    ours, theirs = new_key(), new_key()
+    peer_factory("ours", key=ours)
+    peer_factory("theirs", key=theirs)
+    client = Client(key=ours.encode(), echo_output=False)
+    try:
+        client.start()
+        wait_for(client, lambda names: "ours" in names, 5)
+        time.sleep(0.5)
+        assert seen_names(client) == {"ours"}
+        assert [r["name"] for r in client.peers(wait=0)] == ["ours"]
+        with pytest.raises(gl.NoMatchingPeer):
+            client.submit(lambda: 1, req=Requirements.build(peer="theirs"))
+    finally:
+        client.close()
+
+
+def test_static_peers_work_without_multicast(peer_factory):
+    key = new_key()
+    peer = peer_factory("static", "--no-mdns", key=key)
+    client = Client(key=key.encode(), peers=f"{peer.address},127.0.0.1:9", mdns=False, echo_output=False)
+    try:
+        assert client.submit(lambda: "via static", req=ANY).result(30) == "via static"
+        rows = {row["name"]: row for row in client.peers(wait=0)}
+        assert rows["static"]["state"] == "up" and rows["static"]["source"] == "static"
+        assert rows["127.0.0.1:9"]["state"] == "down"
+    finally:
+        client.close()
+
+
+def test_the_peer_cache_is_used_by_a_fresh_process_and_verified_on_connect(peer_factory, tmp_path, monkeypatch):
+    key = new_key()
+    peer = peer_factory("cached", "--no-mdns", key=key)
+    monkeypatch.setenv("GPULAYER_CACHE", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = Client(key=key.encode(), peers=peer.address, mdns=False, echo_output=False)
+    assert first.submit(lambda: 1, req=ANY).result(30) == 1
+    first.close()
+    cache = json.loads((tmp_path / "gpulayer" / "peers.json").read_text())
+    assert [e["txt"]["n"] for e in next(iter(cache.values()))] == ["cached"]
+
+    fresh = [sys.executable, "-c", "import os, gpulayer as gl; print(gl.run(os.getpid) > 0)"]
+    env = {**os.environ, "GPULAYER_KEY": key, "GPULAYER_DISCOVERY_TIMEOUT": "0.5"}
+    started = time.monotonic()
+    out = subprocess.run(fresh, env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
+    assert time.monotonic() - started < 5
+
+    peer.stop()  # the cached entry is now stale: it is verified, dropped, and the error is clear
+    out = subprocess.run(fresh, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "NoMatchingPeer" in out.stderr
