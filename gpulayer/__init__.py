@@ -21,5 +21,6 @@ def __getattr__(name: str):
     if name in _API:
         from . import api
 
-        return getattr(api, name)
+        value = globals()[name] = getattr(api, name)  # later lookups skip this function
+        return value
     raise AttributeError(f"module 'gpulayer' has no attribute {name!r}")

@@ -309,6 +309,7 @@ class Client:
             self._started = True
         if self._mdns:
             self._browser = discovery.Browser(self.directory, self.interfaces)
+            threading.Thread(target=self._browser.query_now, name="gpulayer-query", daemon=True).start()
         for address in self.static:
             self._helpers.submit(self._probe_static, address)
         threading.Thread(target=self._heartbeat_loop, name="gpulayer-heartbeat", daemon=True).start()
@@ -321,35 +322,35 @@ class Client:
         except (OSError, GPULayerError) as exc:
             self.static_errors[label] = str(exc)
 
-    def _candidates(self, req: Requirements, excluded=()) -> tuple[list, dict]:
-        """Matching peers that are up, and the reasons why the others are not candidates."""
-        fits, reasons = [], {}
+    def _candidates(self, req: Requirements, excluded=()) -> list[discovery.PeerRecord]:
+        """The matching peers that are up."""
+        return [r for r in self.directory.records()
+                if r.up and r.advert.peer_id not in excluded and not match(req, r.advert)]
+
+    def _reasons(self, req: Requirements, excluded=()) -> dict[str, list[str]]:
+        """Why each known peer is not a candidate, for NoMatchingPeer."""
+        reasons = {}
         for record in self.directory.records():
-            advert = record.advert
-            label = f"{advert.name} ({record.address})"
-            why = match(req, advert)
-            if why:
-                reasons[label] = list(why)
-            elif advert.peer_id in excluded:
-                reasons[label] = ["already failed this task"]
-            elif not record.up:
-                reasons[label] = [f"down: {record.error}"]
-            else:
-                fits.append(record)
+            why = list(match(req, record.advert))
+            if not why and record.advert.peer_id in excluded:
+                why = ["already failed this task"]
+            elif not why and not record.up:
+                why = [f"down: {record.error}"]
+            reasons[f"{record.advert.name} ({record.address})"] = why
         for label, error in self.static_errors.items():
             reasons[label] = [f"static peer unreachable: {error}"]
-        return fits, reasons
+        return reasons
 
     def total_slots(self, req: Requirements) -> int:
         """Slots of all the matching peers that are up."""
-        return sum(r.advert.slots for r in self._candidates(req)[0])
+        return sum(r.advert.slots for r in self._candidates(req))
 
     def _wait_for_match(self, req: Requirements, excluded=()) -> None:
         self.start()
-        if self.static_errors and not self._candidates(req, excluded)[0]:
+        if self.static_errors and not self._candidates(req, excluded):
             for address in self.static:
                 self._probe_static(address)
-        self.directory.wait_for(lambda _: bool(self._candidates(req, excluded)[0]), self.discovery_timeout)
+        self.directory.wait_for(lambda _: bool(self._candidates(req, excluded)), self.discovery_timeout)
 
     # ---- placing tasks ----------------------------------------------------------------------------
 
@@ -373,25 +374,26 @@ class Client:
 
     def _place(self, task: _Task) -> None:
         """Give the task to the best matching peer; raise NoMatchingPeer when there is none."""
-        fits, reasons = self._candidates(task.req, task.excluded)
+        fits = self._candidates(task.req, task.excluded)
         if not fits:
             self._wait_for_match(task.req, task.excluded)
-            fits, reasons = self._candidates(task.req, task.excluded)
+            fits = self._candidates(task.req, task.excluded)
+        failures = {}
         while fits:
             record = min(fits, key=lambda r: self._rank(task.req, r))
             fits.remove(record)
             try:
                 conn = self._connection(record)
             except (OSError, GPULayerError) as exc:
-                reasons[f"{record.advert.name} ({record.address})"] = [f"down: {exc}"]
+                failures[f"{record.advert.name} ({record.address})"] = [f"down: {exc}"]
                 continue
             why = match(task.req, conn.advert)
             if why:  # the cached or static advert was stale
-                reasons[f"{conn.name} ({conn.address})"] = list(why)
+                failures[f"{conn.name} ({conn.address})"] = list(why)
                 continue
             conn.submit(task)
             return
-        raise NoMatchingPeer(task.req, reasons)
+        raise NoMatchingPeer(task.req, {**self._reasons(task.req, task.excluded), **failures})
 
     def _rank(self, req: Requirements, record: discovery.PeerRecord) -> tuple:
         conn = self._connections.get(record.advert.peer_id)
@@ -565,11 +567,11 @@ def _with_local_source(tb: str) -> str:
     for i, line in enumerate(lines):
         out.append(line)
         frame = _FRAME_LINE.match(line)
-        has_source = i + 1 < len(lines) and lines[i + 1].startswith(frame.group(1) + "    ") if frame else True
+        has_source = i + 1 < len(lines) and lines[i + 1].startswith(frame.group(1) + "  ") if frame else True
         if not has_source:
             source = linecache.getline(frame.group(2), int(frame.group(3))).strip()
             if source:
-                out.append(f"{frame.group(1)}    {source}")
+                out.append(f"{frame.group(1)}  {source}")
     return "\n".join(out) + "\n"
 
 

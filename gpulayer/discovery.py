@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
+import selectors
 import socket
 import threading
 import time
@@ -20,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ifaddr
-from zeroconf import (DNSQuestionType, InterfaceChoice, IPVersion, ServiceBrowser, ServiceInfo,
-                      ServiceListener, Zeroconf)
+from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, InterfaceChoice, IPVersion,
+                      ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf)
 
 from .errors import ConfigError
 from .resources.model import Advert
@@ -32,6 +34,8 @@ SERVICE_TYPE = "_gpulayer._tcp.local."
 INTERFACES_ENV = "GPULAYER_INTERFACES"
 PEERS_ENV = "GPULAYER_PEERS"
 CACHE_ENV = "GPULAYER_CACHE"
+_MDNS_GROUP = "224.0.0.251"
+_TYPE_PTR, _CLASS_IN = 12, 1
 
 
 def configured_interfaces(interfaces: list[str] | None = None) -> list[str] | None:
@@ -212,6 +216,8 @@ class Browser(ServiceListener):
 
     def __init__(self, directory: Directory, interfaces: list[str] | None = None):
         self.directory = directory
+        self.interfaces = interfaces
+        self._closed = threading.Event()
         self._names: dict[str, str] = {}  # mDNS name -> peer id
         self.zc = _zeroconf(interfaces)
         self.browser = ServiceBrowser(self.zc, SERVICE_TYPE, self, question_type=DNSQuestionType.QM)
@@ -220,16 +226,54 @@ class Browser(ServiceListener):
         info = zc.get_service_info(type_, name, timeout=1500)
         if info is None or not info.port:
             return
+        addresses = [(a, info.port) for a in info.parsed_addresses(IPVersion.V4Only)]
         try:
             advert = Advert.from_txt(info.properties)
         except ValueError as exc:
             log.debug("ignoring %s: %s", name, exc)
             return
-        addresses = [(a, info.port) for a in info.parsed_addresses(IPVersion.V4Only)]
         if addresses and self.directory.upsert(PeerRecord(advert, addresses, "mdns")):
             self._names[name] = advert.peer_id
 
     update_service = add_service
+
+    def query_now(self, window: float = 0.5) -> None:
+        """Ask all peers at once with a one-shot legacy unicast query (RFC 6762, section 6.7).
+
+        Answers to a query sent from a port other than 5353 come back by unicast straight
+        away, free of the one-second multicast rate limit that can hold back the answers to a
+        browser's first question when a peer announced itself, or answered, just before.
+        """
+        query = DNSOutgoing(0, multicast=False, id_=secrets.randbelow(65535) + 1)  # zeroconf drops repeats
+        query.add_question(DNSQuestion(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN))
+        selector = selectors.DefaultSelector()
+        for ip in self.interfaces or advertised_addresses(None):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(ip))
+                sock.bind((ip, 0))
+                for packet in query.packets():
+                    sock.sendto(packet, (_MDNS_GROUP, 5353))
+            except OSError as exc:
+                log.debug("no fast query on %s: %s", ip, exc)
+                sock.close()
+                continue
+            selector.register(sock, selectors.EVENT_READ)
+        deadline = time.monotonic() + window
+        try:
+            while selector.get_map() and not self._closed.is_set() and (left := deadline - time.monotonic()) > 0:
+                for key, _ in selector.select(min(left, 0.05)):
+                    try:
+                        answer = DNSIncoming(key.fileobj.recv(9000))
+                    except OSError:
+                        continue
+                    # into zeroconf's cache, as if heard by multicast: the browser then reports
+                    # the peer, and later its goodbye
+                    self.zc.loop.call_soon_threadsafe(self.zc.record_manager.async_updates_from_response, answer)
+        finally:
+            for key in list(selector.get_map().values()):
+                key.fileobj.close()
+            selector.close()
 
     def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
         peer_id = self._names.pop(name, None)
@@ -237,6 +281,7 @@ class Browser(ServiceListener):
             self.directory.remove(peer_id)
 
     def close(self) -> None:
+        self._closed.set()
         self.browser.cancel()
         self.zc.close()
 

@@ -9,6 +9,7 @@ torch.mps). Multi-device tasks are refused on MPS.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -46,7 +47,8 @@ class Requirements:
         if accelerator not in ACCELERATOR_CHOICES:
             raise ValueError(f"accelerator must be one of cpu, cuda, mps, gpu or None, not {accelerator!r}")
         if gpu_memory_gb is not None:
-            if isinstance(gpu_memory_gb, bool) or not isinstance(gpu_memory_gb, (int, float)) or gpu_memory_gb < 0:
+            if isinstance(gpu_memory_gb, bool) or not isinstance(gpu_memory_gb, (int, float)) \
+                    or not 0 <= gpu_memory_gb < math.inf:
                 raise ValueError(f"gpu_memory_gb must be a non-negative number, not {gpu_memory_gb!r}")
             if accelerator == "cpu":
                 raise ValueError("gpu_memory_gb asks for a GPU, but accelerator='cpu'")
@@ -77,7 +79,8 @@ class Requirements:
         if not isinstance(data, dict):
             raise ValueError("requirements must be a map")
         fw = data.get("fw") or []
-        if not isinstance(fw, list) or not all(isinstance(p, list) and len(p) == 2 for p in fw):
+        if not isinstance(fw, list) or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                                               for p in fw):
             raise ValueError("requirements 'fw' must be a list of [name, specifier] pairs")
         cap = data.get("cap") or []
         if not isinstance(cap, list) or not all(isinstance(c, str) for c in cap):

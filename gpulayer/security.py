@@ -25,10 +25,11 @@ def default_key_path() -> Path:
 def load_key(key_file: str | os.PathLike | None = None) -> bytes:
     """The cluster key: GPULAYER_KEY, else `key_file`, else ~/.config/gpulayer/key.
 
-    Raises ConfigError with the way out when there is none.
+    A blank GPULAYER_KEY counts as unset. Raises ConfigError with the way out when there is none.
     """
-    if os.environ.get(KEY_ENV):
-        return os.environ[KEY_ENV].strip().encode()
+    key = os.environ.get(KEY_ENV, "").strip().encode()
+    if key:
+        return key
     path = Path(key_file) if key_file else default_key_path()
     try:
         key = path.read_text().strip().encode()

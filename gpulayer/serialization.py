@@ -4,9 +4,11 @@ Functions and classes from the submitter's own modules (files outside site-packa
 standard library, e.g. `myproject/tasks.py`) are shipped by value, since a peer does not
 have them; installed packages are pickled by reference and must be installed on the peer.
 
-Buffers of 64 KiB or more (numpy arrays, bytes-like objects, CPU torch tensors) are handed
-back separately so that the wire sends them from their own memory, and the receiver rebuilds
-the objects on top of the received buffers without another copy. Torch tensors on a GPU are
+Buffers of 64 KiB or more (numpy arrays, CPU torch tensors, pickle.PickleBuffer objects) are
+handed back separately so that the wire sends them from their own memory, and the receiver
+rebuilds the objects on top of the received, writable buffers without another copy. Plain
+bytes and bytearray objects are copied into the pickle once (pickle offers no hook for them):
+wrap a large one in pickle.PickleBuffer, or use a numpy array, to avoid that copy. Torch tensors on a GPU are
 moved to the CPU: a result that holds a CUDA or MPS tensor arrives as a CPU tensor.
 """
 

@@ -41,7 +41,10 @@ def max_message_bytes() -> int:
 
 
 def encode(msg: dict, buffers=()) -> list:
-    """The frames of one message, as a list of bytes-like parts ready to send in order."""
+    """The frames of one message, as a list of bytes-like parts ready to send in order.
+
+    It sets the message's "v" (and "nb" when there are buffers) in `msg` itself.
+    """
     msg["v"] = PROTOCOL_VERSION
     if buffers:
         msg["nb"] = len(buffers)
@@ -111,8 +114,9 @@ class MessageReader:
     def _parse(self) -> None:
         while self._end - self._start >= 4:
             (length,) = HEADER.unpack_from(self._buf, self._start)
-            if length > self.max_frame:
-                raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {self.max_frame}")
+            room = self.max_frame - (self._pending_bytes if self._pending is not None else 0)
+            if length > room:
+                raise FrameTooLarge(f"a frame of {length} bytes exceeds the limit of {self.max_frame} bytes a message")
             body = self._start + 4
             available = self._end - body
             if length > _SMALL // 2:
@@ -133,10 +137,8 @@ class MessageReader:
     def _on_frame(self, frame) -> None:
         if self._pending is not None:
             msg, buffers, count = self._pending
-            buffers.append(frame if isinstance(frame, bytearray) else bytes(frame))
+            buffers.append(frame if isinstance(frame, bytearray) else bytearray(frame))  # writable, like big ones
             self._pending_bytes += len(frame)
-            if self._pending_bytes > self.max_frame:
-                raise FrameTooLarge(f"message buffers exceed the limit of {self.max_frame} bytes")
             if len(buffers) == count:
                 self._pending = None
                 self.messages.append((msg, buffers))

@@ -1,8 +1,10 @@
-"""Messages over a non-blocking socket on the peer's event loop.
+"""Messages over a non-blocking socket on the peer's event loop, driven by callbacks.
 
-Writes are synchronous and ordered (a LOG written before a RESULT arrives first), batched
-into one sendmsg call where several are pending, and zero-copy: what the kernel does not take
-at once stays queued as memoryviews of the caller's buffers, never copied into a bigger one.
+Reading: one reader callback per readiness event drains the socket into a MessageReader and
+hands each complete message to `on_message` at once (no task or future per message).
+Writing: synchronous and ordered (a LOG written before a RESULT arrives first), batched into
+one sendmsg call where several are pending, and zero-copy: what the kernel does not take at
+once stays queued as memoryviews of the caller's buffers, never copied into a bigger one.
 """
 
 from __future__ import annotations
@@ -13,32 +15,64 @@ from collections import deque
 from itertools import islice
 
 from .. import wire
+from ..errors import ProtocolError
 
 _IOV = 64  # parts per sendmsg call
-HIGH_WATER = 4 << 20  # queued bytes above which `drain()` waits
+_READS_PER_EVENT = 16  # then let other connections have a turn
 
 
 class AsyncChannel:
-    def __init__(self, sock: socket.socket, max_frame: int):
+    """`on_message(msg, buffers)` for each message; `on_closed(reason, error)` once, at EOF or bad input."""
+
+    def __init__(self, sock: socket.socket, max_frame: int, on_message, on_closed):
         sock.setblocking(False)
         self.sock = sock
         self.reader = wire.MessageReader(max_frame)
         self.closed = False
+        self.on_message = on_message
+        self.on_closed = on_closed
         self._loop = asyncio.get_running_loop()
+        self._fd = sock.fileno()
         self._out: deque[memoryview] = deque()
         self._out_bytes = 0
         self._writing = False
         self._flushed: asyncio.Future | None = None
+        self._eof: asyncio.Future | None = None
+        self._loop.add_reader(self._fd, self._on_readable)
 
-    async def recv(self) -> tuple[dict, list]:
-        """The next message. Raises ConnectionError at EOF, ProtocolError on bad input."""
+    # ---- reading ----------------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
         reader = self.reader
-        while not reader.messages:
-            n = await self._loop.sock_recv_into(self.sock, reader.buffer())
+        for _ in range(_READS_PER_EVENT):
+            try:
+                n = self.sock.recv_into(reader.buffer())
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                return self._lost(f"receive failed: {exc}")
             if n == 0:
-                raise ConnectionError("connection closed by the other side")
-            reader.feed(n)
-        return reader.messages.popleft()
+                return self._lost("closed by the other side")
+            if self._eof is not None:  # closing: input is dropped
+                reader.messages.clear()
+                continue
+            try:
+                reader.feed(n)
+            except ProtocolError as exc:
+                return self._lost(str(exc), exc)
+            while reader.messages and not self.closed and self._eof is None:
+                self.on_message(*reader.messages.popleft())
+
+    def _lost(self, reason: str, error: ProtocolError | None = None) -> None:
+        if self._eof is not None:
+            if not self._eof.done():
+                self._eof.set_result(None)
+            return
+        if not self.closed:
+            self.on_closed(reason, error)
+        self.close()
+
+    # ---- writing ----------------------------------------------------------------------------------
 
     def write(self, msg: dict, buffers=()) -> None:
         """Queue a message and send as much as the socket takes now; never blocks."""
@@ -51,7 +85,7 @@ class AsyncChannel:
         if not self._writing:
             self._flush()
 
-    async def drain(self, limit: int = HIGH_WATER) -> None:
+    async def drain(self, limit: int = 0) -> None:
         """Wait until at most `limit` bytes are queued (or the channel closed)."""
         while self._out_bytes > limit and not self.closed:
             if self._flushed is None:
@@ -65,8 +99,8 @@ class AsyncChannel:
                 sent = self.sock.sendmsg(list(islice(out, _IOV)))
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:
-                self.close()
+            except OSError as exc:
+                self._lost(f"send failed: {exc}")
                 return
             self._out_bytes -= sent
             while sent:
@@ -78,10 +112,10 @@ class AsyncChannel:
                     out[0] = head[sent:]
                     sent = 0
         if out and not self._writing:
-            self._loop.add_writer(self.sock.fileno(), self._flush)
+            self._loop.add_writer(self._fd, self._flush)
             self._writing = True
         elif not out and self._writing:
-            self._loop.remove_writer(self.sock.fileno())
+            self._loop.remove_writer(self._fd)
             self._writing = False
         self._wake()
 
@@ -90,35 +124,38 @@ class AsyncChannel:
             self._flushed.set_result(None)
         self._flushed = None
 
+    # ---- closing ----------------------------------------------------------------------------------
+
     async def aclose(self, timeout: float = 1.0) -> None:
         """Send what is queued (an ERROR, say), then close without resetting the connection.
 
         Closing with unread input makes the kernel send a reset, which can destroy the ERROR
         before the other side reads it; so input is read and dropped for up to `timeout` first.
         """
+        if self.closed:
+            return
+        self._eof = self._loop.create_future()
         try:
             await asyncio.wait_for(self.drain(0), timeout)
             self.sock.shutdown(socket.SHUT_WR)
-            await asyncio.wait_for(self._discard_input(), timeout)
+            await asyncio.wait_for(asyncio.shield(self._eof), timeout)
         except (asyncio.TimeoutError, OSError):
             pass
         self.close()
-
-    async def _discard_input(self) -> None:
-        scratch = bytearray(1 << 16)
-        while await self._loop.sock_recv_into(self.sock, scratch):
-            pass
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self._loop.remove_reader(self._fd)
         if self._writing:
-            self._loop.remove_writer(self.sock.fileno())
+            self._loop.remove_writer(self._fd)
             self._writing = False
         self._out.clear()
         self._out_bytes = 0
         self._wake()
+        if self._eof is not None and not self._eof.done():
+            self._eof.set_result(None)
         try:
             self.sock.close()
         except OSError:

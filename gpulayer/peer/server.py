@@ -80,17 +80,40 @@ class Task:
     buffers: list
     req: Requirements
     timeout: float | None
-    runner: asyncio.Task | None = None
-    worker: Worker | None = None
+    slot: Slot | None = None
+    timer: asyncio.TimerHandle | None = None
 
 
-@dataclass(eq=False)
 class Connection:
-    channel: AsyncChannel
-    address: str
-    client: str = "?"
-    tasks: dict = field(default_factory=dict)
-    serving: asyncio.Task | None = None  # the coroutine reading this connection; cancel it to drop it
+    """One submitter's TCP connection: authentication first, then its tasks."""
+
+    def __init__(self, peer: Peer, sock: socket.socket, address: str):
+        self.peer = peer
+        self.address = address
+        self.client = "?"
+        self.authenticated = False
+        self.tasks: dict[int, Task] = {}
+        self.last_heard = time.monotonic()
+        self.nonce = security.new_nonce()
+        self.channel = AsyncChannel(sock, wire.PRE_AUTH_MAX_FRAME, self.on_message, self.on_closed)
+        self.channel.write(wire.hello(self.nonce, peer.peer_id, peer.advert.cluster, peer.advert.to_txt()))
+
+    def on_message(self, msg: dict, buffers: list) -> None:
+        self.last_heard = time.monotonic()
+        try:
+            if self.authenticated:
+                self.peer.handle(self, msg, buffers)
+            else:
+                self.peer.authenticate(self, msg)
+        except Exception:  # a bug of ours must cost this connection, never the peer
+            log.exception("failed to handle a %r message from %s", msg.get("t"), self.address)
+            self.peer.refuse(self, "internal", "the peer failed to handle this message")
+
+    def on_closed(self, reason: str, error: ProtocolError | None) -> None:
+        if error is not None:
+            self.peer.refuse(self, error.code, str(error))
+        else:
+            self.peer.drop(self)
 
 
 class Peer:
@@ -109,34 +132,36 @@ class Peer:
         self.tasks_done = 0
         self._queue: deque[Task] = deque()
         self._connections: set[Connection] = set()
-        self._unauthenticated: dict[Connection, Connection] = {}  # oldest first
+        self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
         self._draining = False
         self._forced = False
-        self._accepting: asyncio.Task | None = None
         self._stopped: asyncio.Event | None = None
         self._server: socket.socket | None = None
         self._advertiser: discovery.Advertiser | None = None
         self._background: set[asyncio.Task] = set()
         self._pythonpath = job_pythonpath(config.python)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- life cycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start the workers, listen, then advertise. Raises WorkerDied when workers cannot start."""
+        self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         _raise_fd_limit()
         preload = self.config.preload if self.config.preload is not None else default_preload(self.config.resources)
         for slot in self.slots:
-            slot.worker = Worker(slot, self.config.python, preload, self._on_output, self._pythonpath)
+            slot.worker = Worker(slot, self.config.python, preload, self._on_reply, self._on_output,
+                                 self._on_worker_exit, self._pythonpath)
         await asyncio.gather(*(s.worker.start(self.config.worker_start_timeout) for s in self.slots))
         host = self.config.interfaces[0] if self.config.interfaces else "0.0.0.0"
-        self._server = socket.create_server((host, self.config.port), backlog=1024, reuse_port=False)
+        self._server = socket.create_server((host, self.config.port), backlog=1024)
         self._server.setblocking(False)
         self.port = self._server.getsockname()[1]
-        self._accepting = self._spawn(self._accept_loop())
+        self._loop.add_reader(self._server.fileno(), self._on_accept)
+        self._spawn(self._watchdog())
         if self.config.advertise:
-            loop = asyncio.get_running_loop()
-            self._advertiser = await loop.run_in_executor(
+            self._advertiser = await self._loop.run_in_executor(
                 None, discovery.Advertiser, self.advert, self.port, self.config.interfaces)
         log.info("peer %s (%s) listening on %s:%d with %d slot(s): %s", self.name, self.peer_id, host, self.port,
                  len(self.slots), ", ".join(s.device for s in self.slots))
@@ -151,9 +176,9 @@ class Peer:
         self._draining = True
         log.info("peer %s stopping: withdrawing its mDNS record", self.name)
         if self._advertiser is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._advertiser.close)
+            await self._loop.run_in_executor(None, self._advertiser.close)
             self._advertiser = None
-        self._accepting.cancel()
+        self._loop.remove_reader(self._server.fileno())
         self._server.close()
         if drain and self.load_total:
             log.info("draining %d task(s), up to %.0f s", self.load_total, self.config.drain_timeout)
@@ -161,15 +186,9 @@ class Peer:
             while self.load_total and time.monotonic() < deadline and not self._forced:
                 await asyncio.sleep(0.05)
         self.cancel_all("the peer shut down before the task finished")
-        runners = [s.task.runner for s in self.slots if s.task is not None]
-        await asyncio.gather(*runners, return_exceptions=True)
         for conn in list(self._connections):
             conn.channel.write({"t": wire.BYE})
-            try:
-                await asyncio.wait_for(conn.channel.drain(0), 1.0)
-            except asyncio.TimeoutError:
-                pass
-            conn.serving.cancel()
+        await asyncio.gather(*(c.channel.aclose() for c in list(self._connections)))
         await asyncio.gather(*(s.worker.stop() for s in self.slots), return_exceptions=True)
         for bg in list(self._background):
             bg.cancel()
@@ -185,7 +204,7 @@ class Peer:
                 self._cancel(task, "peer-shutdown", message)
 
     def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
+        task = self._loop.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -211,108 +230,84 @@ class Peer:
 
     # ---- connections --------------------------------------------------------------------------
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
+    def _on_accept(self) -> None:
+        for _ in range(64):
             try:
-                sock, addr = await loop.sock_accept(self._server)
+                sock, addr = self._server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as exc:
                 log.warning("accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            if self._draining:
-                sock.close()
-                continue
+                return
             if len(self._unauthenticated) >= self.config.max_unauthenticated:
                 oldest = next(iter(self._unauthenticated))  # evict the oldest, so floods cannot lock honest peers out
-                self._unauthenticated.pop(oldest).serving.cancel()
+                del self._unauthenticated[oldest]
+                oldest.channel.close()
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(AsyncChannel(sock, wire.PRE_AUTH_MAX_FRAME), f"{addr[0]}:{addr[1]}")
-            self._unauthenticated[conn] = conn
-            conn.serving = self._spawn(self._serve(conn))
-            conn.serving.add_done_callback(lambda _, channel=conn.channel: channel.close())
+            conn = Connection(self, sock, f"{addr[0]}:{addr[1]}")
+            self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
 
-    async def _serve(self, conn: Connection) -> None:
-        try:
-            authenticated = await self._authenticate(conn)
-        except asyncio.CancelledError:
-            authenticated = False
-        finally:
-            self._unauthenticated.pop(conn, None)
-        if not authenticated:
+    async def _watchdog(self) -> None:
+        """Close handshakes that stall and submitters that went silent (no PING for a while)."""
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            while self._unauthenticated:
+                conn, deadline = next(iter(self._unauthenticated.items()))
+                if deadline > now:
+                    break
+                self.refuse(conn, "timeout", "no AUTH within the handshake timeout")
+            for conn in list(self._connections):
+                if now - conn.last_heard > self.config.client_silence:
+                    log.warning("submitter %s at %s went silent; dropping it", conn.client, conn.address)
+                    conn.channel.close()
+                    self.drop(conn)
+
+    def authenticate(self, conn: Connection, msg: dict) -> None:
+        self._unauthenticated.pop(conn, None)
+        reply = wire.check_auth(msg, self.config.key, conn.nonce)
+        if reply is None:
+            self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
             return
+        conn.authenticated = True
+        conn.client = str(msg.get("client", "?"))[:64]
+        conn.channel.reader.max_frame = wire.max_message_bytes()
         self._connections.add(conn)
-        try:
-            await self._read_loop(conn)
-        except asyncio.CancelledError:
-            pass
-        finally:
+        conn.channel.write(reply)
+
+    def refuse(self, conn: Connection, code: str, message: str) -> None:
+        """Tell the other side why, then close (in the background)."""
+        log.warning("closing connection from %s: %s", conn.address, message)
+        self._unauthenticated.pop(conn, None)
+        self.drop(conn)
+        conn.channel.write(wire.error(code, message))
+        self._spawn(conn.channel.aclose())
+
+    def drop(self, conn: Connection) -> None:
+        """Forget a connection and cancel its tasks: its submitter is gone."""
+        self._unauthenticated.pop(conn, None)
+        if conn in self._connections:
             self._connections.discard(conn)
             for task in list(conn.tasks.values()):
                 self._cancel(task, "cancelled", "the submitter disconnected", notify=False)
 
-    async def _authenticate(self, conn: Connection) -> bool:
-        channel = conn.channel
-        nonce = security.new_nonce()
-        channel.write(wire.hello(nonce, self.peer_id, self.advert.cluster, self.advert.to_txt()))
-        try:
-            msg, _ = await asyncio.wait_for(channel.recv(), self.config.handshake_timeout)
-        except asyncio.TimeoutError:
-            await self._refuse(conn, "timeout", "no AUTH within the handshake timeout")
-            return False
-        except ProtocolError as exc:
-            await self._refuse(conn, exc.code, str(exc))
-            return False
-        except (ConnectionError, OSError):
-            channel.close()
-            return False
-        reply = wire.check_auth(msg, self.config.key, nonce)
-        if reply is None:
-            await self._refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
-            return False
-        conn.client = str(msg.get("client", "?"))[:64]
-        channel.reader.max_frame = wire.max_message_bytes()
-        channel.write(reply)
-        return True
-
-    async def _refuse(self, conn: Connection, code: str, message: str) -> None:
-        log.warning("closing connection from %s: %s", conn.address, message)
-        conn.channel.write(wire.error(code, message))
-        await conn.channel.aclose()
-
-    async def _read_loop(self, conn: Connection) -> None:
-        handlers = {wire.SUBMIT: self._on_submit, wire.CANCEL: self._on_cancel, wire.PING: self._on_ping,
-                    wire.STATUS: self._on_status}
-        while True:
-            try:
-                msg, buffers = await asyncio.wait_for(conn.channel.recv(), self.config.client_silence)
-            except asyncio.TimeoutError:
-                log.warning("submitter %s at %s went silent; dropping it", conn.client, conn.address)
-                return
-            except ProtocolError as exc:
-                await self._refuse(conn, exc.code, str(exc))
-                return
-            except (ConnectionError, OSError):
-                return
-            kind = msg["t"]
-            if kind == wire.BYE:
-                return
-            handler = handlers.get(kind)
-            if handler is None:
-                await self._refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
-                return
-            handler(conn, msg, buffers)
-
-    def _on_ping(self, conn: Connection, msg: dict, _buffers) -> None:
-        conn.channel.write({"t": wire.PONG, "id": msg.get("id"), "load": self.load()})
-
-    def _on_status(self, conn: Connection, msg: dict, _buffers) -> None:
-        conn.channel.write({**self.status(), "id": msg.get("id")})
-
-    def _on_cancel(self, conn: Connection, msg: dict, _buffers) -> None:
-        task = conn.tasks.get(msg.get("id"))
-        if task is not None:
-            self._cancel(task, "cancelled", "cancelled by the submitter")
+    def handle(self, conn: Connection, msg: dict, buffers: list) -> None:
+        kind = msg["t"]
+        if kind == wire.SUBMIT:
+            self._on_submit(conn, msg, buffers)
+        elif kind == wire.PING:
+            conn.channel.write({"t": wire.PONG, "id": msg.get("id"), "load": self.load()})
+        elif kind == wire.CANCEL:
+            task = conn.tasks.get(msg.get("id"))
+            if task is not None:
+                self._cancel(task, "cancelled", "cancelled by the submitter")
+        elif kind == wire.STATUS:
+            conn.channel.write({**self.status(), "id": msg.get("id")})
+        elif kind == wire.BYE:
+            conn.channel.close()
+            self.drop(conn)
+        else:
+            self.refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
 
     def _on_submit(self, conn: Connection, msg: dict, buffers: list) -> None:
         task_id = msg.get("id")
@@ -336,7 +331,8 @@ class Peer:
         conn.tasks[task_id] = task
         self._queue.append(task)
         self._dispatch()
-        conn.channel.write({"t": wire.ACCEPT, "id": task_id, "load": self.load()})
+        if task.slot is None:  # it waits: say so (a task that started at once needs no ACCEPT)
+            conn.channel.write({"t": wire.ACCEPT, "id": task_id, "load": self.load()})
 
     def _reject(self, conn: Connection, task_id, code: str, message: str) -> None:
         conn.channel.write({"t": wire.REJECT, "id": task_id, "code": code, "message": message, "load": self.load()})
@@ -354,32 +350,44 @@ class Peer:
             if task is None:
                 continue
             self._queue.remove(task)
-            slot.task = task
-            task.worker = slot.worker
-            task.runner = self._spawn(self._execute(task, slot))
+            slot.task, task.slot = task, slot
+            slot.worker.send({"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"],
+                              "args": task.msg["args"]}, task.buffers)
+            task.msg = task.buffers = None
+            if task.timeout:
+                task.timer = self._loop.call_later(task.timeout, self._on_timeout, task)
 
-    async def _execute(self, task: Task, slot: Slot) -> None:
-        """Run a task on its slot's worker; replace the worker after a timeout, death or cancel."""
-        worker = slot.worker
-        msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
-        buffers, task.msg, task.buffers = task.buffers, None, None
-        reply = None
-        try:
-            reply, buffers = await asyncio.wait_for(worker.run(msg, buffers), task.timeout)
-            worker.drain_output()
-        except asyncio.TimeoutError:
-            reply, buffers = wire.error("timeout", f"the task ran past its timeout of {task.timeout:g} s; "
-                                        "its worker was killed and replaced"), []
-        except WorkerDied as exc:
-            reply, buffers = wire.error("worker-died", str(exc)), []
-        except asyncio.CancelledError:
-            pass  # cancelled by the submitter, its disconnection or shutdown: already answered
-        if reply is None or reply["t"] == wire.ERROR and reply["code"] != "exception":
-            await self._replace_worker(slot)
-        slot.task = None
-        if reply is not None:
-            self._answer(task, reply, buffers)
+    def _on_reply(self, worker: Worker, reply: dict, buffers: list) -> None:
+        slot = worker.slot
+        task = slot.task
+        if task is None or slot.worker is not worker:
+            return
+        self._release(slot)
+        self._answer(task, reply, buffers)
         self._dispatch()
+
+    def _on_worker_exit(self, worker: Worker, code: int | None) -> None:
+        slot = worker.slot
+        if slot.worker is not worker:
+            return
+        task = slot.task
+        log.warning("worker %s of slot %d died (%s)", worker.pid, slot.index, describe_exit(code))
+        self._replace_worker(slot)
+        if task is not None:
+            self._answer(task, wire.error("worker-died", f"the worker process {worker.pid} died while running "
+                                                         f"the task ({describe_exit(code)})"))
+
+    def _on_timeout(self, task: Task) -> None:
+        task.timer = None
+        self._answer(task, wire.error("timeout", f"the task ran past its timeout of {task.timeout:g} s; "
+                                                 "its worker was killed and replaced"))
+        self._replace_worker(task.slot)
+
+    def _release(self, slot: Slot) -> None:
+        task, slot.task = slot.task, None
+        if task is not None and task.timer is not None:
+            task.timer.cancel()
+            task.timer = None
 
     def _answer(self, task: Task, reply: dict, buffers=()) -> None:
         """Send the task's outcome, once."""
@@ -392,26 +400,24 @@ class Peer:
 
     def _cancel(self, task: Task, code: str, message: str, notify: bool = True) -> None:
         """Drop a queued task, or stop a running one (its worker is killed and replaced)."""
-        if task.runner is None:
+        if task.slot is None:
             self._queue.remove(task)
-        elif not task.runner.done():
-            task.worker.ready = False
-            task.runner.cancel()
+        elif task.slot.task is task:
+            self._replace_worker(task.slot)
         if notify:
             self._answer(task, wire.error(code, message))
         else:
             task.conn.tasks.pop(task.client_id, None)
 
-    async def _replace_worker(self, slot: Slot) -> None:
-        """Kill the slot's worker and start a fresh one in the background."""
-        old = slot.worker
+    def _replace_worker(self, slot: Slot) -> None:
+        """Free the slot, kill its worker and start a fresh one in the background."""
+        self._release(slot)
+        old, slot.worker = slot.worker, slot.worker.replacement()
+        self._spawn(self._restart(old, slot))
+
+    async def _restart(self, old: Worker, slot: Slot) -> None:
         code = await old.kill()
         log.info("worker %s of slot %d ended (%s); starting a new one", old.pid, slot.index, describe_exit(code))
-        slot.worker = Worker(slot, old.python, old.preload, self._on_output, old.pythonpath)
-        if not self._draining:
-            self._spawn(self._start_worker(slot))
-
-    async def _start_worker(self, slot: Slot) -> None:
         delay = 0.5
         while not self._draining:
             try:
@@ -420,6 +426,7 @@ class Peer:
                 log.error("%s; retrying in %.1f s", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
+                slot.worker = slot.worker.replacement()
                 continue
             self._dispatch()
             return

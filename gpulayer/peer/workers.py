@@ -51,21 +51,32 @@ def job_pythonpath(python: str) -> str | None:
 
 
 class Worker:
-    """One warm worker process bound to a slot. `run` sends a task and awaits its reply."""
+    """One warm worker process bound to a slot.
 
-    def __init__(self, slot: Slot, python: str, preload: list[str], on_output, pythonpath: str | None = None):
+    `send` hands it a task; its reply arrives through `on_reply(worker, msg, buffers)`, its
+    output through `on_output(worker, stream, data)`, and an unexpected death through
+    `on_exit(worker, exit_code)`.
+    """
+
+    def __init__(self, slot: Slot, python: str, preload: list[str], on_reply, on_output, on_exit,
+                 pythonpath: str | None = None):
         self.slot = slot
         self.python = python
         self.preload = preload
-        self.on_output = on_output  # on_output(worker, stream, bytes)
+        self.on_reply, self.on_output, self.on_exit = on_reply, on_output, on_exit
         self.pythonpath = pythonpath
         self.ready = False
         self.pid: int | None = None
-        self.tasks_run = 0
+        self._retired = False
         self._proc: asyncio.subprocess.Process | None = None
         self._channel: AsyncChannel | None = None
         self._pipes: dict[int, str] = {}
         self._loop = asyncio.get_running_loop()
+        self._started: asyncio.Future = self._loop.create_future()
+
+    def replacement(self) -> Worker:
+        return Worker(self.slot, self.python, self.preload, self.on_reply, self.on_output, self.on_exit,
+                      self.pythonpath)
 
     async def start(self, timeout: float) -> None:
         """Spawn the process and wait for its ready message (after its preloads)."""
@@ -91,29 +102,42 @@ class Worker:
             os.close(out_w)
             os.close(err_w)
         self.pid = self._proc.pid
-        self._channel = AsyncChannel(parent, wire.max_message_bytes())
+        self._channel = AsyncChannel(parent, wire.max_message_bytes(), self._on_message, self._on_channel_closed)
         for fd, stream in ((out_r, "out"), (err_r, "err")):
             os.set_blocking(fd, False)
             self._pipes[fd] = stream
             self._loop.add_reader(fd, self._read_output, fd)
         try:
-            msg, _ = await asyncio.wait_for(self._channel.recv(), timeout)
-        except (ConnectionError, asyncio.TimeoutError, OSError) as exc:
+            await asyncio.wait_for(asyncio.shield(self._started), timeout)
+        except (ConnectionError, asyncio.TimeoutError) as exc:
             code = await self.kill()
-            raise WorkerDied(f"worker for slot {self.slot.index} did not start ({type(exc).__name__}, exit {code}); "
-                             f"does {self.python} have msgpack and cloudpickle?") from None
+            raise WorkerDied(f"worker for slot {self.slot.index} did not start ({type(exc).__name__}, "
+                             f"{describe_exit(code)}); does {self.python} have msgpack and cloudpickle?") from None
         self.ready = True
-        log.debug("worker %s ready on %s (preloaded %s)", self.pid, self.slot.device, msg.get("preloaded"))
+        log.debug("worker %s ready on %s", self.pid, self.slot.device)
 
-    async def run(self, msg: dict, buffers: list) -> tuple[dict, list]:
-        """Run one task; raises WorkerDied when the process dies before replying."""
-        self.tasks_run += 1
+    def send(self, msg: dict, buffers=()) -> None:
         self._channel.write(msg, buffers)
-        try:
-            return await self._channel.recv()
-        except (ConnectionError, OSError):
-            code = await self.wait_exit(5.0)
-            raise WorkerDied(f"worker process {self.pid} died while running the task ({describe_exit(code)})") from None
+
+    def _on_message(self, msg: dict, buffers: list) -> None:
+        if not self._started.done():
+            self._started.set_result(msg)
+        elif msg["t"] in (wire.RESULT, wire.ERROR):
+            self.drain_output()
+            self.on_reply(self, msg, buffers)
+
+    def _on_channel_closed(self, reason: str, error) -> None:
+        self.ready = False
+        if not self._started.done():
+            self._started.set_exception(ConnectionError(reason))
+        elif not self._retired:
+            self._retired = True
+            asyncio.ensure_future(self._report_exit())
+
+    async def _report_exit(self) -> None:
+        code = await self.wait_exit(5.0)
+        self.close()
+        self.on_exit(self, code)
 
     def drain_output(self) -> None:
         """Forward what the process has written so far (call before sending its result)."""
@@ -149,7 +173,8 @@ class Worker:
             return None
 
     async def kill(self) -> int | None:
-        """Kill the process and its children; return its exit code."""
+        """Kill the process and its children; return its exit code. No on_exit follows."""
+        self._retired = True
         self.ready = False
         if self._proc is not None and self._proc.returncode is None:
             try:
@@ -161,7 +186,8 @@ class Worker:
         return code
 
     async def stop(self) -> None:
-        """Ask the process to exit after its current task; kill it if it lingers."""
+        """Ask the process to exit; kill it if it lingers."""
+        self._retired = True
         if self._channel is not None and not self._channel.closed:
             self._channel.write({"t": wire.BYE})
         if await self.wait_exit(2.0) is None:

@@ -1,0 +1,309 @@
+"""GPUlayer's overhead on one machine, measured side by side with raw sockets (and Ray, if installed).
+
+    python bench/overhead.py [--quick] [--json bench/results/overhead.json] [--plot bench/results/overhead.png]
+
+Everything runs on loopback: a local peer subprocess (mDNS bound to 127.0.0.1), and a raw
+msgpack-over-TCP server subprocess that does the same job with nothing else (cloudpickle the
+call, one frame each way, plain blocking sockets). Reported: trivial round trip p50/p99,
+tasks/s for 2,000 submits, a 256 MiB argument round trip against raw socket throughput, and
+discovery / fresh-process times. Figures are ratios from one run on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import cloudpickle
+import msgpack
+import numpy as np
+
+HEADER = struct.Struct(">I")
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGETS = {"p50_ms": 0.3, "tasks_per_s": 5000, "bandwidth_ratio": 0.6, "fresh_process_s": 0.6}
+
+
+def trivial():
+    return 1
+
+
+def echo(array):
+    return array
+
+
+# ---- the raw floor: msgpack frames over a plain TCP socket -------------------------------------
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionError("closed")
+        view = view[got:]
+    return buf
+
+
+def _recv_frame(sock: socket.socket) -> bytearray:
+    (n,) = HEADER.unpack(_recv_exact(sock, 4))
+    return _recv_exact(sock, n)
+
+
+def raw_server(port_file: str) -> None:
+    """Serve calls and echoes: frame {"fn", "args"} -> frame {"r"}; frame "bulk" N -> N raw bytes back."""
+    server = socket.create_server(("127.0.0.1", 0))
+    Path(port_file).write_text(str(server.getsockname()[1]))
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        try:
+            msg = msgpack.unpackb(_recv_frame(conn))
+        except ConnectionError:
+            return
+        if "bulk" in msg:
+            data = _recv_exact(conn, msg["bulk"])
+            conn.sendall(HEADER.pack(len(data)))
+            conn.sendall(data)
+            continue
+        fn = cloudpickle.loads(msg["fn"])
+        args = cloudpickle.loads(msg["args"])
+        body = msgpack.packb({"r": cloudpickle.dumps(fn(*args), protocol=5)})
+        conn.sendall(HEADER.pack(len(body)) + body)
+
+
+class RawClient:
+    def __init__(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        port_file = Path(self.tmp.name) / "port"
+        self.proc = subprocess.Popen([sys.executable, __file__, "--raw-server", str(port_file)])
+        while not port_file.exists() or not port_file.read_text():
+            time.sleep(0.01)
+        self.sock = socket.create_connection(("127.0.0.1", int(port_file.read_text())))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def call(self, fn, *args):
+        body = msgpack.packb({"fn": cloudpickle.dumps(fn, protocol=5), "args": cloudpickle.dumps(args, protocol=5)})
+        self.sock.sendall(HEADER.pack(len(body)) + body)
+        return cloudpickle.loads(msgpack.unpackb(_recv_frame(self.sock))["r"])
+
+    def bulk(self, data: memoryview) -> bytearray:
+        body = msgpack.packb({"bulk": data.nbytes})
+        self.sock.sendall(HEADER.pack(len(body)) + body)
+        self.sock.sendall(data)
+        return _recv_frame(self.sock)
+
+    def close(self):
+        self.sock.close()
+        self.proc.wait(10)
+        self.tmp.cleanup()
+
+
+# ---- measurement helpers ----------------------------------------------------------------------------
+
+def latencies(call, n: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    times.sort()
+    return {"n": n, "p50_ms": 1e3 * times[n // 2], "p99_ms": 1e3 * times[int(n * 0.99)],
+            "mean_ms": 1e3 * statistics.fmean(times)}
+
+
+def best_of(repeats: int, fn) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+# ---- the runs -----------------------------------------------------------------------------------------
+
+def measure_raw(n: int, big: np.ndarray, repeats: int) -> dict:
+    raw = RawClient()
+    try:
+        lat = latencies(lambda: raw.call(trivial), n, n // 10)
+        view = memoryview(big).cast("B")
+        seconds = best_of(repeats, lambda: timed(lambda: raw.bulk(view)))
+    finally:
+        raw.close()
+    return {"latency": lat, "bulk_seconds": seconds, "bulk_gb_per_s": 2 * big.nbytes / seconds / 1e9}
+
+
+def measure_gpulayer(n: int, submits: int, big: np.ndarray, repeats: int) -> dict:
+    import gpulayer as gl
+    from gpulayer.demo import local_peer
+
+    with local_peer(dict(os.environ), name="bench-peer"):
+        gl.configure(interfaces=["127.0.0.1"], echo_output=False)
+        lat = latencies(lambda: gl.run(trivial), n, n // 10)
+
+        def burst():
+            futures = [gl.submit(trivial) for _ in range(submits)]
+            for f in futures:
+                f.result()
+
+        burst_s = best_of(repeats, lambda: timed(burst))
+        check = gl.run(echo, big)
+        assert np.array_equal(check, big)
+        seconds = best_of(repeats, lambda: timed(lambda: gl.run(echo, big)))
+        discovery = measure_discovery()
+        gl.api.shutdown()
+    return {"latency": lat, "submits": submits, "tasks_per_s": submits / burst_s,
+            "bulk_seconds": seconds, "bulk_gb_per_s": 2 * big.nbytes / seconds / 1e9, "discovery": discovery}
+
+
+FRESH = ("import time; t0 = time.perf_counter(); import gpulayer as gl; gl.run(abs, -1); "
+         "print(time.perf_counter() - t0)")
+
+
+def measure_discovery() -> dict:
+    """A browsing client sees a new peer; fresh submitter processes get their first result."""
+    from gpulayer.client import Client
+    from gpulayer.demo import local_peer
+
+    watcher = Client(interfaces=["127.0.0.1"], echo_output=False)
+    watcher.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            with local_peer(dict(os.environ), name="newcomer"):
+                ready_at = time.time()
+                watcher.directory.wait_for(lambda recs: any(r.advert.name == "newcomer" for r in recs), 10)
+                seen_after = time.time() - ready_at
+            fresh = {}
+            time.sleep(1.2)  # let the bench peer's last announcement age past mDNS's one-second rate limit
+            for label, cache in (("mdns", "0"), ("cache", "1")):
+                env = {**os.environ, "GPULAYER_CACHE": cache, "XDG_CACHE_HOME": tmp}
+                if cache == "1":  # a first process fills the cache
+                    subprocess.run([sys.executable, "-c", FRESH], env=env, check=True, capture_output=True)
+                runs = []
+                for _ in range(5):
+                    started = time.perf_counter()
+                    out = subprocess.run([sys.executable, "-c", FRESH], env=env, check=True, capture_output=True,
+                                         text=True)
+                    runs.append({"process_s": time.perf_counter() - started, "in_process_s": float(out.stdout)})
+                fresh[label] = {"median_process_s": statistics.median(r["process_s"] for r in runs),
+                                "median_in_process_s": statistics.median(r["in_process_s"] for r in runs)}
+    finally:
+        watcher.close()
+    return {"browser_sees_new_peer_s": seen_after, "fresh_submitter": fresh}
+
+
+def measure_ray(n: int, submits: int) -> dict | None:
+    try:
+        import ray
+    except ImportError:
+        return None
+    started = time.perf_counter()
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    init_s = time.perf_counter() - started
+    task = ray.remote(trivial)
+    try:
+        lat = latencies(lambda: ray.get(task.remote()), n, n // 10)
+        burst = timed(lambda: ray.get([task.remote() for _ in range(submits)]))
+    finally:
+        ray.shutdown()
+    return {"version": ray.__version__, "init_s": init_s, "latency": lat, "tasks_per_s": submits / burst}
+
+
+def machine() -> dict:
+    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def summarize(raw: dict, glr: dict, ray: dict | None) -> dict:
+    fresh = glr["discovery"]["fresh_submitter"]
+    summary = {
+        "gpulayer_p50_ms": glr["latency"]["p50_ms"],
+        "raw_p50_ms": raw["latency"]["p50_ms"],
+        "p50_over_raw": glr["latency"]["p50_ms"] / raw["latency"]["p50_ms"],
+        "tasks_per_s": glr["tasks_per_s"],
+        "bandwidth_ratio": glr["bulk_gb_per_s"] / raw["bulk_gb_per_s"],
+        "fresh_process_s": {k: v["median_process_s"] for k, v in fresh.items()},
+    }
+    summary["targets"] = {
+        "p50_ms<=0.3": summary["gpulayer_p50_ms"] <= TARGETS["p50_ms"],
+        "tasks_per_s>=5000": summary["tasks_per_s"] >= TARGETS["tasks_per_s"],
+        "bandwidth_ratio>=0.6": summary["bandwidth_ratio"] >= TARGETS["bandwidth_ratio"],
+        "fresh_process_s<=0.6 (mdns)": fresh["mdns"]["median_process_s"] <= TARGETS["fresh_process_s"],
+        "fresh_process_s<=0.6 (cache)": fresh["cache"]["median_process_s"] <= TARGETS["fresh_process_s"],
+    }
+    if ray:
+        summary["ray_p50_over_gpulayer"] = ray["latency"]["p50_ms"] / glr["latency"]["p50_ms"]
+        summary["ray_tasks_per_s"] = ray["tasks_per_s"]
+    return summary
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    raw, glr, ray = result["raw"], result["gpulayer"], result.get("ray")
+    names = ["raw socket", "GPUlayer"] + (["Ray"] if ray else [])
+    runs = [raw, glr] + ([ray] if ray else [])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    axes[0].bar([f"{n}\np50" for n in names], [r["latency"]["p50_ms"] for r in runs], color="tab:blue")
+    axes[0].bar([f"{n}\np99" for n in names], [r["latency"]["p99_ms"] for r in runs], color="tab:orange")
+    axes[0].set_ylabel("ms per trivial call")
+    axes[0].set_title("round trip (lower is better)")
+    tput = [("GPUlayer", glr["tasks_per_s"])] + ([("Ray", ray["tasks_per_s"])] if ray else [])
+    axes[1].bar([n for n, _ in tput], [v for _, v in tput], color="tab:green")
+    axes[1].axhline(TARGETS["tasks_per_s"], color="gray", linestyle="--", label="target")
+    axes[1].set_title(f"{glr['submits']} submits (tasks/s)")
+    axes[1].legend()
+    axes[2].bar(["raw socket", "GPUlayer"], [raw["bulk_gb_per_s"], glr["bulk_gb_per_s"]], color="tab:purple")
+    axes[2].set_title("256 MiB argument round trip (GB/s)")
+    fig.suptitle(f"GPUlayer overhead on {result['machine']['host']} ({result['machine']['cpus']} CPUs), "
+                 f"{result['machine']['date'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
+    parser.add_argument("--json", default=str(RESULTS / "overhead.json"))
+    parser.add_argument("--plot", default=str(RESULTS / "overhead.png"))
+    parser.add_argument("--raw-server", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.raw_server:
+        raw_server(args.raw_server)
+        return 0
+    os.environ.update(GPULAYER_KEY=secrets.token_hex(16), GPULAYER_INTERFACES="127.0.0.1", GPULAYER_CACHE="0")
+    n, submits, repeats = (200, 500, 1) if args.quick else (2000, 2000, 3)
+    big = np.random.default_rng(0).integers(0, 255, size=256 << 20, dtype=np.uint8)
+    result = {"machine": machine(), "targets": TARGETS}
+    result["raw"] = measure_raw(n, big, repeats)
+    result["gpulayer"] = measure_gpulayer(n, submits, big, repeats)
+    result["ray"] = measure_ray(n, submits)
+    result["summary"] = summarize(result["raw"], result["gpulayer"], result["ray"])
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(result, Path(args.plot))
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
