@@ -39,7 +39,7 @@ def format_peers(rows: list[dict]) -> str:
         lines.append((r["name"], r["address"], r["accelerator"], memory, frameworks,
                       f"{busy}/{r['slots']}{queued}", state))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 def _peers(args) -> int:
@@ -77,7 +77,14 @@ def _demo(args) -> int:
     return run_demo(tasks=args.tasks)
 
 
+def _bench(args) -> int:
+    from .benchmark import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .benchmark import add_arguments as add_bench_arguments
     from .peer.__main__ import add_arguments
 
     parser = argparse.ArgumentParser(prog="gpulayer", description="Peer-to-peer scheduler for the GPUs on a LAN.")
@@ -102,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start a local peer on loopback and run real tasks on it")
     demo.add_argument("--tasks", type=int, default=16, help="items in the demo gl.map")
     demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="latency, bandwidth and matmul TFLOPS of every peer")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
 
     key = sub.add_parser("key", help="cluster key")
     key_sub = key.add_subparsers(dest="action", required=True)

@@ -8,6 +8,7 @@ seconds (a killed peer fails them at once, when its socket resets).
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import linecache
 import logging
@@ -82,6 +83,7 @@ class _Task:
     excluded: set = field(default_factory=set)
     busy_delay: float = 0.0
     busy_rejections: int = 0
+    decoders: dict = field(default_factory=dict)
     done: bool = False
 
     def message(self) -> tuple[dict, list]:
@@ -112,7 +114,8 @@ class _Task:
             conn.cancel(self)
 
     def on_output(self, stream: str, data: bytes) -> None:
-        text = data.decode("utf-8", "replace")
+        decoder = self.decoders.setdefault(stream, codecs.getincrementaldecoder("utf-8")("replace"))
+        text = decoder.decode(data)  # a character split across two LOG frames stays whole
         attr = "stdout" if stream == "out" else "stderr"
         setattr(self.future, attr, (getattr(self.future, attr) + text)[-OUTPUT_KEEP:])
         if self.client.echo_output:
@@ -449,11 +452,13 @@ class Client:
         with self._lock:
             if self._connections.get(conn.peer_id) is conn:
                 del self._connections[conn.peer_id]
+        if not conn.refusal and not self._closed.is_set():
+            self.mark_down(conn.peer_id, reason)  # dead or cut off: skip it until it answers again
         for task in tasks:
             if conn.refusal:  # the peer refused what we sent: retrying elsewhere would fail the same way
                 task.complete(exc=ProtocolError(f"peer {conn.name} closed the connection: {conn.refusal}"))
             else:
-                self._retry_or_fail(task, "peer-lost", PeerLost(f"lost peer {conn.name} ({conn.address}): {reason}"))
+                self._retry_or_fail(task, PeerLost(f"lost peer {conn.name} ({conn.address}): {reason}"))
 
     def on_reject(self, task: _Task, conn: PeerConnection, code: str, message: str) -> None:
         cause = TaskRejected(code, f"{conn.name}: {message}")
@@ -472,7 +477,7 @@ class Client:
     def on_error(self, task: _Task, msg: dict) -> None:
         code, message = msg.get("code", "?"), msg.get("message", "")
         if code in RETRYABLE:
-            self._retry_or_fail(task, code, (WorkerDied if code == "worker-died" else PeerLost)(message))
+            self._retry_or_fail(task, (WorkerDied if code == "worker-died" else PeerLost)(message))
         elif code == "timeout":
             task.complete(exc=TaskTimeout(message))
         elif code == "cancelled":
@@ -482,7 +487,7 @@ class Client:
         else:
             task.complete(exc=TaskRejected(code, message))
 
-    def _retry_or_fail(self, task: _Task, code: str, exc: GPULayerError) -> None:
+    def _retry_or_fail(self, task: _Task, exc: GPULayerError) -> None:
         if task.done or self._closed.is_set():
             task.complete(exc=exc)
         elif task.retries > 0:
@@ -496,6 +501,8 @@ class Client:
     def _replace(self, task: _Task, cause: GPULayerError, delay: float = 0.0) -> None:
         if delay and self._closed.wait(delay):
             task.complete(exc=cause)
+            return
+        if task.done:  # cancelled meanwhile
             return
         try:
             self._place(task)
@@ -522,7 +529,7 @@ class Client:
         # 1.5 s covers the browser's second query: a peer that announced itself under a second ago
         # stays silent to the first one (mDNS sends a record at most once a second).
         self.directory.wait_for(lambda recs: False, min(self.discovery_timeout, 1.5) if wait is None else wait)
-        rows = [self._describe(r, probe) for r in self.directory.records()]
+        rows = list(self._helpers.map(lambda record: self._describe(record, probe), self.directory.records()))
         rows += [{"name": label, "address": label, "state": "down", "error": err, "source": "static"}
                  for label, err in self.static_errors.items()]
         return sorted(rows, key=lambda r: r["name"])

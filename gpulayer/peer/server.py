@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import resource
 import shutil
 import signal
@@ -17,7 +16,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .. import discovery, security, wire
 from ..errors import ProtocolError, WorkerDied

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
