@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import shutil
 import signal
@@ -47,11 +48,21 @@ class PeerConfig:
     worker_start_timeout: float = 120.0
 
 
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
 def plan_slots(res: Resources, concurrency: int | None) -> list[Slot]:
-    """One slot per GPU (or `concurrency` per GPU); CPU-only peers get one per core by default."""
+    """One slot per GPU (or `concurrency` per GPU); CPU-only peers get one per core by default.
+
+    CPU slots share the cores: each worker's math libraries get cores / slots threads (unless
+    the operator set those variables), so that concurrent tasks do not fight over every core.
+    """
     gpus = [d for d in res.devices if d.kind == res.accelerator]
     if not gpus:
-        return [Slot(i, "cpu", env={"GPULAYER_DEVICE": "cpu"}) for i in range(concurrency or res.cpu_count or 1)]
+        count = concurrency or res.cpu_count or 1
+        threads = str(max(1, (res.cpu_count or 1) // count))
+        env = {"GPULAYER_DEVICE": "cpu", **{v: threads for v in _THREAD_VARS if v not in os.environ}}
+        return [Slot(i, "cpu", env=dict(env)) for i in range(count)]
     slots = []
     for gpu in gpus:
         if gpu.kind == "cuda":
