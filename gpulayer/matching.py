@@ -67,7 +67,7 @@ class Requirements:
         if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
             raise ValueError(f"devices must be a positive integer, not {devices!r}")
         if peer is not None and not isinstance(peer, str):
-            raise ValueError(f"peer must be a peer name, id or host:port, not {peer!r}")
+            raise ValueError(f"peer must be a peer name or peer id, not {peer!r}")
         return cls(accelerator, gpu_memory_gb, tuple(sorted(specs)), frozenset(capabilities or ()), peer, devices)
 
     def to_wire(self) -> dict:

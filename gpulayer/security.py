@@ -23,11 +23,11 @@ def default_key_path() -> Path:
 
 
 def load_key(key_file: str | os.PathLike | None = None) -> bytes:
-    """The cluster key: GPULAYER_KEY, else `key_file`, else ~/.config/gpulayer/key.
+    """The cluster key: an explicit `key_file` (--key-file), else GPULAYER_KEY, else ~/.config/gpulayer/key.
 
     A blank GPULAYER_KEY counts as unset. Raises ConfigError with the way out when there is none.
     """
-    key = os.environ.get(KEY_ENV, "").strip().encode()
+    key = b"" if key_file else os.environ.get(KEY_ENV, "").strip().encode()
     if key:
         return key
     path = Path(key_file) if key_file else default_key_path()

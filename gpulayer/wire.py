@@ -19,7 +19,7 @@ from collections import deque
 import msgpack
 
 from . import security
-from .errors import AuthError, FrameTooLarge, ProtocolError, VersionMismatch
+from .errors import AuthError, ConfigError, FrameTooLarge, ProtocolError, VersionMismatch
 from .resources.model import PROTOCOL_VERSION
 
 HELLO, AUTH, AUTH_OK = "hello", "auth", "auth_ok"
@@ -37,7 +37,10 @@ _SMALL = 1 << 18  # the shared receive buffer; bigger frames get a bytearray of 
 
 def max_message_bytes() -> int:
     """Post-auth bound on one message (its frame and its buffers together); GPULAYER_MAX_MESSAGE_MB."""
-    return int(os.environ.get("GPULAYER_MAX_MESSAGE_MB", 4096)) << 20
+    value = os.environ.get("GPULAYER_MAX_MESSAGE_MB", "4096")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"GPULAYER_MAX_MESSAGE_MB must be a positive whole number of MiB, not {value!r}")
+    return int(value) << 20
 
 
 def encode(msg: dict, buffers=()) -> list:

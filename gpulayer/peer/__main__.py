@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from .. import security
+from .. import security, wire
 from ..errors import GPULayerError
 from ..resources import detect, override
 from .server import PeerConfig, run_peer
@@ -41,6 +41,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
 
     if args.concurrency is not None and args.concurrency < 1:
         raise GPULayerError("--concurrency must be at least 1")
+    wire.max_message_bytes()  # a bad GPULAYER_MAX_MESSAGE_MB fails here, not at the first submitter
     resources = detect.detect(args.python)
     if args.advertise_override:
         data = override.load_override(args.advertise_override)

@@ -17,7 +17,8 @@ import sys
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import islice
 
 from .. import discovery, security, wire
 from ..errors import ProtocolError, WorkerDied
@@ -64,9 +65,11 @@ def plan_slots(res: Resources, concurrency: int | None) -> list[Slot]:
         env = {"GPULAYER_DEVICE": "cpu", **{v: threads for v in _THREAD_VARS if v not in os.environ}}
         return [Slot(i, "cpu", env=dict(env)) for i in range(count)]
     slots = []
+    inherited = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     for gpu in gpus:
-        if gpu.kind == "cuda":
-            env = {"GPULAYER_DEVICE": "cuda:0", "CUDA_VISIBLE_DEVICES": str(gpu.index)}
+        if gpu.kind == "cuda":  # the peer's own CUDA_VISIBLE_DEVICES numbers what it detected
+            visible = inherited[gpu.index] if gpu.index < len(inherited) else str(gpu.index)
+            env = {"GPULAYER_DEVICE": "cuda:0", "CUDA_VISIBLE_DEVICES": visible}
         else:
             env = {"GPULAYER_DEVICE": "mps"}
         env["GPULAYER_DEVICE_INDEX"] = str(gpu.index)
@@ -90,7 +93,8 @@ class Task:
     buffers: list
     req: Requirements
     timeout: float | None
-    slot: Slot | None = None
+    slot: Slot | None = None  # where its worker runs
+    group: list = field(default_factory=list)  # every slot it holds (devices=N holds N)
     timer: asyncio.TimerHandle | None = None
 
 
@@ -350,29 +354,66 @@ class Peer:
     # ---- scheduling ---------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        """Start queued tasks on ready slots, first come first served, honouring device memory."""
-        for slot in self.slots:
-            if not self._queue:
+        """Start queued tasks on ready slots, first come first served, honouring device memory.
+
+        A task that cannot start now (too little memory on the free devices, or too few free
+        devices for devices=N) lets the tasks behind it go first; the search looks 256 deep.
+        """
+        while self._queue:
+            ready = [s for s in self.slots if s.ready]
+            if not ready:
                 return
-            if not slot.ready:
-                continue
-            task = next((t for t in self._queue if _fits(t.req, slot)), None)
-            if task is None:
-                continue
+            found = next(((t, g) for t in islice(self._queue, 256) if (g := _group(t.req, ready))), None)
+            if found is None:
+                return
+            task, group = found
             self._queue.remove(task)
-            slot.task, task.slot = task, slot
-            slot.worker.send({"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"],
-                              "args": task.msg["args"]}, task.buffers)
-            task.msg = task.buffers = None
-            if task.timeout:
-                task.timer = self._loop.call_later(task.timeout, self._on_timeout, task)
+            self._start(task, group)
+
+    def _start(self, task: Task, group: list[Slot]) -> None:
+        lead = group[0]
+        for slot in group:
+            slot.task = task
+        task.slot, task.group = lead, group
+        msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
+        buffers, task.msg, task.buffers = task.buffers, None, None
+        if len(group) == 1:
+            lead.worker.send(msg, buffers)
+            self._arm_timeout(task)
+            return
+        # several devices: a worker of its own that sees all of them, in place of the lead's warm one
+        visible = ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)
+        old, lead.worker = lead.worker, lead.worker.replacement({"CUDA_VISIBLE_DEVICES": visible})
+        self._spawn(self._start_group(task, old, lead.worker, msg, buffers))
+
+    async def _start_group(self, task: Task, old: Worker, worker: Worker, msg: dict, buffers: list) -> None:
+        await old.kill()
+        try:
+            await worker.start(self.config.worker_start_timeout)
+        except (WorkerDied, OSError) as exc:
+            if worker.slot.worker is worker:
+                self._answer(task, wire.error("worker-died", str(exc)))
+                self._replace_worker(worker.slot)
+            return
+        if worker.slot.worker is not worker or worker.slot.task is not task:  # cancelled while it started
+            await worker.kill()
+            return
+        worker.send(msg, buffers)
+        self._arm_timeout(task)
+
+    def _arm_timeout(self, task: Task) -> None:
+        if task.timeout:
+            task.timer = self._loop.call_later(task.timeout, self._on_timeout, task)
 
     def _on_reply(self, worker: Worker, reply: dict, buffers: list) -> None:
         slot = worker.slot
         task = slot.task
         if task is None or slot.worker is not worker:
             return
-        self._release(slot)
+        if len(task.group) > 1:
+            self._replace_worker(slot)  # back to a warm worker that sees its own device only
+        else:
+            self._release(task)
         self._answer(task, reply, buffers)
         self._dispatch()
 
@@ -393,9 +434,12 @@ class Peer:
                                                  "its worker was killed and replaced"))
         self._replace_worker(task.slot)
 
-    def _release(self, slot: Slot) -> None:
-        task, slot.task = slot.task, None
-        if task is not None and task.timer is not None:
+    def _release(self, task: Task) -> None:
+        """Free the slots a task holds and stop its timer."""
+        for slot in task.group:
+            if slot.task is task:
+                slot.task = None
+        if task.timer is not None:
             task.timer.cancel()
             task.timer = None
 
@@ -420,8 +464,9 @@ class Peer:
             task.conn.tasks.pop(task.client_id, None)
 
     def _replace_worker(self, slot: Slot) -> None:
-        """Free the slot, kill its worker and start a fresh one in the background."""
-        self._release(slot)
+        """Free the slot (and the others its task holds), kill its worker and start a fresh one."""
+        if slot.task is not None:
+            self._release(slot.task)
         old, slot.worker = slot.worker, slot.worker.replacement()
         self._spawn(self._restart(old, slot))
 
@@ -462,6 +507,17 @@ def _check_submit(msg: dict) -> str | None:
 
 def _fits(req: Requirements, slot: Slot) -> bool:
     return req.gpu_memory_gb is None or slot.memory_gb is None or slot.memory_gb >= req.gpu_memory_gb
+
+
+def _group(req: Requirements, ready: list[Slot]) -> list[Slot] | None:
+    """Ready slots for one task: one slot, or `devices` slots on distinct devices; None if too few."""
+    chosen: dict[str, Slot] = {}
+    for slot in ready:
+        if _fits(req, slot):
+            chosen.setdefault(slot.device, slot)
+            if len(chosen) == req.devices:
+                return list(chosen.values())
+    return None
 
 
 def _raise_fd_limit() -> None:

@@ -59,12 +59,13 @@ class Worker:
     """
 
     def __init__(self, slot: Slot, python: str, preload: list[str], on_reply, on_output, on_exit,
-                 pythonpath: str | None = None):
+                 pythonpath: str | None = None, extra_env: dict | None = None):
         self.slot = slot
         self.python = python
         self.preload = preload
         self.on_reply, self.on_output, self.on_exit = on_reply, on_output, on_exit
         self.pythonpath = pythonpath
+        self.extra_env = extra_env or {}
         self.ready = False
         self.pid: int | None = None
         self._retired = False
@@ -74,16 +75,17 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self._started: asyncio.Future = self._loop.create_future()
 
-    def replacement(self) -> Worker:
+    def replacement(self, extra_env: dict | None = None) -> Worker:
+        """A new (not yet started) worker for the same slot, optionally with extra environment."""
         return Worker(self.slot, self.python, self.preload, self.on_reply, self.on_output, self.on_exit,
-                      self.pythonpath)
+                      self.pythonpath, extra_env)
 
     async def start(self, timeout: float) -> None:
         """Spawn the process and wait for its ready message (after its preloads)."""
         parent, child = socket.socketpair()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        env = {**os.environ, **self.slot.env, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.slot.env, **self.extra_env, "PYTHONUNBUFFERED": "1"}
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
         try:

@@ -45,11 +45,11 @@ def test_empty_xdg_config_home_falls_back_to_home(monkeypatch, tmp_path):
     assert security.default_key_path() == tmp_path / ".config" / "gpulayer" / "key"
 
 
-def test_env_wins_over_key_file_and_default(config_home, tmp_path, monkeypatch):
+def test_an_explicit_key_file_wins_then_env_then_default(config_home, tmp_path, monkeypatch):
     write_key(config_home / "gpulayer" / "key", "from-default\n")
     key_file = write_key(tmp_path / "explicit.key", "from-file\n")
     monkeypatch.setenv(security.KEY_ENV, "  from-env \n")
-    assert security.load_key(key_file) == b"from-env"
+    assert security.load_key(key_file) == b"from-file"
     assert security.load_key() == b"from-env"
 
 
