@@ -151,8 +151,8 @@ class PeerConnection:
         self.peer_id = self.advert.peer_id
         self.name = self.advert.name
         sock.settimeout(None)
-        self._wire.reader.max_frame = wire.max_message_bytes()
-        self.last_heard = time.monotonic()
+        self._wire.reader.allow(wire.max_message_bytes())
+        self.silent = False  # lost because it stopped answering (not reset or closed)
         threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
 
     def send(self, msg: dict, buffers=()) -> None:
@@ -200,7 +200,6 @@ class PeerConnection:
         try:
             while True:
                 msg, buffers = self._wire.recv()
-                self.last_heard = time.monotonic()
                 self._dispatch(msg, buffers)
         except (OSError, ConnectionError, ProtocolError) as exc:
             self.fail(str(exc) or type(exc).__name__)
@@ -243,12 +242,25 @@ class PeerConnection:
         else:
             self.client.on_error(task, msg)
 
-    def fail(self, reason: str) -> None:
+    @property
+    def last_heard(self) -> float:
+        return self._wire.last_received
+
+    def ping(self) -> None:
+        """Send a PING unless a send is under way (a big upload); never blocks."""
+        if self._send_lock.acquire(blocking=False):
+            try:
+                self._wire.send({"t": wire.PING})
+            finally:
+                self._send_lock.release()
+
+    def fail(self, reason: str, silent: bool = False) -> None:
         """Close the connection and hand its tasks back to the client as lost."""
         with self.client._lock:
             if self.closed:
                 return
             self.closed = True
+            self.silent = silent
             tasks = list(self.pending.values())
             self.pending.clear()
         try:
@@ -452,8 +464,10 @@ class Client:
         with self._lock:
             if self._connections.get(conn.peer_id) is conn:
                 del self._connections[conn.peer_id]
-        if not conn.refusal and not self._closed.is_set():
-            self.mark_down(conn.peer_id, reason)  # dead or cut off: skip it until it answers again
+        if conn.silent and not self._closed.is_set():
+            # cut off or frozen: skip it for a while. A reset or a close means its host answered;
+            # if the peer is dead, the next connect is refused at once.
+            self.mark_down(conn.peer_id, reason)
         for task in tasks:
             if conn.refusal:  # the peer refused what we sent: retrying elsewhere would fail the same way
                 task.complete(exc=ProtocolError(f"peer {conn.name} closed the connection: {conn.refusal}"))
@@ -514,10 +528,10 @@ class Client:
             now = time.monotonic()
             for conn in list(self._connections.values()):
                 if conn.pending and now - conn.last_heard > 3 * self.heartbeat:
-                    conn.fail(f"no answer for {now - conn.last_heard:.1f} s")
+                    conn.fail(f"no answer for {now - conn.last_heard:.1f} s", silent=True)
                     continue
                 try:
-                    conn.send({"t": wire.PING})
+                    conn.ping()
                 except OSError as exc:
                     conn.fail(f"ping failed: {exc}")
 

@@ -147,7 +147,7 @@ class Directory:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._changed.wait(left)
+                self._changed.wait(min(left, 0.25))  # also when a peer's down back-off runs out
             return True
 
     def notify(self) -> None:

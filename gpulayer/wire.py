@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from collections import deque
 
 import msgpack
@@ -32,7 +33,7 @@ MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RE
 HEADER = struct.Struct(">I")
 PRE_AUTH_MAX_FRAME = 4096
 MAX_BUFFERS = 4096
-_SMALL = 1 << 18  # the shared receive buffer; bigger frames get a bytearray of their own
+_SMALL = 1 << 18  # the shared receive buffer after auth; bigger frames get a bytearray of their own
 
 
 def max_message_bytes() -> int:
@@ -79,13 +80,28 @@ class MessageReader:
     def __init__(self, max_frame: int = PRE_AUTH_MAX_FRAME):
         self.max_frame = max_frame
         self.messages: deque[tuple[dict, list]] = deque()
-        self._buf = bytearray(_SMALL)
+        self._buf = bytearray(_SMALL if max_frame > PRE_AUTH_MAX_FRAME else 2 * PRE_AUTH_MAX_FRAME)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._big: bytearray | None = None
         self._big_fill = 0
         self._pending: tuple[dict, list, int] | None = None
         self._pending_bytes = 0
+
+    def allow(self, max_frame: int) -> None:
+        """Raise the limit (after authentication), with a receive buffer to match."""
+        self.max_frame = max_frame
+        if len(self._buf) < _SMALL:
+            kept = self._buf[self._start:self._end]
+            self._buf = bytearray(_SMALL)
+            self._buf[:len(kept)] = kept
+            self._view = memoryview(self._buf)
+            self._start, self._end = 0, len(kept)
+
+    @property
+    def mid_message(self) -> bool:
+        """Whether part of a message has arrived and the rest is awaited."""
+        return self._big is not None or self._pending is not None or self._end > self._start
 
     def buffer(self) -> memoryview:
         """Where the next bytes from the socket should go."""
@@ -122,7 +138,7 @@ class MessageReader:
                 raise FrameTooLarge(f"a frame of {length} bytes exceeds the limit of {self.max_frame} bytes a message")
             body = self._start + 4
             available = self._end - body
-            if length > _SMALL // 2:
+            if length > len(self._buf) // 2:
                 take = min(available, length)
                 big = bytearray(length)
                 big[:take] = self._view[body:body + take]
@@ -181,6 +197,7 @@ class BlockingConnection:
     def __init__(self, sock: socket.socket, max_frame: int = PRE_AUTH_MAX_FRAME):
         self.sock = sock
         self.reader = MessageReader(max_frame)
+        self.last_received = time.monotonic()  # any bytes, not only whole messages: a big one takes time
 
     def send(self, msg: dict, buffers=()) -> None:
         send_parts(self.sock, encode(msg, buffers))
@@ -192,6 +209,7 @@ class BlockingConnection:
             n = self.sock.recv_into(reader.buffer())
             if n == 0:
                 raise ConnectionError("connection closed by the other side")
+            self.last_received = time.monotonic()
             reader.feed(n)
         return reader.messages.popleft()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections import deque
 from itertools import islice
 
@@ -19,6 +20,10 @@ from ..errors import ProtocolError
 
 _IOV = 64  # parts per sendmsg call
 _READS_PER_EVENT = 16  # then let other connections have a turn
+
+
+def _ignore(*_args) -> None:
+    pass
 
 
 class AsyncChannel:
@@ -31,6 +36,7 @@ class AsyncChannel:
         self.closed = False
         self.on_message = on_message
         self.on_closed = on_closed
+        self.last_received = time.monotonic()  # any bytes: a big message takes a while to arrive
         self._loop = asyncio.get_running_loop()
         self._fd = sock.fileno()
         self._out: deque[memoryview] = deque()
@@ -45,6 +51,8 @@ class AsyncChannel:
     def _on_readable(self) -> None:
         reader = self.reader
         for _ in range(_READS_PER_EVENT):
+            if self.closed:  # a handler closed it
+                return
             try:
                 n = self.sock.recv_into(reader.buffer())
             except (BlockingIOError, InterruptedError):
@@ -53,6 +61,7 @@ class AsyncChannel:
                 return self._lost(f"receive failed: {exc}")
             if n == 0:
                 return self._lost("closed by the other side")
+            self.last_received = time.monotonic()
             if self._eof is not None:  # closing: input is dropped
                 reader.messages.clear()
                 continue
@@ -160,3 +169,7 @@ class AsyncChannel:
             self.sock.close()
         except OSError:
             pass
+        # let go of the owner and the buffers now: under a flood of connections, waiting for the
+        # cycle collector would let memory pile up
+        self.on_message = self.on_closed = _ignore
+        self.reader = None

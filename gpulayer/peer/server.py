@@ -107,13 +107,12 @@ class Connection:
         self.client = "?"
         self.authenticated = False
         self.tasks: dict[int, Task] = {}
-        self.last_heard = time.monotonic()
+        self.last_pong = 0.0
         self.nonce = security.new_nonce()
         self.channel = AsyncChannel(sock, wire.PRE_AUTH_MAX_FRAME, self.on_message, self.on_closed)
         self.channel.write(wire.hello(self.nonce, peer.peer_id, peer.advert.cluster, peer.advert.to_txt()))
 
     def on_message(self, msg: dict, buffers: list) -> None:
-        self.last_heard = time.monotonic()
         try:
             if self.authenticated:
                 self.peer.handle(self, msg, buffers)
@@ -272,10 +271,14 @@ class Peer:
                     break
                 self.refuse(conn, "timeout", "no AUTH within the handshake timeout")
             for conn in list(self._connections):
-                if now - conn.last_heard > self.config.client_silence:
+                if now - conn.channel.last_received > self.config.client_silence:
                     log.warning("submitter %s at %s went silent; dropping it", conn.client, conn.address)
                     conn.channel.close()
                     self.drop(conn)
+                elif conn.channel.reader.mid_message and now - conn.last_pong > 1.0:
+                    # a long upload: the submitter cannot send its pings now, so show we are alive
+                    conn.last_pong = now
+                    conn.channel.write({"t": wire.PONG, "id": None, "load": self.load()})
 
     def authenticate(self, conn: Connection, msg: dict) -> None:
         self._unauthenticated.pop(conn, None)
@@ -285,7 +288,7 @@ class Peer:
             return
         conn.authenticated = True
         conn.client = str(msg.get("client", "?"))[:64]
-        conn.channel.reader.max_frame = wire.max_message_bytes()
+        conn.channel.reader.allow(wire.max_message_bytes())
         self._connections.add(conn)
         conn.channel.write(reply)
 
