@@ -1,0 +1,107 @@
+"""Which device a Trainer runs on, and the rules for accelerators.
+
+`available_accelerators` is the one place that asks torch what is present; tests
+replace it to exercise the rules for hardware this machine lacks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+ACCELERATORS = ("auto", "cpu", "cuda", "mps", "gpu")
+PRIORITY = ("cuda", "mps", "cpu")  # the order "auto" tries
+ENV_DEVICE = "GPULAYER_DEVICE"  # set by a GPUlayer peer inside a task, e.g. "cuda:0"
+
+
+class AcceleratorUnavailable(RuntimeError):
+    """The requested accelerator (or number of devices) is not present here."""
+
+
+class UnsupportedConfiguration(ValueError):
+    """A Trainer option that the chosen accelerator cannot honour."""
+
+
+def available_accelerators() -> dict[str, int]:
+    """Accelerator types present on this machine -> number of devices of that type."""
+    present = {}
+    if torch.cuda.is_available():
+        present["cuda"] = torch.cuda.device_count()
+    if torch.backends.mps.is_available():
+        present["mps"] = 1
+    present["cpu"] = os.cpu_count() or 1
+    return present
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where training runs: an accelerator type, an optional device index, and a process count."""
+
+    kind: str  # "cpu" | "cuda" | "mps"
+    index: int | None
+    devices: int
+
+    def device(self, rank: int = 0) -> torch.device:
+        """The device of process `rank` (cuda: one GPU per process)."""
+        if self.kind != "cuda":
+            return torch.device(self.kind)
+        if self.devices > 1:
+            return torch.device("cuda", rank)
+        return torch.device("cuda", self.index if self.index is not None else torch.cuda.current_device())
+
+
+def _describe(present: dict[str, int]) -> str:
+    return ", ".join(f"{k} ({n} device{'s' if n != 1 else ''})" if k != "cpu" else k for k, n in present.items())
+
+
+def _env_device() -> torch.device | None:
+    spec = os.environ.get(ENV_DEVICE)
+    if not spec:
+        return None
+    try:
+        return torch.device(spec)
+    except RuntimeError as e:
+        raise UnsupportedConfiguration(f"{ENV_DEVICE}={spec!r} is not a torch device name") from e
+
+
+def resolve(accelerator: str = "auto", devices: int = 1, num_nodes: int = 1) -> Placement:
+    """Pick the device for `Trainer(accelerator, devices, num_nodes)`, enforcing the rules.
+
+    "auto" honours GPULAYER_DEVICE when set, else picks cuda, then mps, then cpu; "gpu" means
+    cuda or mps. An explicit accelerator of the same type as GPULAYER_DEVICE takes its index.
+    """
+    if accelerator not in ACCELERATORS:
+        raise UnsupportedConfiguration(f"accelerator={accelerator!r}; choose one of {', '.join(ACCELERATORS)}")
+    if not isinstance(devices, int) or devices < 1:
+        raise UnsupportedConfiguration(f"devices must be a positive int, got {devices!r}")
+    present = available_accelerators()
+    env = _env_device()
+    if accelerator == "auto":
+        kind = env.type if env is not None else next(k for k in PRIORITY if k in present)
+    elif accelerator == "gpu":
+        if env is not None and env.type in ("cuda", "mps"):
+            kind = env.type
+        else:
+            kind = next((k for k in ("cuda", "mps") if k in present), None)
+            if kind is None:
+                raise AcceleratorUnavailable(f"accelerator='gpu' needs cuda or mps; present: {_describe(present)}")
+    else:
+        kind = accelerator
+    if kind not in present:
+        raise AcceleratorUnavailable(f"accelerator {kind!r} is not present; present: {_describe(present)}")
+    index = env.index if env is not None and env.type == kind else None
+
+    if kind == "mps" and (devices > 1 or num_nodes > 1):
+        raise UnsupportedConfiguration(
+            f"MPS trains on one device in one process; got devices={devices}, num_nodes={num_nodes}"
+        )
+    if num_nodes != 1:
+        raise UnsupportedConfiguration(f"num_nodes={num_nodes}: only single-node training is supported")
+    if kind == "cuda" and devices > present["cuda"]:
+        raise AcceleratorUnavailable(f"devices={devices} CUDA GPUs requested; present: {_describe(present)}")
+    if index is not None and devices > 1:
+        raise UnsupportedConfiguration(
+            f"{ENV_DEVICE}={os.environ[ENV_DEVICE]!r} pins one device; devices={devices} cannot be honoured"
+        )
+    return Placement(kind, index, devices)

@@ -1,0 +1,102 @@
+"""Single-node DDP: one spawned process per device, gradients synchronized by DDP.
+
+The parent process spawns `devices` workers (torch.multiprocessing.spawn). Each joins a process
+group (NCCL on CUDA, gloo on CPU), trains a copy of the model on its shard of the data, and
+rank 0 writes the final weights and metrics to a temporary file the parent loads afterwards.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+
+from . import randomness
+from .accelerators import UnsupportedConfiguration
+
+# NVLink multicast off (it can take shared GPUs out of service); kept for every spawned process.
+ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+
+class _TrainingStep(nn.Module):
+    """Routes DDP's forward to `Module.training_step`, so DDP sees the pass and syncs gradients."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch, batch_idx):
+        return self.module.training_step(batch, batch_idx)
+
+
+def wrap(module: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """A DDP-wrapped callable `(batch, batch_idx) -> training_step output`."""
+    return DistributedDataParallel(_TrainingStep(module), device_ids=[device] if device.type == "cuda" else None)
+
+
+def shard(loader, rank: int, world_size: int, shuffle: bool | None = None) -> DataLoader:
+    """The same DataLoader, reading only this rank's part of the dataset (DistributedSampler)."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+        raise UnsupportedConfiguration("devices > 1 needs map-style torch DataLoaders with a batch_size")
+    if shuffle is None:
+        shuffle = isinstance(loader.sampler, RandomSampler)
+    sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                      worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers)
+
+
+def set_epoch(loader, epoch: int) -> None:
+    """Reshuffle a DistributedSampler for `epoch` (no-op for other loaders)."""
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler):
+        sampler.set_epoch(epoch)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_fit(trainer, module, train, val, ckpt_path) -> dict:
+    """Run `trainer.fit` in one process per device; returns rank 0's `trainer._summary()`."""
+    world_size = trainer.placement.devices
+    with tempfile.TemporaryDirectory(prefix="glt-ddp-") as tmp:
+        result = os.path.join(tmp, "rank0.pt")
+        args = (world_size, _free_port(), randomness.capture(torch.device("cpu")), trainer, module, train, val,
+                ckpt_path, result)
+        mp.spawn(_fit_worker, args=args, nprocs=world_size, join=True)
+        return torch.load(result, map_location="cpu", weights_only=True)
+
+
+def _fit_worker(rank, world_size, port, rng, trainer, module, train, val, ckpt_path, result) -> None:
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    kind = trainer.placement.kind
+    if kind == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    randomness.restore(rng, torch.device("cpu"))
+    # spawn hands tensors over in shared memory: without a private copy, CPU ranks would share parameters
+    module = copy.deepcopy(module)
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world_size)
+    try:
+        trainer._fit_as_rank(rank, world_size, module, train, val, ckpt_path)
+        if rank == 0:
+            torch.save(trainer._summary(module), result)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,55 @@
+"""Seeding, deterministic kernels, and the RNG state that checkpoints carry."""
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional
+    np = None
+
+
+def seed_everything(seed: int) -> int:
+    """Seed python, numpy (if installed) and torch (all devices)."""
+    random.seed(seed)
+    if np is not None:
+        np.random.seed(seed)
+    torch.manual_seed(seed)
+    return seed
+
+
+def use_deterministic_algorithms() -> None:
+    """Prefer deterministic kernels (warn where torch has none) and fix cuDNN/cuBLAS choices."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def capture(device: torch.device) -> dict:
+    """The RNG states a resumed run needs, in types `torch.load(weights_only=True)` accepts."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, keys.tolist(), pos, has_gauss, gauss)
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device.type == "mps":
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def restore(state: dict, device: torch.device) -> None:
+    """Restore what `capture` saved; device states only when resuming on the same device type."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if np is not None and "numpy" in state:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    elif device.type == "mps" and "mps" in state:
+        torch.mps.set_rng_state(state["mps"])

@@ -1,0 +1,28 @@
+"""DDP through spawned processes, on CPU with gloo (the CUDA/NCCL run is in tests/hardware)."""
+import os
+
+import torch
+
+import gpulayer.torch as glt
+from glt_models import Regressor, loader, trainer
+
+
+def test_two_process_ddp_matches_one_process_with_twice_the_batch(tmp_path):
+    """Each rank takes every other sample, so one DDP step averages the same 2b samples as one
+    single-process step on a batch of 2b: the weights must agree."""
+    torch.manual_seed(0)
+    ddp_model = Regressor(optimizer="sgd", lr=0.1)
+    single_model = Regressor(optimizer="sgd", lr=0.1)
+    single_model.load_state_dict(ddp_model.state_dict())
+
+    saver = glt.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    t = trainer(max_epochs=2, devices=2, callbacks=[saver])
+    t.fit(ddp_model, loader(64, batch_size=8), loader(32, batch_size=8))
+    trainer(max_epochs=2).fit(single_model, loader(64, batch_size=16))
+
+    for a, b in zip(ddp_model.parameters(), single_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert (t.current_epoch, t.global_step) == (2, 8)
+    assert set(t.callback_metrics) == {"train_loss", "val_loss"}
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=8.ckpt", "last.ckpt"]  # written once, by rank 0
+    assert saver.best_model_path.endswith("epoch=1-step=8.ckpt")  # the parent's callback got rank 0's state
