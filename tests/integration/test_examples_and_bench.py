@@ -1,0 +1,84 @@
+"""The examples and `gpulayer bench`, run as subprocesses against a real loopback peer."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import new_key
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def key(peer_factory) -> str:
+    key = new_key()
+    peer_factory("examples-peer", key=key)
+    return key
+
+
+def run(*args: str, key: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "GPULAYER_KEY": key})
+
+
+def test_mlx_matmul_reports_tflops_from_the_peer(key):
+    pytest.importorskip("mlx.core")
+    out = run("examples/mlx_metal/matmul.py", "--accelerator", "cpu", "--size", "256", "--repeats", "2", key=key)
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = re.search(r"matmul 256x256 float32 on peer examples-peer \(mlx [\d.]+, cpu\): .* ([\d.]+) TFLOPS",
+                     out.stdout)
+    assert line and float(line.group(1)) > 0, out.stdout
+
+
+def test_sweep_prints_every_config_sorted_by_val_loss(key):
+    out = run("examples/remote_sweep/sweep.py", "--accelerator", "cpu", "--epochs", "2", key=key)
+    assert out.returncode == 0, out.stdout + out.stderr
+    header, *rows = out.stdout.strip().splitlines()
+    assert header.split() == ["rank", "lr", "hidden", "val_loss", "epochs", "device", "peer"]
+    cells = [row.split() for row in rows]
+    assert [int(c[0]) for c in cells] == list(range(1, 9))
+    assert {(float(c[1]), int(c[2])) for c in cells} == {(lr, h) for lr in (3e-4, 1e-3, 3e-3, 1e-2) for h in (16, 64)}
+    losses = [float(c[3]) for c in cells]
+    assert losses == sorted(losses)
+    assert {(c[4], c[5], c[6]) for c in cells} == {("2", "cpu", "examples-peer")}
+
+
+def test_trainer_regression_example_trains_remotely(key):
+    out = run("examples/trainer_regression/train.py", "--remote", "--accelerator", "cpu", "--epochs", "2", key=key)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "remote run on cpu:" in out.stdout
+    final = re.search(r"final val_loss=([\d.]+) on cpu", out.stdout)
+    assert final and float(final.group(1)) < 1.0, out.stdout
+
+
+def test_bench_writes_figures_for_each_peer_and_a_plot(key, tmp_path):
+    pytest.importorskip("matplotlib")
+    report, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    out = run("-m", "gpulayer.cli", "bench", "--quick", "--json", str(report), "--plot", str(png), key=key)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[0].split()[:2] == ["PEER", "ACCEL"]
+    data = json.loads(report.read_text())
+    assert data["settings"]["quick"] and data["submitter"]["host"]
+    (peer,) = data["peers"]
+    assert peer["name"] == "examples-peer" and peer["accelerator"] == "cpu"
+    assert 0 < peer["latency"]["p50_ms"] <= peer["latency"]["p99_ms"]
+    assert peer["bandwidth"]["upload_gb_per_s"] > 0 and peer["bandwidth"]["download_gb_per_s"] > 0
+    measured = {(m["framework"], m["device"]): m["tflops"] for m in peer["matmul"]}
+    expected = {("torch", "cpu")} | ({("mlx", "cpu")} if "mlx" in peer["frameworks"] else set())
+    assert set(measured) == expected and all(t > 0 for t in measured.values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_without_peers_says_so_and_fails(key):
+    out = run("-m", "gpulayer.cli", "bench", "--quick", key=new_key())
+    assert out.returncode == 1
+    assert "no peers found" in out.stderr and "gpulayer join" in out.stderr
+    named = run("-m", "gpulayer.cli", "bench", "--peer", "nobody", key=key)
+    assert named.returncode == 1 and "no peer named 'nobody'" in named.stderr and "examples-peer" in named.stderr
