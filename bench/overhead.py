@@ -30,6 +30,8 @@ import cloudpickle
 import msgpack
 import numpy as np
 
+from gpulayer.wire import receive_buffer
+
 HEADER = struct.Struct(">I")
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"p50_ms": 0.3, "tasks_per_s": 5000, "bandwidth_ratio": 0.6, "fresh_process_s": 0.6}
@@ -45,8 +47,8 @@ def echo(array):
 
 # ---- the raw floor: msgpack frames over a plain TCP socket -------------------------------------
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
+def _recv_exact(sock: socket.socket, n: int):
+    buf = receive_buffer(n)  # the same huge-page buffers GPUlayer uses, so the floor is as fast as it can be
     view = memoryview(buf)
     while view:
         got = sock.recv_into(view)
@@ -56,7 +58,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _recv_frame(sock: socket.socket) -> bytearray:
+def _recv_frame(sock: socket.socket):
     (n,) = HEADER.unpack(_recv_exact(sock, 4))
     return _recv_exact(sock, n)
 
@@ -98,7 +100,7 @@ class RawClient:
         self.sock.sendall(HEADER.pack(len(body)) + body)
         return cloudpickle.loads(msgpack.unpackb(_recv_frame(self.sock))["r"])
 
-    def bulk(self, data: memoryview) -> bytearray:
+    def bulk(self, data: memoryview):
         body = msgpack.packb({"bulk": data.nbytes})
         self.sock.sendall(HEADER.pack(len(body)) + body)
         self.sock.sendall(data)
