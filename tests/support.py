@@ -18,40 +18,65 @@ def new_key() -> str:
     return "test-" + secrets.token_hex(16)
 
 
-class PeerProcess:
-    """`python -m gpulayer.peer` bound to 127.0.0.1, with its log in a file."""
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
+    """Poll until predicate() is truthy and return its value; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
 
-    def __init__(self, workdir: Path, key: str, name: str, *args: str, env: dict | None = None):
+
+class PeerProcess:
+    """`python -m gpulayer.peer` (bound to `interfaces`, loopback by default), with its log in a file."""
+
+    host_address = "127.0.0.1"
+
+    def __init__(self, workdir: Path, key: str, name: str, *args: str, env: dict | None = None,
+                 interfaces: str | None = "127.0.0.1"):
         self.workdir = workdir
         self.name = name
         self.key = key
         self.ready_file = workdir / f"{name}.ready.json"
         self.log_file = workdir / f"{name}.log"
-        self.args = ["--interfaces", "127.0.0.1", "--name", name, "--ready-file", str(self.ready_file),
-                     "--log-level", "INFO", *args]
+        where = ["--interfaces", interfaces] if interfaces else []
+        self.argv = [sys.executable, "-m", "gpulayer.peer", *where, "--name", name,
+                     "--ready-file", str(self.ready_file), "--log-level", "INFO", *args]
         self.env = {**os.environ, "GPULAYER_KEY": key, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
+        self.started_at = self.ready_at = 0.0
+
+    def _popen(self, log) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
 
     def start(self, wait: bool = True) -> PeerProcess:
         self.ready_file.unlink(missing_ok=True)
+        self.info = {}
         with open(self.log_file, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gpulayer.peer", *self.args], env=self.env,
-                                         stdout=log, stderr=subprocess.STDOUT)
-        if wait:
-            self.wait_ready()
-        return self
+            self.proc = self._popen(log)
+        self.started_at = time.monotonic()
+        return self.wait_ready() if wait else self
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> PeerProcess:
         deadline = time.monotonic() + timeout
         while not self.ready_file.exists():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"peer {self.name} exited ({self.proc.returncode}):\n{self.log()}")
+                raise RuntimeError(f"peer {self.name} exited ({self.proc.returncode}):\n{self.log()[-4000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"peer {self.name} not ready in {timeout} s:\n{self.log()}")
+                raise RuntimeError(f"peer {self.name} not ready in {timeout} s:\n{self.log()[-4000:]}")
             time.sleep(0.02)
-        time.sleep(0.01)  # the file is written in one go, but let the writer close it
-        self.info = json.loads(self.ready_file.read_text())
+        for _ in range(50):  # written in one go, but it may be read before the writer closes it
+            try:
+                self.info = json.loads(self.ready_file.read_text())
+                break
+            except ValueError:
+                time.sleep(0.02)
+        self.ready_at = time.monotonic()
+        return self
 
     @property
     def port(self) -> int:
@@ -63,7 +88,11 @@ class PeerProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host_address}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def log(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
@@ -71,8 +100,26 @@ class PeerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def workers(self) -> list[int]:
+        """The peer's worker processes (and their children)."""
+        import psutil
+
+        try:
+            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def rss(self) -> int:
+        """Resident memory of the peer daemon itself, in bytes (0 when it is gone)."""
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            return 0
+
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM and wait (SIGKILL after `timeout`)."""
+        """SIGTERM (a clean stop: goodbye, drain) and wait; SIGKILL after `timeout`."""
         if not self.alive():
             return self.proc.returncode if self.proc else None
         self.proc.send_signal(signal.SIGTERM)
@@ -83,25 +130,21 @@ class PeerProcess:
             return None
 
     def kill(self) -> None:
-        """SIGKILL the peer; its workers are reaped too."""
+        """kill -9 of the peer and of its workers (as when its machine dies)."""
+        if self.proc is None:
+            return
+        workers = self.workers()
         if self.alive():
-            worker_pids = _children(self.proc.pid)
             self.proc.kill()
-            self.proc.wait()
-            for pid in worker_pids:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-
-def _children(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+        for pid in workers:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def write_override(path: Path, accelerator: str, memory_gb: float = 32.0, frameworks: list | None = None,

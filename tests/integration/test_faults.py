@@ -14,19 +14,11 @@ import pytest
 import gpulayer as gl
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
-from support import new_key
+from support import new_key, wait_until
 
 ANY = Requirements.build()
 
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def pid_of_task():

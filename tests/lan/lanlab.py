@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from support import PeerProcess
+
 HERE = Path(__file__).resolve().parent
 AGENT = HERE / "lan_agent.py"
 OWNERS = Path(os.environ.get("GPULAYER_LAN_STATE", "/tmp/gpulayer-lan"))  # one <id>.pid file per live LAN
@@ -341,7 +343,7 @@ class Host:
                    args: tuple = ()) -> LanPeer:
         peer = LanPeer(self, name, key, concurrency, env or {}, args)
         self.peers.append(peer)
-        return peer.start()
+        return peer.start(wait=False)
 
     def agent(self, key: str | None, name: str | None = None, env: dict | None = None) -> Agent:
         agent = Agent(self, name or f"agent-{self.label}-{len(self.agents)}", key, env or {})
@@ -356,119 +358,22 @@ class Host:
             peer.kill()
 
 
-class LanPeer:
+class LanPeer(PeerProcess):
     """`python -m gpulayer.peer` inside a namespace, on all of its interfaces (no --interfaces)."""
 
     def __init__(self, host: Host, name: str, key: str, concurrency: int, env: dict, args: tuple):
+        super().__init__(host.lan.workdir, key, name, "--concurrency", str(concurrency), *args, interfaces=None)
         self.host = host
-        self.name = name
-        self.key = key
+        self.host_address = host.ip
         self.concurrency = concurrency
-        self.ready_file = host.lan.workdir / f"{name}.ready.json"
-        self.log_file = host.lan.workdir / f"{name}.log"
-        self.argv = [sys.executable, "-m", "gpulayer.peer", "--name", name, "--ready-file", str(self.ready_file),
-                     "--concurrency", str(concurrency), "--log-level", "INFO", *args]
         self.env = lan_env(key, **env)
-        self.proc: subprocess.Popen | None = None
-        self.info: dict = {}
-        self.started_at = 0.0
 
-    def start(self) -> LanPeer:
-        self.ready_file.unlink(missing_ok=True)
-        self.info = {}
-        with open(self.log_file, "ab") as log:
-            self.proc = self.host.popen(self.argv, self.env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
-        self.started_at = time.monotonic()
-        return self
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> LanPeer:
-        deadline = time.monotonic() + timeout
-        while not self.ready_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"peer {self.name} exited ({self.proc.returncode}):\n{self.log()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"peer {self.name} not ready in {timeout} s:\n{self.log()[-4000:]}")
-            time.sleep(0.02)
-        for _ in range(50):
-            try:
-                self.info = json.loads(self.ready_file.read_text())
-                break
-            except ValueError:
-                time.sleep(0.02)
-        self.ready_at = time.monotonic()
-        return self
-
-    @property
-    def port(self) -> int:
-        return self.info["port"]
-
-    @property
-    def peer_id(self) -> str:
-        return self.info["peer_id"]
-
-    @property
-    def address(self) -> str:
-        return f"{self.host.ip}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log(self) -> str:
-        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
-
-    def workers(self) -> list[int]:
-        import psutil
-
-        try:
-            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def rss(self) -> int:
-        """Resident memory of the peer daemon itself, in bytes (0 when it is gone)."""
-        import psutil
-
-        try:
-            return psutil.Process(self.proc.pid).memory_info().rss
-        except psutil.NoSuchProcess:
-            return 0
+    def _popen(self, log) -> subprocess.Popen:
+        return self.host.popen(self.argv, self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def terminate(self) -> None:
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM (a clean stop: goodbye, drain) and wait; SIGKILL after `timeout`."""
-        if not self.alive():
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
-
-    def kill(self) -> None:
-        """kill -9 of the peer and of its workers (as when its machine dies)."""
-        if self.proc is None:
-            return
-        workers = self.workers()
-        if self.alive():
-            self.proc.kill()
-        for pid in workers:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 class AgentError(RuntimeError):

@@ -14,21 +14,13 @@ from collections import Counter
 from pathlib import Path
 
 from lanlab import runs
+from support import wait_until
 
 LAN_PEERS = 3
 HEARTBEAT = 1.0
 # 3 silent intervals, plus up to one more for the heartbeat thread's tick, plus slack for a busy 2-CPU box
 DETECTION_BOUND = 4 * HEARTBEAT + 1.5
 
-
-def wait_for(predicate, timeout: float, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def started_on(folder: Path, peer: str) -> set[int]:
@@ -69,7 +61,7 @@ def test_kill_9_of_a_peer_mid_task_gives_peer_lost_and_retries_elsewhere_exactly
     placed = agent.call("where", tags=[f"t{i}" for i in items])["peers"]
     on_victim = {int(tag[1:]) for tag, peer in placed.items() if peer == victim.name}
     assert on_victim, placed
-    wait_for(lambda: started_on(marks, victim.name) >= {-1, *on_victim}, 15)
+    wait_until(lambda: started_on(marks, victim.name) >= {-1, *on_victim}, 15)
 
     killed_at = time.monotonic()
     victim.kill()  # the peer and its workers: the machine is gone, no goodbye
@@ -108,7 +100,7 @@ def test_a_cut_link_mid_task_gives_peer_lost_then_the_peer_is_rediscovered(lan, 
     placed = agent.call("where", tags=[f"t{i}" for i in items])["peers"]
     on_victim = {int(tag[1:]) for tag, peer in placed.items() if peer == victim.name}
     assert on_victim, placed
-    wait_for(lambda: started_on(marks, victim.name) >= {-1, *on_victim}, 15)
+    wait_until(lambda: started_on(marks, victim.name) >= {-1, *on_victim}, 15)
 
     cut_at = time.monotonic()
     victim.host.link_down()
@@ -119,7 +111,7 @@ def test_a_cut_link_mid_task_gives_peer_lost_then_the_peer_is_rediscovered(lan, 
         assert detection < DETECTION_BOUND, detection
         assert victim.alive()  # it is only unreachable
         # its other tasks, lost with it, were given to other peers (the retries run in the background)
-        wait_for(lambda: victim.name not in agent.call("where", tags=[f"t{i}" for i in on_victim])["peers"].values(),
+        wait_until(lambda: victim.name not in agent.call("where", tags=[f"t{i}" for i in on_victim])["peers"].values(),
                  5)
     finally:
         restored_at = time.monotonic()
