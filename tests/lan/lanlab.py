@@ -509,3 +509,33 @@ class RelayProcess:
             except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired):
                 self.proc.kill()
         return stats
+
+
+class BackgroundSampler:
+    """Calls `sample()` every `interval` seconds on a thread while in a `with` block (10 minutes at most).
+
+    `sample()` returns False to stop early.
+    """
+
+    interval = 0.1
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> bool | None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        while not self._stop.wait(self.interval) and time.monotonic() - started < 600:
+            if self.sample() is False:
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)

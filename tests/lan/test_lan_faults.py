@@ -46,22 +46,27 @@ def check_exactly_once(outcomes: dict, items: list[int], folder: Path) -> dict:
             "orphan_runs_completed": sum(completed.values()) - len(items)}
 
 
-def test_kill_9_of_a_peer_mid_task_gives_peer_lost_and_retries_elsewhere_exactly_once(lan, reliability, tmp_path):
-    victim = lan.start_peer("victim-kill", concurrency=2)
-    agent = lan.submitter("kill-sub", heartbeat=HEARTBEAT)
+def busy_victim(lan, name: str, marks: Path, seconds: float):
+    """A new peer busy with its share of 8 tasks: one pinned to it without retries (it must fail
+    with PeerLost) and 7 free ones with retries=1 that fill the 8 slots, some of them on it."""
+    victim = lan.start_peer(name, concurrency=2)
+    agent = lan.submitter(f"{name}-sub", heartbeat=HEARTBEAT)
     assert agent.call("wait_names", present=[*lan.names, victim.name], timeout=10)["ok"]
-    marks = tmp_path / "marks"
     marks.mkdir()
-    # one task pinned to the victim with no retries (it must fail, with PeerLost), and 7 free
-    # ones with retries=1 that fill the 8 slots, so that some of them run on the victim
     agent.call("submit", tag="pinned", fn="marked", args=[-1, 30, str(marks)], peer=victim.name)
     items = list(range(7))
     for i in items:
-        agent.call("submit", tag=f"t{i}", fn="marked", args=[i, 3.0, str(marks)], retries=1)
+        agent.call("submit", tag=f"t{i}", fn="marked", args=[i, seconds, str(marks)], retries=1)
     placed = agent.call("where", tags=[f"t{i}" for i in items])["peers"]
     on_victim = {int(tag[1:]) for tag, peer in placed.items() if peer == victim.name}
     assert on_victim, placed
     wait_until(lambda: started_on(marks, victim.name) >= {-1, *on_victim}, 15)
+    return victim, agent, items, on_victim
+
+
+def test_kill_9_of_a_peer_mid_task_gives_peer_lost_and_retries_elsewhere_exactly_once(lan, reliability, tmp_path):
+    marks = tmp_path / "marks"
+    victim, agent, items, on_victim = busy_victim(lan, "victim-kill", marks, 3.0)
 
     killed_at = time.monotonic()
     victim.kill()  # the peer and its workers: the machine is gone, no goodbye
@@ -88,19 +93,8 @@ def test_kill_9_of_a_peer_mid_task_gives_peer_lost_and_retries_elsewhere_exactly
 
 
 def test_a_cut_link_mid_task_gives_peer_lost_then_the_peer_is_rediscovered(lan, reliability, tmp_path):
-    victim = lan.start_peer("victim-cut", concurrency=2)
-    agent = lan.submitter("cut-sub", heartbeat=HEARTBEAT)
-    assert agent.call("wait_names", present=[*lan.names, victim.name], timeout=10)["ok"]
     marks = tmp_path / "marks"
-    marks.mkdir()
-    agent.call("submit", tag="pinned", fn="marked", args=[-1, 30, str(marks)], peer=victim.name)
-    items = list(range(7))
-    for i in items:
-        agent.call("submit", tag=f"t{i}", fn="marked", args=[i, 2 * DETECTION_BOUND, str(marks)], retries=1)
-    placed = agent.call("where", tags=[f"t{i}" for i in items])["peers"]
-    on_victim = {int(tag[1:]) for tag, peer in placed.items() if peer == victim.name}
-    assert on_victim, placed
-    wait_until(lambda: started_on(marks, victim.name) >= {-1, *on_victim}, 15)
+    victim, agent, items, on_victim = busy_victim(lan, "victim-cut", marks, 2 * DETECTION_BOUND)
 
     cut_at = time.monotonic()
     victim.host.link_down()

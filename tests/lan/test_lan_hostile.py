@@ -19,7 +19,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lanlab import HERE, lan_env
+from lanlab import HERE, BackgroundSampler, lan_env
 
 from gpulayer import security, wire
 from gpulayer.errors import GPULayerError, ProtocolError
@@ -192,40 +192,30 @@ def test_requirements_from_the_wire_are_built_or_refused_with_value_error(data):
 
 # ---- a live peer on the LAN under attack -------------------------------------------------------------------
 
-class PeerWatch:
+class PeerWatch(BackgroundSampler):
     """The target daemon's RSS, open descriptors and liveness, every 100 ms."""
 
     def __init__(self, peer):
         import psutil
 
+        super().__init__()
         self.proc = psutil.Process(peer.pid)
         self.base_rss = self.proc.memory_info().rss
         self.base_fds = self.proc.num_fds()
         self.peak_rss, self.peak_fds, self.samples = self.base_rss, self.base_fds, 0
         self.died = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
+    def sample(self) -> bool | None:
         import psutil
 
-        started = time.monotonic()
-        while not self._stop.wait(0.1) and time.monotonic() - started < 600:
-            try:
-                self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
-                self.peak_fds = max(self.peak_fds, self.proc.num_fds())
-                self.samples += 1
-            except psutil.NoSuchProcess:
-                self.died = True
-                return
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(10)
+        try:
+            self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
+            self.peak_fds = max(self.peak_fds, self.proc.num_fds())
+            self.samples += 1
+        except psutil.NoSuchProcess:
+            self.died = True
+            return False
+        return None
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ tasks at once than its slots, and the peers' memory stays bounded."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter, defaultdict
+
+from lanlab import BackgroundSampler
 
 LAN_PEERS = 3
 LAN_CONCURRENCY = 2
@@ -16,44 +17,35 @@ PAUSE = 0.001  # each task sleeps 1 ms, so that tasks overlapping on a peer woul
 RSS_GROWTH_BOUND = 96 << 20
 
 
-class Sampler:
+class Sampler(BackgroundSampler):
     """Peak resident memory of each peer daemon (and of its workers), sampled every 50 ms."""
 
+    interval = 0.05
+
     def __init__(self, peers):
+        super().__init__()
         self.peers = peers
         self.base = {p.name: p.rss() for p in peers}
         self.peak = dict(self.base)
         self.worker_peak = {p.name: 0 for p in peers}
         self.max_workers = {p.name: 0 for p in peers}
         self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
+    def sample(self) -> None:
         import psutil
 
-        started = time.monotonic()
-        while not self._stop.wait(0.05) and time.monotonic() - started < 600:
-            for peer in self.peers:
-                self.peak[peer.name] = max(self.peak[peer.name], peer.rss())
-                total = 0
-                workers = peer.workers()
-                for pid in workers:
-                    try:
-                        total += psutil.Process(pid).memory_info().rss
-                    except psutil.NoSuchProcess:
-                        pass
-                self.worker_peak[peer.name] = max(self.worker_peak[peer.name], total)
-                self.max_workers[peer.name] = max(self.max_workers[peer.name], len(workers))
-            self.samples += 1
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(10)
+        for peer in self.peers:
+            self.peak[peer.name] = max(self.peak[peer.name], peer.rss())
+            total = 0
+            workers = peer.workers()
+            for pid in workers:
+                try:
+                    total += psutil.Process(pid).memory_info().rss
+                except psutil.NoSuchProcess:
+                    pass
+            self.worker_peak[peer.name] = max(self.worker_peak[peer.name], total)
+            self.max_workers[peer.name] = max(self.max_workers[peer.name], len(workers))
+        self.samples += 1
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
