@@ -540,9 +540,9 @@ class Client:
     def peers(self, wait: float | None = None, probe: bool = True) -> list[dict]:
         """The known peers of this cluster with their state; `probe` asks each for its load."""
         self.start()
-        # 1.5 s covers the browser's second query: a peer that announced itself under a second ago
-        # stays silent to the first one (mDNS sends a record at most once a second).
-        self.directory.wait_for(lambda recs: False, min(self.discovery_timeout, 1.5) if wait is None else wait)
+        # listen for mDNS answers; 1.5 s covers the browser's second query: a peer that announced
+        # itself under a second ago stays silent to the first one (a record goes out once a second)
+        self._closed.wait(min(self.discovery_timeout, 1.5) if wait is None else wait)
         rows = list(self._helpers.map(lambda record: self._describe(record, probe), self.directory.records()))
         rows += [{"name": label, "address": label, "state": "down", "error": err, "source": "static"}
                  for label, err in self.static_errors.items()]

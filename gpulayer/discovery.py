@@ -150,10 +150,6 @@ class Directory:
                 self._changed.wait(min(left, 0.25))  # also when a peer's down back-off runs out
             return True
 
-    def notify(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
-
     def load_cache(self) -> None:
         """Add last-known peers as unverified records (verified on connect)."""
         if self.cache_path is None:

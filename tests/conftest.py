@@ -40,6 +40,25 @@ def peer_factory(tmp_path_factory):
         peer.kill()
 
 
+@pytest.fixture
+def cluster(peer_factory):
+    """cluster(*names, args=...) -> (client, {name: peer}): one-slot peers of a fresh cluster key and a
+    submitter of that cluster; the submitter is closed after the test (the peers after the module)."""
+    from gpulayer.client import Client
+
+    clients = []
+
+    def start(*names: str, args: tuple = ("--concurrency", "1")):
+        key = new_key()
+        peers = {name: peer_factory(name, *args, key=key) for name in names}
+        clients.append(Client(key=key.encode(), echo_output=False))
+        return clients[-1], peers
+
+    yield start
+    for client in clients:
+        client.close()
+
+
 @pytest.fixture(scope="module")
 def cluster_key() -> str:
     return new_key()

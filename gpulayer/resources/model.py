@@ -78,15 +78,6 @@ class Resources:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict) -> Resources:
-        data = dict(data)
-        data["devices"] = [Device(**d) for d in data.get("devices", [])]
-        data["frameworks"] = [
-            Framework(f["name"], f["version"], tuple(f.get("capabilities", ())))
-            for f in data.get("frameworks", [])
-        ]
-        return cls(**data)
 
 
 @dataclass(frozen=True)

@@ -60,21 +60,15 @@ def test_fresh_submitters_find_a_running_peer_fast_even_back_to_back(peer_factor
             client.close()
 
 
-def test_a_killed_peer_is_shown_down_and_skipped(peer_factory):
-    key = new_key()
-    doomed = peer_factory("doomed", "--concurrency", "1", key=key)
-    peer_factory("healthy", "--concurrency", "1", key=key)
-    client = Client(key=key.encode(), echo_output=False)
-    try:
-        client.start()
-        wait_for(client, lambda names: {"doomed", "healthy"} <= names, 5)
-        doomed.kill()
-        states = {row["name"]: row["state"] for row in client.peers(wait=0)}
-        assert states == {"doomed": "down", "healthy": "up"}  # zeroconf still lists it; our probe does not
-        for _ in range(4):
-            assert client.submit(lambda: os.environ["GPULAYER_PEER_NAME"], req=ANY).result(30) == "healthy"
-    finally:
-        client.close()
+def test_a_killed_peer_is_shown_down_and_skipped(cluster):
+    client, peers = cluster("doomed", "healthy")
+    client.start()
+    wait_for(client, lambda names: {"doomed", "healthy"} <= names, 5)
+    peers["doomed"].kill()
+    states = {row["name"]: row["state"] for row in client.peers(wait=0)}
+    assert states == {"doomed": "down", "healthy": "up"}  # zeroconf still lists it; our probe does not
+    for _ in range(4):
+        assert client.submit(lambda: os.environ["GPULAYER_PEER_NAME"], req=ANY).result(30) == "healthy"
 
 
 def test_peers_of_another_cluster_are_neither_listed_nor_used(peer_factory):

@@ -88,40 +88,29 @@ def busy_on(client, name):
     return [r for r in client.peers() if r["name"] == name][0]["busy"] == 1
 
 
-def test_sigkill_of_a_peer_mid_task_gives_peer_lost_within_seconds(peer_factory):
-    key = new_key()
-    first = peer_factory("first", "--concurrency", "1", key=key)
-    peer_factory("second", "--concurrency", "1", key=key)
-    client = Client(key=key.encode(), echo_output=False)
-    try:
-        doomed = client.submit(slow_where, (30,), req=Requirements.build(peer="first"))
-        wait_until(lambda: busy_on(client, "first"))
-        first.kill()
-        started = time.monotonic()
-        with pytest.raises(gl.PeerLost, match="first"):
-            doomed.result(30)
-        assert time.monotonic() - started < 5  # "within seconds": the socket resets at once
-        # zeroconf still lists the dead peer, but it is marked down and new work goes elsewhere
-        assert client.submit(slow_where, (0,), req=ANY).result(30) == "second"
-        assert {r["name"]: r["state"] for r in client.peers()} == {"first": "down", "second": "up"}
-    finally:
-        client.close()
+def test_sigkill_of_a_peer_mid_task_gives_peer_lost_within_seconds(cluster):
+    client, peers = cluster("first", "second")
+    doomed = client.submit(slow_where, (30,), req=Requirements.build(peer="first"))
+    wait_until(lambda: busy_on(client, "first"))
+    peers["first"].kill()
+    started = time.monotonic()
+    with pytest.raises(gl.PeerLost, match="first"):
+        doomed.result(30)
+    assert time.monotonic() - started < 5  # "within seconds": the socket resets at once
+    # zeroconf still lists the dead peer, but it is marked down and new work goes elsewhere
+    assert client.submit(slow_where, (0,), req=ANY).result(30) == "second"
+    assert {r["name"]: r["state"] for r in client.peers()} == {"first": "down", "second": "up"}
 
 
-def test_retry_moves_a_task_to_another_peer_when_its_peer_dies(peer_factory, tmp_path):
-    key = new_key()
-    peers = {name: peer_factory(name, "--concurrency", "1", key=key) for name in ("one", "two")}
-    client = Client(key=key.encode(), echo_output=False)
-    try:
-        future = client.submit(slow_where, (3,), req=ANY, retries=1)
-        wait_until(lambda: future.peer)
-        victim = future.peer
-        wait_until(lambda: busy_on(client, victim))
-        peers[victim].kill()
-        survivor = future.result(30)
-        assert survivor != victim and survivor in peers
-    finally:
-        client.close()
+def test_retry_moves_a_task_to_another_peer_when_its_peer_dies(cluster):
+    client, peers = cluster("one", "two")
+    future = client.submit(slow_where, (3,), req=ANY, retries=1)
+    wait_until(lambda: future.peer)
+    victim = future.peer
+    wait_until(lambda: busy_on(client, victim))
+    peers[victim].kill()
+    survivor = future.result(30)
+    assert survivor != victim and survivor in peers
 
 
 SUBMITTER = textwrap.dedent("""

@@ -10,7 +10,6 @@ import pytest
 import gpulayer as gl
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
-from support import new_key
 
 
 def nap(seconds):
@@ -27,36 +26,28 @@ def started(client: Client, name: str) -> None:
     raise AssertionError("the task never started")
 
 
-def test_sigterm_withdraws_first_then_drains_the_running_task(peer_factory):
-    key = new_key()
-    peer = peer_factory("drainer", "--concurrency", "1", key=key)
-    client = Client(key=key.encode(), echo_output=False)
-    try:
-        future = client.submit(nap, (2,), req=Requirements.build())
-        started(client, "drainer")
-        peer.proc.send_signal(signal.SIGTERM)
-        assert client.directory.wait_for(lambda records: not records, 5)  # the goodbye came first
-        assert not future.done()
-        assert future.result(30) == "finished"  # then the task was allowed to finish
-        assert peer.proc.wait(30) == 0
-        log = peer.log()
-        assert log.index("withdrawing its mDNS record") < log.index("draining 1 task")
-    finally:
-        client.close()
+def test_sigterm_withdraws_first_then_drains_the_running_task(cluster):
+    client, peers = cluster("drainer")
+    peer = peers["drainer"]
+    future = client.submit(nap, (2,), req=Requirements.build())
+    started(client, "drainer")
+    peer.proc.send_signal(signal.SIGTERM)
+    assert client.directory.wait_for(lambda records: not records, 5)  # the goodbye came first
+    assert not future.done()
+    assert future.result(30) == "finished"  # then the task was allowed to finish
+    assert peer.proc.wait(30) == 0
+    log = peer.log()
+    assert log.index("withdrawing its mDNS record") < log.index("draining 1 task")
 
 
-def test_a_second_signal_cancels_what_is_still_running(peer_factory):
-    key = new_key()
-    peer = peer_factory("impatient", "--concurrency", "1", key=key)
-    client = Client(key=key.encode(), echo_output=False)
-    try:
-        future = client.submit(nap, (60,), req=Requirements.build())
-        started(client, "impatient")
-        peer.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        peer.proc.send_signal(signal.SIGINT)
-        with pytest.raises(gl.PeerLost, match="the peer was stopped"):
-            future.result(30)
-        assert peer.proc.wait(30) == 0
-    finally:
-        client.close()
+def test_a_second_signal_cancels_what_is_still_running(cluster):
+    client, peers = cluster("impatient")
+    peer = peers["impatient"]
+    future = client.submit(nap, (60,), req=Requirements.build())
+    started(client, "impatient")
+    peer.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    peer.proc.send_signal(signal.SIGINT)
+    with pytest.raises(gl.PeerLost, match="the peer was stopped"):
+        future.result(30)
+    assert peer.proc.wait(30) == 0

@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpulayer.client import Client
 from gpulayer.matching import Requirements
-from support import new_key
 
 
 def checksum_and_echo(array):
     return int(array[::4096].sum()), array
 
 
-def test_a_256_mib_array_round_trips_intact(peer_factory):
-    key = new_key()
-    peer_factory("bulk", "--concurrency", "1", key=key)
-    client = Client(key=key.encode(), echo_output=False)
-    try:
-        rng = np.random.default_rng(7)
-        array = rng.integers(0, 2**31, size=(256 << 20) // 8, dtype=np.int64)
-        total, back = client.submit(checksum_and_echo, (array,), req=Requirements.build()).result(120)
-        assert total == int(array[::4096].sum())
-        assert back.dtype == array.dtype and back.shape == array.shape
-        assert np.array_equal(back, array)
-        assert back.flags.writeable  # rebuilt on the received buffer, not a read-only copy
-    finally:
-        client.close()
+def test_a_256_mib_array_round_trips_intact(cluster):
+    client, _ = cluster("bulk")
+    rng = np.random.default_rng(7)
+    array = rng.integers(0, 2**31, size=(256 << 20) // 8, dtype=np.int64)
+    total, back = client.submit(checksum_and_echo, (array,), req=Requirements.build()).result(120)
+    assert total == int(array[::4096].sum())
+    assert back.dtype == array.dtype and back.shape == array.shape
+    assert np.array_equal(back, array)
+    assert back.flags.writeable  # rebuilt on the received buffer, not a read-only copy
