@@ -132,6 +132,7 @@ class PeerConnection:
         self.pending: dict[int, _Task] = {}
         self.closed = False
         self.refusal = ""  # why the peer closed the connection, when it said so
+        self.send_error = ""
         self.load = (0, 0)
         self._load_base = 0
         self._ids = itertools.count(1)
@@ -169,7 +170,12 @@ class PeerConnection:
         try:
             self.send(msg, buffers)
         except OSError as exc:
-            self.fail(f"send failed: {exc}")
+            # leave the closing to the reader thread: the peer may have said why (an ERROR) first
+            self.send_error = f"send failed: {exc}"
+            try:
+                self._wire.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                self.fail(self.send_error)
 
     def cancel(self, task: _Task) -> None:
         with self.client._lock:
@@ -202,7 +208,7 @@ class PeerConnection:
                 msg, buffers = self._wire.recv()
                 self._dispatch(msg, buffers)
         except (OSError, ConnectionError, ProtocolError) as exc:
-            self.fail(str(exc) or type(exc).__name__)
+            self.fail(self.send_error or str(exc) or type(exc).__name__)
 
     def _dispatch(self, msg: dict, buffers: list) -> None:
         kind = msg["t"]

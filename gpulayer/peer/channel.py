@@ -43,7 +43,9 @@ class AsyncChannel:
         self._out_bytes = 0
         self._writing = False
         self._flushed: asyncio.Future | None = None
-        self._eof: asyncio.Future | None = None
+        self._eof: asyncio.Future | None = None  # set while closing: input is read and dropped
+        self._scratch: bytearray | None = None
+        self._closing: asyncio.Task | None = None
         self._loop.add_reader(self._fd, self._on_readable)
 
     # ---- reading ----------------------------------------------------------------------------------
@@ -53,8 +55,9 @@ class AsyncChannel:
         for _ in range(_READS_PER_EVENT):
             if self.closed:  # a handler closed it
                 return
-            try:
-                n = self.sock.recv_into(reader.buffer())
+            closing = self._eof is not None
+            try:  # while closing, input goes to a scratch buffer: the reader's may have no room left
+                n = self.sock.recv_into(self._scratch if closing else reader.buffer())
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -62,8 +65,7 @@ class AsyncChannel:
             if n == 0:
                 return self._lost("closed by the other side")
             self.last_received = time.monotonic()
-            if self._eof is not None:  # closing: input is dropped
-                reader.messages.clear()
+            if closing:  # input is dropped
                 continue
             try:
                 reader.feed(n)
@@ -79,7 +81,8 @@ class AsyncChannel:
             return
         if not self.closed:
             self.on_closed(reason, error)
-        self.close()
+        if self._eof is None:  # unless the owner chose to close gracefully
+            self.close()
 
     # ---- writing ----------------------------------------------------------------------------------
 
@@ -135,15 +138,20 @@ class AsyncChannel:
 
     # ---- closing ----------------------------------------------------------------------------------
 
-    async def aclose(self, timeout: float = 1.0) -> None:
+    def close_gracefully(self, timeout: float = 1.0) -> asyncio.Future:
         """Send what is queued (an ERROR, say), then close without resetting the connection.
 
         Closing with unread input makes the kernel send a reset, which can destroy the ERROR
-        before the other side reads it; so input is read and dropped for up to `timeout` first.
+        before the other side reads it; so from now on input is read and dropped, for up to
+        `timeout`, in the background. Returns that background task.
         """
-        if self.closed:
-            return
-        self._eof = self._loop.create_future()
+        if self._closing is None:
+            self._scratch = bytearray(1 << 16)
+            self._eof = self._loop.create_future()
+            self._closing = self._loop.create_task(self._linger(timeout))
+        return self._closing
+
+    async def _linger(self, timeout: float) -> None:
         try:
             await asyncio.wait_for(self.drain(0), timeout)
             self.sock.shutdown(socket.SHUT_WR)

@@ -201,7 +201,7 @@ class Peer:
         self.cancel_all("the peer shut down before the task finished")
         for conn in list(self._connections):
             conn.channel.write({"t": wire.BYE})
-        await asyncio.gather(*(c.channel.aclose() for c in list(self._connections)))
+        await asyncio.gather(*(c.channel.close_gracefully() for c in list(self._connections)))
         await asyncio.gather(*(s.worker.stop() for s in self.slots), return_exceptions=True)
         for bg in list(self._background):
             bg.cancel()
@@ -298,7 +298,9 @@ class Peer:
         self._unauthenticated.pop(conn, None)
         self.drop(conn)
         conn.channel.write(wire.error(code, message))
-        self._spawn(conn.channel.aclose())
+        # a submitter may be in the middle of a large message: give it time to finish sending it,
+        # so that closing does not reset the connection before it has read why
+        conn.channel.close_gracefully(5.0 if conn.authenticated else 1.0)
 
     def drop(self, conn: Connection) -> None:
         """Forget a connection and cancel its tasks: its submitter is gone."""
