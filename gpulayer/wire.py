@@ -17,12 +17,14 @@ import socket
 import struct
 import time
 from collections import deque
+from typing import Any, TypedDict
 
 import msgpack
 
 from . import security
 from .errors import AuthError, ConfigError, FrameTooLarge, ProtocolError, VersionMismatch
-from .resources.model import PROTOCOL_VERSION
+
+PROTOCOL_VERSION = 1  # in every message ("v") and every advert ("ver"); bump on any incompatible change
 
 HELLO, AUTH, AUTH_OK = "hello", "auth", "auth_ok"
 SUBMIT, ACCEPT, REJECT = "submit", "accept", "reject"
@@ -30,6 +32,79 @@ LOG, RESULT, ERROR, CANCEL = "log", "result", "error", "cancel"
 PING, PONG, STATUS, BYE = "ping", "pong", "status", "bye"
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
                            CANCEL, PING, PONG, STATUS, BYE})
+
+# The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
+# STATUS and PING; "load" ([busy, queued]) rides on the peer's replies.
+Message = dict[str, Any]  # any decoded message: check "t" before reading the rest
+
+
+class SubmitMessage(TypedDict):
+    t: str
+    id: int
+    fn: bytes  # the pickled function
+    args: bytes  # the pickled (args, kwargs), with "nb" out-of-band buffers after it
+    req: dict[str, Any]  # Requirements.to_wire()
+    timeout: float | None
+    name: str
+
+
+class ErrorMessage(TypedDict, total=False):
+    t: str
+    id: int | None  # None: about the connection, which the peer closes next
+    code: str  # auth, protocol, too-large, version, bad-request, timeout, cancelled, exception, worker-died, ...
+    message: str
+    type: str  # for "exception": the qualified type name; "exc" the pickled exception, "tb" the traceback
+    exc: bytes | None
+    tb: str
+
+
+class RejectMessage(TypedDict):
+    t: str
+    id: int | None
+    code: str  # busy, no-match, bad-request
+    message: str
+    load: list[int]
+
+
+class LogMessage(TypedDict):
+    t: str
+    id: int
+    stream: str  # "out" or "err"
+    data: bytes
+
+
+class HelloMessage(TypedDict):
+    t: str
+    nonce: bytes
+    peer: str
+    cluster: str
+    advert: dict[str, str]
+
+
+def submit(task_id: int, fn: bytes, args: bytes, req: dict[str, Any], timeout: float | None,
+           name: str) -> SubmitMessage:
+    return {"t": SUBMIT, "id": task_id, "fn": fn, "args": args, "req": req, "timeout": timeout, "name": name}
+
+
+def reject(task_id: int | None, code: str, message: str, load: list[int]) -> RejectMessage:
+    return {"t": REJECT, "id": task_id, "code": code, "message": message, "load": load}
+
+
+def log(task_id: int, stream: str, data: bytes) -> LogMessage:
+    return {"t": LOG, "id": task_id, "stream": stream, "data": data}
+
+
+def cancel(task_id: int) -> Message:
+    return {"t": CANCEL, "id": task_id}
+
+
+def ping() -> Message:
+    return {"t": PING}
+
+
+def status_request() -> Message:
+    return {"t": STATUS}
+
 
 HEADER = struct.Struct(">I")
 PRE_AUTH_MAX_FRAME = 4096
@@ -214,8 +289,8 @@ def decode(frame) -> dict:
     return msg
 
 
-def error(code: str, message: str, task_id=None, **extra) -> dict:
-    return {"t": ERROR, "id": task_id, "code": code, "message": message, **extra}
+def error(code: str, message: str, task_id: int | None = None) -> ErrorMessage:
+    return {"t": ERROR, "id": task_id, "code": code, "message": message}
 
 
 class BlockingConnection:
@@ -250,7 +325,7 @@ class BlockingConnection:
             pass
 
 
-def hello(nonce: bytes, peer_id: str, cluster: str, txt: dict) -> dict:
+def hello(nonce: bytes, peer_id: str, cluster: str, txt: dict[str, str]) -> HelloMessage:
     """The peer's greeting: a fresh nonce and its (public) advert."""
     return {"t": HELLO, "nonce": nonce, "peer": peer_id, "cluster": cluster, "advert": txt}
 

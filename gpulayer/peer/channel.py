@@ -13,7 +13,9 @@ import asyncio
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
 from itertools import islice
+from typing import Any
 
 from .. import wire
 from ..errors import ProtocolError
@@ -22,14 +24,18 @@ _IOV = 64  # parts per sendmsg call
 _READS_PER_EVENT = 16  # then let other connections have a turn
 
 
-def _ignore(*_args) -> None:
+OnMessage = Callable[[dict[str, Any], list[Any]], None]  # one complete message and its buffers
+OnClosed = Callable[[str, "ProtocolError | None"], None]  # why it closed; the error when input was bad
+
+
+def _ignore(*_args: Any) -> None:
     pass
 
 
 class AsyncChannel:
     """`on_message(msg, buffers)` for each message; `on_closed(reason, error)` once, at EOF or bad input."""
 
-    def __init__(self, sock: socket.socket, max_frame: int, on_message, on_closed):
+    def __init__(self, sock: socket.socket, max_frame: int, on_message: OnMessage, on_closed: OnClosed):
         sock.setblocking(False)
         self.sock = sock
         self.reader = wire.MessageReader(max_frame)

@@ -13,9 +13,8 @@ import importlib
 import os
 import socket
 import sys
-import traceback
 
-from .. import serialization, wire
+from .. import remote_exceptions, serialization, wire
 
 _FN_CACHE_SIZE = 128
 
@@ -58,19 +57,7 @@ def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, 
 
 
 def _error(task_id, exc: BaseException, *, skip_frames: int = 0, note: str = "") -> dict:
-    tb = exc.__traceback__
-    for _ in range(skip_frames):
-        tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    try:
-        pickled, oob = serialization.dumps(exc)
-        if oob:
-            pickled = None
-    except Exception:
-        pickled = None
-    message = f"{note}: {exc}" if note else str(exc)
-    return wire.error("exception", message, task_id, type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-                      exc=pickled, tb=text)
+    return {"t": wire.ERROR, "id": task_id, **remote_exceptions.pack(exc, skip_frames=skip_frames, note=note)}
 
 
 def _flush() -> None:

@@ -10,8 +10,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .. import wire
 from ..errors import WorkerDied
@@ -30,7 +32,7 @@ class Slot:
     memory_gb: float | None = None
     env: dict = field(default_factory=dict)
     worker: Worker | None = None
-    task: object = None  # the peer's running Task, if any
+    task: object = None  # the scheduler's running ScheduledTask, if any
 
     @property
     def ready(self) -> bool:
@@ -68,6 +70,12 @@ def tcp_socketpair() -> tuple[socket.socket, socket.socket]:
     return ours, theirs
 
 
+# What a worker reports, on the peer's event loop.
+OnReply = Callable[["Worker", dict[str, Any], list[Any]], None]  # the task's RESULT or ERROR
+OnOutput = Callable[["Worker", str, bytes], None]  # a piece of its stdout ("out") or stderr ("err")
+OnExit = Callable[["Worker", "int | None"], None]  # it died unexpectedly, with this exit code
+
+
 class Worker:
     """One warm worker process bound to a slot.
 
@@ -76,8 +84,8 @@ class Worker:
     `on_exit(worker, exit_code)`.
     """
 
-    def __init__(self, slot: Slot, python: str, preload: list[str], on_reply, on_output, on_exit,
-                 pythonpath: str | None = None, extra_env: dict | None = None):
+    def __init__(self, slot: Slot, python: str, preload: list[str], on_reply: OnReply, on_output: OnOutput,
+                 on_exit: OnExit, pythonpath: str | None = None, extra_env: dict[str, str] | None = None):
         self.slot = slot
         self.python = python
         self.preload = preload

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from gpulayer import serialization
-from gpulayer.client import _rebuild_exception, _with_local_source
+from gpulayer.remote_exceptions import rebuild as _rebuild_exception, with_local_source as _with_local_source
 from gpulayer.errors import GPULayerError, RemoteError, RemoteTraceback
 
 SOURCE = (

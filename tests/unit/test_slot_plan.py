@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpulayer.peer.server import default_preload, plan_slots
+from gpulayer.peer.scheduler import default_preload, plan_slots
 from gpulayer.resources.model import Device, Framework, Resources
 
 

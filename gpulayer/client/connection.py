@@ -1,0 +1,213 @@
+"""One authenticated connection to a peer, shared by many tasks and multiplexed by task id.
+
+A reader thread routes each message: a task's LOG to that task, its outcome (RESULT, REJECT,
+ERROR) to the listener, replies to STATUS and PING to the waiting request. The connection
+knows nothing of retries or placement; it reports what happened through `ConnectionListener`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from .. import wire
+from ..errors import PeerLost, ProtocolError
+from ..resources.model import Advert
+
+CONNECT_TIMEOUT = 2.0
+
+
+class ConnectionTask(Protocol):
+    """What a connection needs of a task it carries."""
+
+    task_id: int
+
+    def message(self) -> tuple[dict[str, Any], list[Any]]: ...
+
+    def on_output(self, stream: str, data: bytes) -> None: ...
+
+
+class ConnectionListener(Protocol):
+    """Where a connection reports outcomes; called on its reader thread."""
+
+    def on_outcome(self, conn: PeerConnection, task: Any, msg: dict[str, Any], buffers: list[Any]) -> None:
+        """A task's RESULT, REJECT or ERROR arrived (once per task)."""
+
+    def on_leaving(self, conn: PeerConnection) -> None:
+        """The peer said BYE: it is shutting down."""
+
+    def on_lost(self, conn: PeerConnection, tasks: list[Any], reason: str) -> None:
+        """The connection closed; `tasks` were still in flight on it."""
+
+
+class PeerConnection:
+    """One authenticated connection to a peer; safe to use from any thread."""
+
+    def __init__(self, listener: ConnectionListener, addresses: list[tuple[str, int]], key: bytes, client_id: str):
+        self.listener = listener
+        self.pending: dict[int, Any] = {}
+        self.closed = False
+        self.silent = False  # lost because it stopped answering (not reset or closed)
+        self.refusal = ""  # why the peer closed the connection, when it said so
+        self.send_error = ""
+        self.load: tuple[int, ...] = (0, 0)
+        self._load_base = 0
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards pending, closed and the waiters
+        self._send_lock = threading.Lock()
+        self._waiters: dict[int, Future[dict[str, Any]]] = {}
+        sock, self.address = _connect(addresses)
+        started = time.perf_counter()
+        try:
+            sock.settimeout(CONNECT_TIMEOUT)
+            self._wire = wire.BlockingConnection(sock)
+            hello = wire.client_handshake(self._wire, key, client_id)
+            self.advert = Advert.from_txt(hello.get("advert") or {})
+        except BaseException:
+            sock.close()
+            raise
+        self.latency = time.perf_counter() - started
+        self.peer_id = self.advert.peer_id
+        self.name = self.advert.name
+        sock.settimeout(None)
+        self._wire.reader.allow(wire.max_message_bytes())
+        threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
+
+    # ---- sending ----------------------------------------------------------------------------------
+
+    def send(self, msg: dict[str, Any], buffers: list[Any] | tuple[()] = ()) -> None:
+        with self._send_lock:
+            self._wire.send(msg, buffers)
+
+    def submit(self, task: ConnectionTask) -> None:
+        """Send the task's SUBMIT under a fresh id; its outcome reaches the listener."""
+        with self._lock:
+            task.task_id = next(self._ids)
+            self.pending[task.task_id] = task
+        msg, buffers = task.message()
+        try:
+            self.send(msg, buffers)
+        except OSError as exc:
+            # leave the closing to the reader thread: the peer may have said why (an ERROR) first
+            self.send_error = f"send failed: {exc}"
+            try:
+                self._wire.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                self.fail(self.send_error)
+
+    def cancel(self, task: ConnectionTask) -> None:
+        """Forget the task and ask the peer to stop it."""
+        with self._lock:
+            known = self.pending.pop(task.task_id, None) is task
+        if known and not self.closed:
+            try:
+                self.send(wire.cancel(task.task_id))
+            except OSError:
+                pass
+
+    def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send a STATUS or PING and wait for the reply with the same id."""
+        waiter: Future[dict[str, Any]] = Future()
+        with self._lock:
+            msg["id"] = next(self._ids)
+            self._waiters[msg["id"]] = waiter
+        try:
+            self.send(msg)
+            return waiter.result(timeout)
+        finally:
+            with self._lock:
+                self._waiters.pop(msg["id"], None)
+
+    def ping(self) -> None:
+        """Send a PING unless a send is under way (a big upload); never blocks."""
+        if self._send_lock.acquire(blocking=False):
+            try:
+                self._wire.send(wire.ping())
+            finally:
+                self._send_lock.release()
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    @property
+    def estimated_load(self) -> int:
+        """Tasks busy or queued on the peer: ours in flight plus what others had there at its last report."""
+        return len(self.pending) + max(0, sum(self.load) - self._load_base)
+
+    @property
+    def last_heard(self) -> float:
+        return self._wire.last_received
+
+    # ---- receiving --------------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                msg, buffers = self._wire.recv()
+                self._route(msg, buffers)
+        except (OSError, ConnectionError, ProtocolError) as exc:
+            self.fail(self.send_error or str(exc) or type(exc).__name__)
+
+    def _route(self, msg: dict[str, Any], buffers: list[Any]) -> None:
+        kind = msg["t"]
+        if isinstance(msg.get("load"), list):
+            self.load = tuple(msg["load"][:2])
+            self._load_base = len(self.pending)
+        if kind in (wire.PONG, wire.STATUS):
+            waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
+            return
+        if kind == wire.BYE:
+            self.listener.on_leaving(self)
+            return
+        if kind == wire.ERROR and msg.get("id") is None:  # the peer is about to close this connection
+            self.refusal = f"{msg.get('code')}: {msg.get('message')}"
+            return
+        task = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
+        if task is None or kind == wire.ACCEPT:
+            return
+        if kind == wire.LOG:
+            task.on_output(msg.get("stream"), msg.get("data") or b"")
+            return
+        with self._lock:
+            if self.pending.get(msg["id"]) is not task:
+                return
+            del self.pending[msg["id"]]
+        self.listener.on_outcome(self, task, msg, buffers)
+
+    def fail(self, reason: str, silent: bool = False) -> None:
+        """Close the connection and hand its tasks to the listener as lost."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.silent = silent
+            tasks = list(self.pending.values())
+            self.pending.clear()
+            waiters = list(self._waiters.values())
+        try:
+            self._wire.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._wire.close()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(PeerLost(reason))
+        self.listener.on_lost(self, tasks, reason)
+
+
+def _connect(addresses: list[tuple[str, int]]) -> tuple[socket.socket, str]:
+    errors = []
+    for host, port in addresses:
+        try:
+            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+        except OSError as exc:
+            errors.append(f"{host}:{port}: {exc.strerror or exc}")
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, f"{host}:{port}"
+    raise ConnectionError("; ".join(errors) or "no address")

@@ -1,0 +1,60 @@
+"""Placement: which known peers can run a task, why the others cannot, and which to try first.
+
+Pure reads of the Directory and of the live connections' load; opening connections and
+retrying belong to the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from ..discovery import Directory, PeerRecord
+from ..matching import Requirements, match, rank_key
+
+# A peer's live load and handshake latency, when the engine has a connection to it.
+LoadOf = Callable[[str], "tuple[int, float] | None"]
+
+
+class Placement:
+    """Candidates, reasons and ranking over one Directory (plus the static peers' errors)."""
+
+    def __init__(self, directory: Directory, static_errors: dict[str, str], load_of: LoadOf):
+        self.directory = directory
+        self.static_errors = static_errors
+        self._load_of = load_of
+
+    def candidates(self, req: Requirements, excluded: Collection[str] = ()) -> list[PeerRecord]:
+        """The matching peers that are up."""
+        return [r for r in self.directory.records()
+                if r.up and r.advert.peer_id not in excluded and not match(req, r.advert)]
+
+    def ranked(self, req: Requirements, excluded: Collection[str] = ()) -> list[PeerRecord]:
+        """The candidates, best first."""
+        return sorted(self.candidates(req, excluded), key=lambda record: self.rank(req, record))
+
+    def rank(self, req: Requirements, record: PeerRecord) -> tuple:
+        live = self._load_of(record.advert.peer_id)
+        load, latency = live if live is not None else (0, 1.0)
+        return rank_key(req, record.advert, load, latency)
+
+    def reasons(self, req: Requirements, excluded: Collection[str] = ()) -> dict[str, list[str]]:
+        """Why each known peer is not a candidate, for NoMatchingPeer."""
+        reasons = {}
+        for record in self.directory.records():
+            why = list(match(req, record.advert))
+            if not why and record.advert.peer_id in excluded:
+                why = ["already failed this task"]
+            elif not why and not record.up:
+                why = [f"down: {record.error}"]
+            reasons[f"{record.advert.name} ({record.address})"] = why
+        for label, error in self.static_errors.items():
+            reasons[label] = [f"static peer unreachable: {error}"]
+        return reasons
+
+    def total_slots(self, req: Requirements) -> int:
+        """Slots of all the matching peers that are up."""
+        return sum(r.advert.slots for r in self.candidates(req))
+
+    def wait_for_match(self, req: Requirements, excluded: Collection[str], timeout: float) -> bool:
+        """Wait up to `timeout` until some peer is a candidate."""
+        return self.directory.wait_for(lambda _: bool(self.candidates(req, excluded)), timeout)

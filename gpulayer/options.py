@@ -1,0 +1,63 @@
+"""The task options: one table that `run`, `submit`, `map`, `@remote` and `.options()` all use.
+
+A new option is one row here (and, when it is a requirement, a field of Requirements).
+Every value is checked when it is given, so `@gl.remote(timeout=float("nan"))` fails at
+decoration time, not at the first call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .matching import Requirements
+
+# The requirements a peer must meet (checked together by Requirements.build), with defaults.
+REQUIREMENTS: dict[str, Any] = {"accelerator": None, "gpu_memory_gb": None, "frameworks": None,
+                                "capabilities": None, "peer": None, "devices": 1}
+# How the submitter runs the task, with defaults.
+EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0}
+NAMES = frozenset(REQUIREMENTS) | frozenset(EXECUTION)
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """None, or a finite positive number of seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def check_retries(retries: Any) -> int:
+    """A non-negative integer."""
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries must be a non-negative integer, not {retries!r}")
+    return retries
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """Validated task options: what a peer must offer, and how long and how often to try."""
+
+    requirements: Requirements
+    timeout: float | None = None
+    retries: int = 0
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> TaskOptions:
+        """Validate a mapping of option names to values; unknown names raise TypeError."""
+        unknown = set(options) - NAMES
+        if unknown:
+            raise TypeError(f"unknown remote option(s): {', '.join(sorted(unknown))}; "
+                            f"the options are {', '.join(sorted(NAMES))}")
+        req = Requirements.build(**{name: options.get(name, default) for name, default in REQUIREMENTS.items()})
+        return cls(req, check_timeout(options.get("timeout")), check_retries(options.get("retries", 0)))
+
+
+def split_call(kwargs: dict[str, Any]) -> tuple[TaskOptions, dict[str, Any]]:
+    """Separate the task options of a `run`/`submit` call from the function's own keyword arguments."""
+    options = {name: kwargs.pop(name) for name in NAMES & kwargs.keys()}
+    return TaskOptions.parse(options), kwargs

@@ -1,0 +1,326 @@
+"""The peer's scheduler: the queue, the slots, starting tasks, timeouts and worker replacement.
+
+It runs on the peer's event loop. Admitted tasks come in through `enqueue`; each task's
+single outcome (RESULT, or an ERROR such as timeout, cancelled or worker-died) and its output
+go back to the connection it came from, through that connection's `TaskOwner` methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import sys
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any, Protocol
+
+from .. import accelerators, wire
+from ..errors import WorkerDied
+from ..matching import Requirements
+from ..resources.model import Resources
+from .workers import Slot, Worker, describe_exit, job_pythonpath
+
+log = logging.getLogger("gpulayer.peer")
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+LOOKAHEAD = 256  # how deep the queue is searched for a task that fits the free slots
+
+
+class TaskOwner(Protocol):
+    """The submitter connection a task came from."""
+
+    def task_done(self, task: ScheduledTask, reply: wire.Message, buffers: list[Any]) -> None:
+        """Send the task's outcome (once)."""
+
+    def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
+        """Send a piece of the task's stdout or stderr."""
+
+
+@dataclass(eq=False)
+class ScheduledTask:
+    """An admitted task: queued, then running on a group of slots, then answered."""
+
+    owner: TaskOwner
+    client_id: int
+    msg: wire.Message | None  # its SUBMIT, until it starts
+    buffers: list[Any] | None
+    req: Requirements
+    timeout: float | None
+    slot: Slot | None = None  # where its worker runs
+    group: list[Slot] = field(default_factory=list)  # every slot it holds (devices=N holds N)
+    timer: asyncio.TimerHandle | None = None
+    answered: bool = False
+
+
+def plan_slots(res: Resources, concurrency: int | None) -> list[Slot]:
+    """One slot per GPU (or `concurrency` per GPU); CPU-only peers get one per core by default.
+
+    CPU slots share the cores: each worker's math libraries get cores / slots threads (unless
+    the operator set those variables), so that concurrent tasks do not fight over every core.
+    """
+    gpus = [d for d in res.devices if d.kind == res.accelerator]
+    if not gpus:
+        count = concurrency or res.cpu_count or 1
+        threads = str(max(1, (res.cpu_count or 1) // count))
+        env = {accelerators.ENV_DEVICE: accelerators.CPU, **{v: threads for v in _THREAD_VARS if v not in os.environ}}
+        return [Slot(i, accelerators.CPU, env=dict(env)) for i in range(count)]
+    slots: list[Slot] = []
+    inherited = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    for gpu in gpus:
+        if gpu.kind == accelerators.CUDA:  # the peer's own CUDA_VISIBLE_DEVICES numbers what it detected
+            visible = inherited[gpu.index] if gpu.index < len(inherited) else str(gpu.index)
+            env = {accelerators.ENV_DEVICE: "cuda:0", "CUDA_VISIBLE_DEVICES": visible}
+        else:
+            env = {accelerators.ENV_DEVICE: accelerators.MPS}
+        env[accelerators.ENV_DEVICE_INDEX] = str(gpu.index)
+        slots += [Slot(len(slots) + i, f"{gpu.kind}:{gpu.index}", gpu.memory_gb, env) for i in range(concurrency or 1)]
+    return slots
+
+
+def default_preload(res: Resources) -> list[str]:
+    """Keep the frameworks that GPU tasks use warm in every worker."""
+    if res.accelerator == accelerators.CPU:
+        return []
+    wanted = ["torch", "mlx"] if res.accelerator == accelerators.MPS else ["torch"]
+    return [name for name in wanted if res.framework(name)]
+
+
+class Scheduler:
+    """Runs admitted tasks in warm workers, first come first served, honouring device memory."""
+
+    def __init__(self, slots: list[Slot], python: str = sys.executable, preload: list[str] | None = None,
+                 worker_start_timeout: float = 120.0):
+        self.slots = slots
+        self.python = python
+        self.preload = preload or []
+        self.worker_start_timeout = worker_start_timeout
+        self.tasks_done = 0
+        self.stopping = False
+        self._queue: deque[ScheduledTask] = deque()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._pythonpath = job_pythonpath(python)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start one warm worker per slot. Raises WorkerDied when workers cannot start."""
+        self._loop = asyncio.get_running_loop()
+        for slot in self.slots:
+            slot.worker = Worker(slot, self.python, self.preload, self._on_reply, self._on_output,
+                                 self._on_worker_exit, self._pythonpath)
+        await asyncio.gather(*(self._worker(s).start(self.worker_start_timeout) for s in self.slots))
+
+    async def stop(self) -> None:
+        """Stop the workers and the background jobs (tasks must have been answered or cancelled)."""
+        self.stopping = True
+        await asyncio.gather(*(self._worker(s).stop() for s in self.slots), return_exceptions=True)
+        for job in list(self._background):
+            job.cancel()
+        if self._pythonpath:
+            shutil.rmtree(self._pythonpath, ignore_errors=True)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run a coroutine in the background; it is cancelled at stop."""
+        assert self._loop is not None
+        job = self._loop.create_task(coro)
+        self._background.add(job)
+        job.add_done_callback(self._background.discard)
+        return job
+
+    # ---- load ---------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> int:
+        return sum(s.task is not None for s in self.slots)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def load(self) -> list[int]:
+        return [self.busy, len(self._queue)]
+
+    # ---- tasks --------------------------------------------------------------------------------
+
+    def enqueue(self, task: ScheduledTask) -> bool:
+        """Queue an admitted task and start what can start; True if it started at once."""
+        self._queue.append(task)
+        self._start_queued()
+        return task.slot is not None
+
+    def cancel(self, task: ScheduledTask, code: str, message: str, notify: bool = True) -> None:
+        """Drop a queued task, or stop a running one (its worker is killed and replaced)."""
+        if task.answered:
+            return
+        if task.slot is None:
+            self._queue.remove(task)
+        elif task.slot.task is task:
+            self._replace_worker(task.slot)
+        if notify:
+            self._answer(task, wire.error(code, message))
+        else:
+            task.answered = True
+
+    def _start_queued(self) -> None:
+        """Start queued tasks on ready slots, first come first served, honouring device memory.
+
+        A task that cannot start now (too little memory on the free devices, or too few free
+        devices for devices=N) lets the tasks behind it go first; the search looks LOOKAHEAD deep.
+        """
+        while self._queue:
+            ready = [s for s in self.slots if s.ready]
+            if not ready:
+                return
+            found = next(((t, g) for t in islice(self._queue, LOOKAHEAD) if (g := _group(t.req, ready))), None)
+            if found is None:
+                return
+            task, group = found
+            self._queue.remove(task)
+            self._start(task, group)
+
+    def _start(self, task: ScheduledTask, group: list[Slot]) -> None:
+        lead = group[0]
+        for slot in group:
+            slot.task = task
+        task.slot, task.group = lead, group
+        assert task.msg is not None
+        msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
+        buffers, task.msg, task.buffers = task.buffers or [], None, None
+        if len(group) == 1:
+            self._worker(lead).send(msg, buffers)
+            self._arm_timeout(task)
+            return
+        # several devices: a worker of its own that sees all of them, in place of the lead's warm one
+        visible = ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)
+        old = self._worker(lead)
+        lead.worker = old.replacement({"CUDA_VISIBLE_DEVICES": visible})
+        self.spawn(self._start_group(task, old, lead.worker, msg, buffers))
+
+    async def _start_group(self, task: ScheduledTask, old: Worker, worker: Worker, msg: wire.Message,
+                           buffers: list[Any]) -> None:
+        await old.kill()
+        try:
+            await worker.start(self.worker_start_timeout)
+        except (WorkerDied, OSError) as exc:
+            if worker.slot.worker is worker:
+                self._answer(task, wire.error("worker-died", str(exc)))
+                self._replace_worker(worker.slot)
+            return
+        if worker.slot.worker is not worker or worker.slot.task is not task:  # cancelled while it started
+            await worker.kill()
+            return
+        worker.send(msg, buffers)
+        self._arm_timeout(task)
+
+    def _arm_timeout(self, task: ScheduledTask) -> None:
+        if task.timeout:
+            assert self._loop is not None
+            task.timer = self._loop.call_later(task.timeout, self._on_timeout, task)
+
+    def _on_timeout(self, task: ScheduledTask) -> None:
+        task.timer = None
+        self._answer(task, wire.error("timeout", f"the task ran past its timeout of {task.timeout:g} s; "
+                                                 "its worker was killed and replaced"))
+        if task.slot is not None:
+            self._replace_worker(task.slot)
+
+    def _release(self, task: ScheduledTask) -> None:
+        """Free the slots a task holds and stop its timer."""
+        for slot in task.group:
+            if slot.task is task:
+                slot.task = None
+        if task.timer is not None:
+            task.timer.cancel()
+            task.timer = None
+
+    def _answer(self, task: ScheduledTask, reply: wire.Message, buffers: list[Any] | None = None) -> None:
+        """Send the task's outcome, once."""
+        if task.answered:
+            return
+        task.answered = True
+        self.tasks_done += 1
+        reply["id"] = task.client_id
+        reply["load"] = self.load()
+        task.owner.task_done(task, reply, buffers or [])
+
+    # ---- workers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _worker(slot: Slot) -> Worker:
+        assert slot.worker is not None
+        return slot.worker
+
+    def _on_reply(self, worker: Worker, reply: wire.Message, buffers: list[Any]) -> None:
+        slot = worker.slot
+        task = slot.task
+        if not isinstance(task, ScheduledTask) or slot.worker is not worker:
+            return
+        if len(task.group) > 1:
+            self._replace_worker(slot)  # back to a warm worker that sees its own device only
+        else:
+            self._release(task)
+        self._answer(task, reply, buffers)
+        self._start_queued()
+
+    def _on_worker_exit(self, worker: Worker, code: int | None) -> None:
+        slot = worker.slot
+        if slot.worker is not worker:
+            return
+        task = slot.task
+        log.warning("worker %s of slot %d died (%s)", worker.pid, slot.index, describe_exit(code))
+        self._replace_worker(slot)
+        if isinstance(task, ScheduledTask):
+            self._answer(task, wire.error("worker-died", f"the worker process {worker.pid} died while running "
+                                                         f"the task ({describe_exit(code)})"))
+
+    def _on_output(self, worker: Worker, stream: str, data: bytes) -> None:
+        task = worker.slot.task if worker.slot.worker is worker else None
+        if not isinstance(task, ScheduledTask) or task.answered:
+            log.info("worker %s %s: %s", worker.pid, stream, data.decode("utf-8", "replace").rstrip())
+            return
+        task.owner.task_output(task, wire.log(task.client_id, stream, data))
+
+    def _replace_worker(self, slot: Slot) -> None:
+        """Free the slot (and the others its task holds), kill its worker and start a fresh one."""
+        if isinstance(slot.task, ScheduledTask):
+            self._release(slot.task)
+        old = self._worker(slot)
+        slot.worker = old.replacement()
+        self.spawn(self._restart(old, slot))
+
+    async def _restart(self, old: Worker, slot: Slot) -> None:
+        code = await old.kill()
+        log.info("worker %s of slot %d ended (%s); starting a new one", old.pid, slot.index, describe_exit(code))
+        delay = 0.5
+        while not self.stopping:
+            try:
+                await self._worker(slot).start(self.worker_start_timeout)
+            except (WorkerDied, OSError) as exc:
+                log.error("%s; retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                slot.worker = self._worker(slot).replacement()
+                continue
+            self._start_queued()
+            return
+
+
+def _fits(req: Requirements, slot: Slot) -> bool:
+    return req.gpu_memory_gb is None or slot.memory_gb is None or slot.memory_gb >= req.gpu_memory_gb
+
+
+def _group(req: Requirements, ready: list[Slot]) -> list[Slot] | None:
+    """Ready slots for one task: one slot, or `devices` slots on distinct devices; None if too few."""
+    chosen: dict[str, Slot] = {}
+    for slot in ready:
+        if _fits(req, slot):
+            chosen.setdefault(slot.device, slot)
+            if len(chosen) == req.devices:
+                return list(chosen.values())
+    return None
+
