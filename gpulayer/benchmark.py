@@ -21,6 +21,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .accelerators import CPU, CUDA, MPS
 from .errors import GPULayerError
 
 FULL = {"latency_n": 200, "transfer_bytes": 64 << 20, "max_size": 8192, "budget_s": 1.0}
@@ -72,7 +73,7 @@ def _torch_matmul(max_size: int, budget: float) -> dict:
     import gpulayer as gl
 
     device = gl.device()
-    sync = {"cuda": torch.cuda.synchronize, "mps": torch.mps.synchronize}.get(device.type, lambda: None)
+    sync = {CUDA: torch.cuda.synchronize, MPS: torch.mps.synchronize}.get(device.type, lambda: None)
 
     def product(n):
         a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
@@ -106,7 +107,7 @@ def _matmul_plan(row: dict) -> list[tuple[str, str, object, tuple]]:
         if caps & {"mlx.metal", "mlx.cuda"}:
             plan.append(("mlx", row["accelerator"], _mlx_matmul, (True,)))
         if "mlx.cpu" in caps:
-            plan.append(("mlx", "cpu", _mlx_matmul, (False,)))
+            plan.append(("mlx", CPU, _mlx_matmul, (False,)))
     return plan
 
 

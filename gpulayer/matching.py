@@ -16,17 +16,20 @@ from functools import lru_cache
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from .accelerators import CPU, CUDA, GPU, GPU_KINDS, MPS, MPS_MAX_DEVICES, TASK_CHOICES, UNSUPPORTED, is_gpu
 from .resources.model import PROTOCOL_VERSION, Advert
 
-ACCELERATOR_CHOICES = (None, "cpu", "cuda", "mps", "gpu")
+ACCELERATOR_CHOICES = TASK_CHOICES
 # The capability a framework needs to use an accelerator, e.g. ("torch", "mps") -> "torch.mps".
 _BACKENDS = {
-    ("torch", "cuda"): "torch.cuda",
-    ("torch", "mps"): "torch.mps",
-    ("mlx", "mps"): "mlx.metal",
-    ("mlx", "cuda"): "mlx.cuda",
-    ("mlx", "cpu"): "mlx.cpu",
+    ("torch", CUDA): "torch.cuda",
+    ("torch", MPS): "torch.mps",
+    ("mlx", MPS): "mlx.metal",
+    ("mlx", CUDA): "mlx.cuda",
+    ("mlx", CPU): "mlx.cpu",
 }
+_NAMES = ", ".join(c for c in ACCELERATOR_CHOICES if c)  # "cpu, cuda, mps, gpu"
+_GPU_NAMES = " or ".join(GPU_KINDS)  # "cuda or mps"
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,14 @@ class Requirements:
               peer=None, devices=1) -> Requirements:
         """Validate and normalise; bad input raises ValueError naming the argument."""
         if accelerator not in ACCELERATOR_CHOICES:
-            raise ValueError(f"accelerator must be one of cpu, cuda, mps, gpu or None, not {accelerator!r}")
+            raise ValueError(f"accelerator must be one of {_NAMES} or None, not {accelerator!r}")
         if gpu_memory_gb is not None:
             if isinstance(gpu_memory_gb, bool) or not isinstance(gpu_memory_gb, (int, float)) \
                     or not 0 <= gpu_memory_gb < math.inf:
                 raise ValueError(f"gpu_memory_gb must be a non-negative number, not {gpu_memory_gb!r}")
-            if accelerator == "cpu":
+            if accelerator == CPU:
                 raise ValueError("gpu_memory_gb asks for a GPU, but accelerator='cpu'")
-            accelerator = accelerator or "gpu"
+            accelerator = accelerator or GPU
             gpu_memory_gb = float(gpu_memory_gb)
         if isinstance(frameworks, (list, tuple, set, frozenset)):
             frameworks = {name: "" for name in frameworks}
@@ -111,8 +114,8 @@ def _specifier(spec: str) -> SpecifierSet:
 
 def _backend(req: Requirements, advert: Advert) -> str:
     """The accelerator the task will use on this peer."""
-    if req.accelerator in (None, "gpu"):
-        return advert.accelerator if req.accelerator == "gpu" else "cpu"
+    if req.accelerator in (None, GPU):
+        return advert.accelerator if req.accelerator == GPU else CPU
     return req.accelerator
 
 
@@ -136,18 +139,18 @@ def match(req: Requirements, advert: Advert) -> tuple[str, ...]:
     if req.peer and req.peer not in (advert.name, advert.peer_id):
         why.append(f"not the requested peer {req.peer!r}")
     acc = req.accelerator
-    if acc == "gpu" and not advert.has_gpu:
-        why.append(f"task needs a GPU (cuda or mps); peer offers {advert.accelerator}")
-    elif acc in ("cuda", "mps") and advert.accelerator != acc:
+    if acc == GPU and not advert.has_gpu:
+        why.append(f"task needs a GPU ({_GPU_NAMES}); peer offers {advert.accelerator}")
+    elif is_gpu(acc) and advert.accelerator != acc:
         why.append(f"task needs {acc}; peer offers {advert.accelerator}")
     elif req.gpu_memory_gb is not None and advert.has_gpu:
         best = max(advert.device_memory_gb, default=0.0)
         if best < req.gpu_memory_gb:
             why.append(f"needs {req.gpu_memory_gb:g} GB of GPU memory; peer has {best:g} GB {advert.memory_kind}")
     if req.devices > 1:
-        if acc not in ("cuda", "mps", "gpu"):
+        if not (acc == GPU or is_gpu(acc)):
             why.append(f"devices={req.devices} needs a GPU accelerator")
-        elif advert.accelerator == "mps" or advert.distributed == "unsupported":
+        elif advert.distributed == UNSUPPORTED or advert.accelerator == MPS and req.devices > MPS_MAX_DEVICES:
             why.append(f"devices={req.devices}: multi-device runs are unsupported on {advert.accelerator}")
         elif advert.device_count < req.devices:
             why.append(f"devices={req.devices}; peer has {advert.device_count}")
@@ -179,7 +182,7 @@ def rank_key(req: Requirements, advert: Advert, load: float, latency: float = 0.
     a GPU (so GPUs stay free), then the least loaded, then the lowest latency.
     """
     ratio = load / max(advert.slots, 1)
-    if _backend(req, advert) in ("cuda", "mps"):
+    if is_gpu(_backend(req, advert)):
         fits = [m for m in advert.device_memory_gb if m >= (req.gpu_memory_gb or 0.0)]
         return (ratio, min(fits, default=0.0), latency)
     return (load >= advert.slots, advert.has_gpu, ratio, latency)

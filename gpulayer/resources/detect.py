@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from gpulayer.accelerators import CPU, CUDA, DISTRIBUTED, GPU_KINDS, MEMORY_KIND, MPS, UNIFIED, UNSUPPORTED
 from gpulayer.resources.model import Device, Framework, Resources
 
 log = logging.getLogger(__name__)
@@ -150,8 +151,8 @@ def _cuda_devices(facts: dict, torch: dict) -> list[Device]:
 
     nvidia-smi reports "[N/A]" memory for integrated GPUs (GB10, Jetson): those share system RAM.
     """
-    cuda = torch.get("cuda") or {}
-    distributed = "nccl" if cuda.get("nccl") else "unsupported"
+    cuda = torch.get(CUDA) or {}
+    distributed = DISTRIBUTED[CUDA] if cuda.get("nccl") else UNSUPPORTED
     if cuda.get("available"):
         found = [(d["index"], d["name"], d["memory_bytes"], d.get("ok") is True) for d in cuda.get("devices", [])]
     else:
@@ -160,11 +161,11 @@ def _cuda_devices(facts: dict, torch: dict) -> list[Device]:
     return [
         Device(
             index=index,
-            kind="cuda",
+            kind=CUDA,
             name=name,
             memory_gb=_gb(facts["memory_bytes"] if nbytes is None else nbytes),
-            memory_kind="unified" if nbytes is None else "dedicated",
-            independent="hardware-validated" if ok else "detected",
+            memory_kind=UNIFIED if nbytes is None else MEMORY_KIND[CUDA],
+            validation="hardware-validated" if ok else "detected",
             distributed=distributed,
         )
         for index, name, nbytes, ok in found
@@ -177,16 +178,16 @@ def _mps_devices(facts: dict, torch: dict, mlx: dict) -> list[Device]:
         return []
     chip = (facts.get("cpu_brand") or "").removeprefix("Apple ") or "arm64"
     memsize = (facts.get("sysctl") or {}).get("hw.memsize") or ""
-    validated = (torch.get("mps") or {}).get("ok") or ((mlx.get("backends") or {}).get("metal") or {}).get("ok")
+    validated = (torch.get(MPS) or {}).get("ok") or ((mlx.get("backends") or {}).get("metal") or {}).get("ok")
     return [
         Device(
             index=0,
-            kind="mps",
+            kind=MPS,
             name=f"Apple {chip} GPU (MPS)",
             memory_gb=_gb(int(memsize) if memsize.isdigit() else facts["memory_bytes"]),
-            memory_kind="unified",
-            independent="hardware-validated" if validated else "detected",
-            distributed="unsupported",
+            memory_kind=MEMORY_KIND[MPS],
+            validation="hardware-validated" if validated else "detected",
+            distributed=DISTRIBUTED[MPS],
         )
     ]
 
@@ -194,7 +195,7 @@ def _mps_devices(facts: dict, torch: dict, mlx: dict) -> list[Device]:
 def _frameworks(torch: dict, mlx: dict) -> list[Framework]:
     frameworks = []
     if torch:
-        available = {"cpu": True, **{k: (torch.get(k) or {}).get("available") for k in ("cuda", "mps")}}
+        available = {CPU: True, **{k: (torch.get(k) or {}).get("available") for k in GPU_KINDS}}
         frameworks.append(Framework("torch", torch["version"], tuple(f"torch.{k}" for k, v in available.items() if v)))
     if mlx:
         backends = mlx.get("backends") or {}

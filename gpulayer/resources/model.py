@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-PROTOCOL_VERSION = 1
+from ..accelerators import HOST_MEMORY, UNSUPPORTED, is_gpu, machine_accelerator
+from ..wire import PROTOCOL_VERSION  # re-exported: adverts carry it
 
-ACCELERATORS = ("cpu", "cuda", "mps")
 TXT_VALUE_MAX = 255  # bytes in one TXT string, key and '=' included
 
 
@@ -14,10 +14,12 @@ TXT_VALUE_MAX = 255  # bytes in one TXT string, key and '=' included
 class Device:
     """One accelerator: a CUDA GPU or an Apple GPU.
 
-    `independent` says how far single-device tasks were proven on it: "hardware-validated"
+    `validation` says how far single-device tasks were proven on it: "hardware-validated"
     (a tensor op ran on it when the peer started), "detected" (seen in system facts only) or
-    "override" (declared by an --advertise-override file). `distributed` names the
-    multi-device backend ("nccl") or "unsupported".
+    "override" (declared by an --advertise-override file); adverts carry it as
+    `Advert.validation`, and the report and the JSON of `gpulayer resources detect` as
+    "independent" (their format, kept stable). `distributed` names the multi-device backend
+    ("nccl") or "unsupported".
     """
 
     index: int
@@ -25,13 +27,13 @@ class Device:
     name: str
     memory_gb: float
     memory_kind: str
-    independent: str = "detected"
-    distributed: str = "unsupported"
+    validation: str = "detected"
+    distributed: str = UNSUPPORTED
 
     def describe(self) -> str:
         return (
             f"[{self.index}] {self.kind} {self.name} ({self.memory_gb:.1f} GB {self.memory_kind}) "
-            f"independent={self.independent} distributed={self.distributed}"
+            f"independent={self.validation} distributed={self.distributed}"
         )
 
 
@@ -62,21 +64,21 @@ class Resources:
     @property
     def accelerator(self) -> str:
         """The peer's accelerator: cuda or mps when it has such a device, else cpu."""
-        kinds = {d.kind for d in self.devices}
-        for kind in ("cuda", "mps"):
-            if kind in kinds:
-                return kind
-        return "cpu"
+        return machine_accelerator({d.kind for d in self.devices})
 
     @property
     def memory_kind(self) -> str:
-        return self.devices[0].memory_kind if self.devices else "host"
+        return self.devices[0].memory_kind if self.devices else HOST_MEMORY
 
     def framework(self, name: str) -> Framework | None:
         return next((f for f in self.frameworks if f.name == name), None)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """A JSON-ready dict; each device's `validation` is under its reported name "independent"."""
+        data = asdict(self)
+        data["devices"] = [{("independent" if k == "validation" else k): v for k, v in d.items()}
+                           for d in data["devices"]]
+        return data
 
 
 
@@ -110,7 +112,7 @@ class Advert:
 
     @property
     def has_gpu(self) -> bool:
-        return self.accelerator in ("cuda", "mps")
+        return is_gpu(self.accelerator)
 
     def framework_version(self, name: str) -> str | None:
         return dict(self.frameworks).get(name)
@@ -126,14 +128,14 @@ class Advert:
             memory_kind=res.memory_kind,
             device_memory_gb=tuple(round(d.memory_gb, 1) for d in gpus),
             device_name=gpus[0].name if gpus else res.cpu_name,
-            distributed=gpus[0].distributed if gpus else "unsupported",
+            distributed=gpus[0].distributed if gpus else UNSUPPORTED,
             ram_gb=round(res.memory_gb, 1),
             cpu_count=res.cpu_count,
             frameworks=tuple(sorted((f.name, f.version) for f in res.frameworks)),
             capabilities=frozenset(c for f in res.frameworks for c in f.capabilities),
             slots=slots,
             python=res.python,
-            validation=gpus[0].independent if gpus else "detected",
+            validation=gpus[0].validation if gpus else "detected",
         )
 
     def to_txt(self) -> dict[str, str]:
@@ -169,10 +171,10 @@ class Advert:
                 cluster=t["cl"],
                 name=t.get("n", t["id"]),
                 accelerator=t["acc"],
-                memory_kind=t.get("mk", "host"),
+                memory_kind=t.get("mk", HOST_MEMORY),
                 device_memory_gb=tuple(float(m) for m in t.get("gm", "").split(",") if m),
                 device_name=t.get("dn", ""),
-                distributed=t.get("dist", "unsupported"),
+                distributed=t.get("dist", UNSUPPORTED),
                 validation=t.get("ind", "detected"),
                 ram_gb=float(t.get("ram", 0)),
                 cpu_count=int(t.get("cpu", 0)),

@@ -23,9 +23,10 @@ given replace the detected ones, the others stay as detected:
         version       version string, "2.13.0+cpu"   required
         capabilities  list of non-empty strings      default: []  ("torch.cpu", "torch.mps", "mlx.metal")
 
-Devices from an override are advertised with independent="override", and the resources'
-source becomes "override:<file>". Anything else (an unknown field, another device kind, a
-negative size, a wrong type, a bad version) is a ValueError naming the file and the field.
+Devices from an override are advertised with validation="override" (reported as
+independent=override), and the resources' source becomes "override:<file>". Anything else (an
+unknown field, another device kind, a negative size, a wrong type, a bad version) is a
+ValueError naming the file and the field.
 
 Example, a 32 GB Apple M2 Max:
 
@@ -43,12 +44,11 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from gpulayer.accelerators import DEDICATED, DISTRIBUTED, GPU_KINDS, MEMORY_KIND, NCCL, UNIFIED, UNSUPPORTED
 from gpulayer.resources.model import Device, Framework, Resources
 
-DEVICE_DEFAULTS = {
-    "cuda": {"memory_kind": "dedicated", "distributed": "nccl"},
-    "mps": {"memory_kind": "unified", "distributed": "unsupported"},
-}
+# the defaults of a device's optional fields, per kind: {"cuda": {"memory_kind": "dedicated", ...}, "mps": ...}
+DEVICE_DEFAULTS = {kind: {"memory_kind": MEMORY_KIND[kind], "distributed": DISTRIBUTED[kind]} for kind in GPU_KINDS}
 
 
 class _Invalid(ValueError):
@@ -109,7 +109,7 @@ def _object(value, field: str, schema: dict, required: tuple[str, ...] = ()) -> 
 
 def _device(value, field: str, position: int) -> Device:
     checked = _object(value, field, DEVICE_FIELDS, ("kind", "name", "memory_gb"))
-    return Device(**{"index": position, **DEVICE_DEFAULTS[checked["kind"]], **checked, "independent": "override"})
+    return Device(**{"index": position, **DEVICE_DEFAULTS[checked["kind"]], **checked, "validation": "override"})
 
 
 def _devices(value, field: str) -> list[Device]:
@@ -132,9 +132,9 @@ DEVICE_FIELDS = {
     "kind": _choice(*DEVICE_DEFAULTS),
     "name": _string,
     "memory_gb": _size,
-    "memory_kind": _choice("dedicated", "unified"),
+    "memory_kind": _choice(DEDICATED, UNIFIED),
     "index": _integer(0),
-    "distributed": _choice("nccl", "unsupported"),
+    "distributed": _choice(NCCL, UNSUPPORTED),
 }
 FRAMEWORK_FIELDS = {"name": _string, "version": _version, "capabilities": _capabilities}
 FIELDS = {

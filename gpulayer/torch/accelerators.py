@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-ACCELERATORS = ("auto", "cpu", "cuda", "mps", "gpu")
-PRIORITY = ("cuda", "mps", "cpu")  # the order "auto" tries
-ENV_DEVICE = "GPULAYER_DEVICE"  # set by a GPUlayer peer inside a task, e.g. "cuda:0"
+from ..accelerators import (AUTO, AUTO_ORDER, CPU, CUDA, ENV_DEVICE, GPU, GPU_KINDS, MPS, MPS_MAX_DEVICES,
+                            TRAINER_CHOICES, auto_choice, is_gpu)
+
+ACCELERATORS = TRAINER_CHOICES
+PRIORITY = AUTO_ORDER  # the order "auto" tries
 
 
 class AcceleratorUnavailable(RuntimeError):
@@ -27,10 +29,10 @@ def available_accelerators() -> dict[str, int]:
     """Accelerator types present on this machine -> number of devices of that type."""
     present = {}
     if torch.cuda.is_available():
-        present["cuda"] = torch.cuda.device_count()
+        present[CUDA] = torch.cuda.device_count()
     if torch.backends.mps.is_available():
-        present["mps"] = 1
-    present["cpu"] = os.cpu_count() or 1
+        present[MPS] = MPS_MAX_DEVICES
+    present[CPU] = os.cpu_count() or 1
     return present
 
 
@@ -44,15 +46,15 @@ class Placement:
 
     def device(self, rank: int = 0) -> torch.device:
         """The device of process `rank` (cuda: one GPU per process)."""
-        if self.kind != "cuda":
+        if self.kind != CUDA:
             return torch.device(self.kind)
         if self.devices > 1:
-            return torch.device("cuda", rank)
-        return torch.device("cuda", self.index if self.index is not None else torch.cuda.current_device())
+            return torch.device(CUDA, rank)
+        return torch.device(CUDA, self.index if self.index is not None else torch.cuda.current_device())
 
 
 def _describe(present: dict[str, int]) -> str:
-    return ", ".join(f"{k} ({n} device{'s' if n != 1 else ''})" if k != "cpu" else k for k, n in present.items())
+    return ", ".join(f"{k} ({n} device{'s' if n != 1 else ''})" if k != CPU else k for k, n in present.items())
 
 
 def _env_device() -> torch.device | None:
@@ -65,7 +67,7 @@ def _env_device() -> torch.device | None:
         raise UnsupportedConfiguration(f"{ENV_DEVICE}={spec!r} is not a torch device name") from e
 
 
-def resolve(accelerator: str = "auto", devices: int = 1, num_nodes: int = 1) -> Placement:
+def resolve(accelerator: str = AUTO, devices: int = 1, num_nodes: int = 1) -> Placement:
     """Pick the device for `Trainer(accelerator, devices, num_nodes)`, enforcing the rules.
 
     "auto" honours GPULAYER_DEVICE when set, else picks cuda, then mps, then cpu; "gpu" means
@@ -77,13 +79,13 @@ def resolve(accelerator: str = "auto", devices: int = 1, num_nodes: int = 1) -> 
         raise UnsupportedConfiguration(f"devices must be a positive int, got {devices!r}")
     present = available_accelerators()
     env = _env_device()
-    if accelerator == "auto":
-        kind = env.type if env is not None else next(k for k in PRIORITY if k in present)
-    elif accelerator == "gpu":
-        if env is not None and env.type in ("cuda", "mps"):
+    if accelerator == AUTO:
+        kind = env.type if env is not None else auto_choice(present)
+    elif accelerator == GPU:
+        if env is not None and is_gpu(env.type):
             kind = env.type
         else:
-            kind = next((k for k in ("cuda", "mps") if k in present), None)
+            kind = next((k for k in GPU_KINDS if k in present), None)
             if kind is None:
                 raise AcceleratorUnavailable(f"accelerator='gpu' needs cuda or mps; present: {_describe(present)}")
     else:
@@ -92,13 +94,13 @@ def resolve(accelerator: str = "auto", devices: int = 1, num_nodes: int = 1) -> 
         raise AcceleratorUnavailable(f"accelerator {kind!r} is not present; present: {_describe(present)}")
     index = env.index if env is not None and env.type == kind else None
 
-    if kind == "mps" and (devices > 1 or num_nodes > 1):
+    if kind == MPS and (devices > MPS_MAX_DEVICES or num_nodes > 1):
         raise UnsupportedConfiguration(
             f"MPS trains on one device in one process; got devices={devices}, num_nodes={num_nodes}"
         )
     if num_nodes != 1:
         raise UnsupportedConfiguration(f"num_nodes={num_nodes}: only single-node training is supported")
-    if kind == "cuda" and devices > present["cuda"]:
+    if kind == CUDA and devices > present[CUDA]:
         raise AcceleratorUnavailable(f"devices={devices} CUDA GPUs requested; present: {_describe(present)}")
     if index is not None and devices > 1:
         raise UnsupportedConfiguration(

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from ..accelerators import CPU, CUDA, DISTRIBUTED
 from . import randomness
 from .accelerators import UnsupportedConfiguration
 
@@ -42,7 +43,7 @@ class _TrainingStep(nn.Module):
 
 def wrap(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     """A DDP-wrapped callable `(batch, batch_idx) -> training_step output`."""
-    return DistributedDataParallel(_TrainingStep(module), device_ids=[device] if device.type == "cuda" else None)
+    return DistributedDataParallel(_TrainingStep(module), device_ids=[device] if device.type == CUDA else None)
 
 
 def shard(loader, rank: int, world_size: int, shuffle: bool | None = None) -> DataLoader:
@@ -75,24 +76,24 @@ def spawn_fit(trainer, module, train, val, ckpt_path) -> dict:
     world_size = trainer.placement.devices
     with tempfile.TemporaryDirectory(prefix="glt-ddp-") as tmp:
         result = os.path.join(tmp, "rank0.pt")
-        args = (world_size, _free_port(), randomness.capture(torch.device("cpu")), trainer, module, train, val,
+        args = (world_size, _free_port(), randomness.capture(torch.device(CPU)), trainer, module, train, val,
                 ckpt_path, result)
         mp.spawn(_fit_worker, args=args, nprocs=world_size, join=True)
-        return torch.load(result, map_location="cpu", weights_only=True)
+        return torch.load(result, map_location=CPU, weights_only=True)
 
 
 def _fit_worker(rank, world_size, port, rng, trainer, module, train, val, ckpt_path, result) -> None:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     kind = trainer.placement.kind
-    if kind == "cuda":
+    if kind == CUDA:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    randomness.restore(rng, torch.device("cpu"))
+    randomness.restore(rng, torch.device(CPU))
     # spawn hands tensors over in shared memory: without a private copy, CPU ranks would share parameters
     module = copy.deepcopy(module)
-    dist.init_process_group("nccl" if kind == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group(DISTRIBUTED[CUDA] if kind == CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world_size)
     try:
         trainer._fit_as_rank(rank, world_size, module, train, val, ckpt_path)

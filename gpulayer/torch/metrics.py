@@ -13,6 +13,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..accelerators import CUDA, has_float64
+
 _transfers = 0
 
 
@@ -32,7 +34,7 @@ def to_host(packed: Tensor) -> list[float]:
 @contextlib.contextmanager
 def _sync_allowed(device: torch.device):
     """Suspend torch.cuda.set_sync_debug_mode for this deliberate transfer."""
-    mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
+    mode = torch.cuda.get_sync_debug_mode() if device.type == CUDA else 0
     if mode:
         torch.cuda.set_sync_debug_mode(0)
     try:
@@ -43,7 +45,8 @@ def _sync_allowed(device: torch.device):
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64
+    """float64 where the device has it (not on MPS), else float32."""
+    return torch.float64 if has_float64(device.type) else torch.float32
 
 
 def gather(values: Sequence[Tensor | float], device: torch.device,

@@ -5,6 +5,7 @@ import contextlib
 
 import torch
 
+from ..accelerators import CPU, MPS, mps_precision_problem
 from .accelerators import UnsupportedConfiguration
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed")
@@ -22,10 +23,10 @@ def normalize(precision: str | int) -> str:
 
 def check(name: str, kind: str) -> None:
     """Raise if accelerator type `kind` cannot train in precision `name`."""
-    if kind == "mps" and name != "32-true":
-        why = "MPS has no float64" if name == "64-true" else "mixed precision is not supported on MPS"
-        raise UnsupportedConfiguration(f"precision={name!r}: {why}; only '32-true' is supported on MPS")
-    if kind == "cpu" and name == "16-mixed":
+    problem = mps_precision_problem(name) if kind == MPS else None
+    if problem:
+        raise UnsupportedConfiguration(f"precision={name!r}: {problem}")
+    if kind == CPU and name == "16-mixed":
         raise UnsupportedConfiguration("precision='16-mixed' needs CUDA; on CPU use 'bf16-mixed' or '32-true'")
 
 

@@ -6,6 +6,8 @@ import random
 
 import torch
 
+from ..accelerators import CUDA, MPS
+
 try:
     import numpy as np
 except ImportError:  # numpy is optional
@@ -35,10 +37,10 @@ def capture(device: torch.device) -> dict:
     if np is not None:
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         state["numpy"] = (kind, keys.tolist(), pos, has_gauss, gauss)
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    elif device.type == "mps":
-        state["mps"] = torch.mps.get_rng_state()
+    if device.type == CUDA:
+        state[CUDA] = torch.cuda.get_rng_state(device)
+    elif device.type == MPS:
+        state[MPS] = torch.mps.get_rng_state()
     return state
 
 
@@ -49,7 +51,7 @@ def restore(state: dict, device: torch.device) -> None:
     if np is not None and "numpy" in state:
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-    elif device.type == "mps" and "mps" in state:
-        torch.mps.set_rng_state(state["mps"])
+    if device.type == CUDA and CUDA in state:
+        torch.cuda.set_rng_state(state[CUDA], device)
+    elif device.type == MPS and MPS in state:
+        torch.mps.set_rng_state(state[MPS])

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
+from ..accelerators import AUTO
 from . import accelerators, checkpoint, distributed, optim, precision as precision_rules, randomness
 from .callbacks import Callback, ModelCheckpoint
 from .metrics import MetricStore
@@ -74,7 +75,7 @@ class Trainer:
     `callback_metrics` and `logged_metrics` hold python floats (see docs/trainer.md).
     """
 
-    def __init__(self, max_epochs: int | None = None, max_steps: int = -1, accelerator: str = "auto",
+    def __init__(self, max_epochs: int | None = None, max_steps: int = -1, accelerator: str = AUTO,
                  devices: int = 1, num_nodes: int = 1, precision: str | int = "32-true",
                  gradient_clip_val: float | None = None, accumulate_grad_batches: int = 1,
                  val_check_interval: int | float = 1.0, log_every_n_steps: int = 50,

@@ -118,8 +118,8 @@ def test_mps_memory_falls_back_to_ram(load_facts):
 def test_cuda_device_whose_op_failed_is_only_detected(load_facts):
     facts = load_facts("linux_8x_h100")
     facts["probe"]["torch"]["cuda"]["devices"][3].update(ok=False, error="RuntimeError: CUDA error: ECC error")
-    independent = [d.independent for d in parse_facts(facts).devices]
-    assert independent == ["hardware-validated"] * 3 + ["detected"] + ["hardware-validated"] * 4
+    validation = [d.validation for d in parse_facts(facts).devices]
+    assert validation == ["hardware-validated"] * 3 + ["detected"] + ["hardware-validated"] * 4
 
 
 def test_torch_device_list_wins_over_nvidia_smi(load_facts):
@@ -151,5 +151,5 @@ def test_failed_probe_leaves_system_facts(load_facts):
     facts["probe"] = {"error": "TimeoutExpired: Command '['python', 'probe.py']' timed out after 60 seconds"}
     res = parse_facts(facts)
     assert (res.python, res.frameworks, res.cpu_count) == ("", [], 224)
-    assert {d.independent for d in res.devices} == {"detected"}
+    assert {d.validation for d in res.devices} == {"detected"}
     assert {d.distributed for d in res.devices} == {"unsupported"}

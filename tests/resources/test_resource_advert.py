@@ -41,3 +41,10 @@ def test_override_advert(load_facts):
     ad = advert(res)
     assert (ad.accelerator, ad.validation) == ("mps", "override")
     assert Advert.from_txt(ad.to_txt()) == ad
+
+
+def test_json_keeps_the_reported_key_independent(load_facts):
+    res = parse_facts(load_facts("mac_m2_max"))
+    assert res.devices[0].validation == "hardware-validated"
+    device = res.to_dict()["devices"][0]
+    assert device["independent"] == "hardware-validated" and "validation" not in device

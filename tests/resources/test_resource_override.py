@@ -53,7 +53,7 @@ def test_source_is_the_override_path(linux):
 def test_cuda_defaults_and_partial_override(linux):
     data = {"devices": [{"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB", "memory_gb": 80}] * 2, "cpu_count": 64}
     res = apply_override(linux, data, "a.json")
-    assert [(d.index, d.memory_kind, d.distributed, d.independent) for d in res.devices] == [
+    assert [(d.index, d.memory_kind, d.distributed, d.validation) for d in res.devices] == [
         (0, "dedicated", "nccl", "override"),
         (1, "dedicated", "nccl", "override"),
     ]
