@@ -17,6 +17,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,7 +140,7 @@ class Directory:
         with self._changed:
             return list(self._records.values())
 
-    def wait_for(self, predicate, timeout: float) -> bool:
+    def wait_for(self, predicate: Callable[[list[PeerRecord]], bool], timeout: float) -> bool:
         """Wait until predicate(records) is true or `timeout` passes; returns the last verdict."""
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -243,6 +244,7 @@ class Browser(ServiceListener):
         query = DNSOutgoing(0, multicast=False, id_=secrets.randbelow(65535) + 1)  # zeroconf drops repeats
         query.add_question(DNSQuestion(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN))
         selector = selectors.DefaultSelector()
+        sockets: dict[int, socket.socket] = {}
         for ip in self.interfaces or advertised_addresses(None):
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             try:
@@ -255,21 +257,23 @@ class Browser(ServiceListener):
                 sock.close()
                 continue
             selector.register(sock, selectors.EVENT_READ)
+            sockets[sock.fileno()] = sock
         deadline = time.monotonic() + window
+        loop = self.zc.loop
         try:
-            while selector.get_map() and not self._closed.is_set() and (left := deadline - time.monotonic()) > 0:
+            while sockets and loop is not None and not self._closed.is_set() and (left := deadline - time.monotonic()) > 0:
                 for key, _ in selector.select(min(left, 0.05)):
                     try:
-                        answer = DNSIncoming(key.fileobj.recv(9000))
+                        answer = DNSIncoming(sockets[key.fd].recv(9000))
                     except OSError:
                         continue
                     # into zeroconf's cache, as if heard by multicast: the browser then reports
                     # the peer, and later its goodbye
-                    self.zc.loop.call_soon_threadsafe(self.zc.record_manager.async_updates_from_response, answer)
+                    loop.call_soon_threadsafe(self.zc.record_manager.async_updates_from_response, answer)
         finally:
-            for key in list(selector.get_map().values()):
-                key.fileobj.close()
             selector.close()
+            for sock in sockets.values():
+                sock.close()
 
     def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
         peer_id = self._names.pop(name, None)

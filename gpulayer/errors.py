@@ -14,7 +14,7 @@ class ConfigError(GPULayerError):
 class NoMatchingPeer(GPULayerError):
     """No discovered peer fits the task. `reasons` maps each peer seen to why it does not fit."""
 
-    def __init__(self, requirements, reasons: dict[str, list[str]]):
+    def __init__(self, requirements: object, reasons: dict[str, list[str]]):
         self.requirements = requirements
         self.reasons = reasons
         if reasons:

@@ -10,14 +10,17 @@ torch.mps). Multi-device tasks are refused on MPS.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from functools import lru_cache
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .accelerators import CPU, CUDA, GPU, GPU_KINDS, MPS, MPS_MAX_DEVICES, TASK_CHOICES, UNSUPPORTED, is_gpu
-from .resources.model import PROTOCOL_VERSION, Advert
+from .resources.model import Advert
+from .wire import PROTOCOL_VERSION
 
 ACCELERATOR_CHOICES = TASK_CHOICES
 # The capability a framework needs to use an accelerator, e.g. ("torch", "mps") -> "torch.mps".
@@ -39,13 +42,14 @@ class Requirements:
     accelerator: str | None = None
     gpu_memory_gb: float | None = None
     frameworks: tuple[tuple[str, str], ...] = ()
-    capabilities: frozenset = field(default_factory=frozenset)
+    capabilities: frozenset[str] = field(default_factory=frozenset)
     peer: str | None = None
     devices: int = 1
 
     @classmethod
-    def build(cls, accelerator=None, gpu_memory_gb=None, frameworks=None, capabilities=None,
-              peer=None, devices=1) -> Requirements:
+    def build(cls, accelerator: str | None = None, gpu_memory_gb: float | None = None,
+              frameworks: Mapping[str, str] | Iterable[str] | None = None, capabilities: Iterable[str] | str | None = None,
+              peer: str | None = None, devices: int = 1) -> Requirements:
         """Validate and normalise; bad input raises ValueError naming the argument."""
         if accelerator not in ACCELERATOR_CHOICES:
             raise ValueError(f"accelerator must be one of {_NAMES} or None, not {accelerator!r}")
@@ -57,10 +61,17 @@ class Requirements:
                 raise ValueError("gpu_memory_gb asks for a GPU, but accelerator='cpu'")
             accelerator = accelerator or GPU
             gpu_memory_gb = float(gpu_memory_gb)
-        if isinstance(frameworks, (list, tuple, set, frozenset)):
-            frameworks = {name: "" for name in frameworks}
+        pairs: Mapping[Any, Any]
+        if isinstance(frameworks, Mapping):
+            pairs = frameworks
+        elif isinstance(frameworks, (list, tuple, set, frozenset)):
+            pairs = {name: "" for name in frameworks}
+        elif frameworks is None:
+            pairs = {}
+        else:
+            raise ValueError(f"frameworks must map names to PEP 440 specifiers, not {frameworks!r}")
         specs = []
-        for name, spec in (frameworks or {}).items():
+        for name, spec in pairs.items():
             if not isinstance(name, str) or not isinstance(spec, str):
                 raise ValueError(f"frameworks maps names to PEP 440 specifiers, got {name!r}: {spec!r}")
             _specifier(spec)
@@ -73,12 +84,12 @@ class Requirements:
             raise ValueError(f"peer must be a peer name or peer id, not {peer!r}")
         return cls(accelerator, gpu_memory_gb, tuple(sorted(specs)), frozenset(capabilities or ()), peer, devices)
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"acc": self.accelerator, "mem": self.gpu_memory_gb, "fw": [list(p) for p in self.frameworks],
                 "cap": sorted(self.capabilities), "dev": self.devices}
 
     @classmethod
-    def from_wire(cls, data) -> Requirements:
+    def from_wire(cls, data: object) -> Requirements:
         if not isinstance(data, dict):
             raise ValueError("requirements must be a map")
         fw = data.get("fw") or []
@@ -174,7 +185,7 @@ def _version_ok(version: str, spec: str) -> bool:
         return False
 
 
-def rank_key(req: Requirements, advert: Advert, load: float, latency: float = 0.0) -> tuple:
+def rank_key(req: Requirements, advert: Advert, load: float, latency: float = 0.0) -> tuple[Any, ...]:
     """Sort key among matching peers; smaller is better.
 
     GPU tasks: least loaded (busy + queued per slot), then the smallest memory that fits,

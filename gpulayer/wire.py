@@ -38,9 +38,17 @@ MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RE
 Message = dict[str, Any]  # any decoded message: check "t" before reading the rest
 
 
-class SubmitMessage(TypedDict):
+class Envelope(TypedDict, total=False):
+    """The keys any message may carry; `encode` sets "v" and "nb"."""
+
+    v: int  # the protocol version
+    nb: int  # how many out-of-band buffer frames follow
+    id: int | None
+    load: list[int]
+
+
+class SubmitMessage(Envelope):
     t: str
-    id: int
     fn: bytes  # the pickled function
     args: bytes  # the pickled (args, kwargs), with "nb" out-of-band buffers after it
     req: dict[str, Any]  # Requirements.to_wire()
@@ -48,9 +56,8 @@ class SubmitMessage(TypedDict):
     name: str
 
 
-class ErrorMessage(TypedDict, total=False):
+class ErrorMessage(Envelope, total=False):
     t: str
-    id: int | None  # None: about the connection, which the peer closes next
     code: str  # auth, protocol, too-large, version, bad-request, timeout, cancelled, exception, worker-died, ...
     message: str
     type: str  # for "exception": the qualified type name; "exc" the pickled exception, "tb" the traceback
@@ -58,27 +65,28 @@ class ErrorMessage(TypedDict, total=False):
     tb: str
 
 
-class RejectMessage(TypedDict):
+class RejectMessage(Envelope):
     t: str
-    id: int | None
     code: str  # busy, no-match, bad-request
     message: str
-    load: list[int]
 
 
-class LogMessage(TypedDict):
+class LogMessage(Envelope):
     t: str
-    id: int
     stream: str  # "out" or "err"
     data: bytes
 
 
-class HelloMessage(TypedDict):
+class HelloMessage(Envelope):
     t: str
     nonce: bytes
     peer: str
     cluster: str
     advert: dict[str, str]
+
+
+Outgoing = Message | Envelope  # what the senders take: a typed message or a plain map
+Buffers = list[Any] | tuple[Any, ...]  # out-of-band buffers: anything with the buffer protocol
 
 
 def submit(task_id: int, fn: bytes, args: bytes, req: dict[str, Any], timeout: float | None,
@@ -123,7 +131,7 @@ def max_message_bytes() -> int:
     return int(value) << 20
 
 
-def encode(msg: dict, buffers=()) -> list:
+def encode(msg: Outgoing, buffers: Buffers = ()) -> list[Any]:
     """The frames of one message, as a list of bytes-like parts ready to send in order.
 
     It sets the message's "v" (and "nb" when there are buffers) in `msg` itself.
@@ -140,7 +148,7 @@ def encode(msg: dict, buffers=()) -> list:
     return parts
 
 
-def receive_buffer(nbytes: int):
+def receive_buffer(nbytes: int) -> bytearray | mmap.mmap:
     """A writable buffer for one large incoming frame.
 
     Large ones are anonymous memory maps backed by transparent huge pages where the OS offers
@@ -157,14 +165,14 @@ def receive_buffer(nbytes: int):
     return bytearray(nbytes)
 
 
-def join_small(parts: list) -> list:
+def join_small(parts: list[Any]) -> list[Any]:
     """Merge parts into one bytes object when the message is small (one syscall)."""
     if len(parts) > 1 and sum(len(p) for p in parts) <= _SMALL:
         return [b"".join(parts)]
     return parts
 
 
-def send_parts(sock: socket.socket, parts: list) -> None:
+def send_parts(sock: socket.socket, parts: list[Any]) -> None:
     """Blocking send of encoded parts; big buffers are sent from their memory as is."""
     for part in join_small(parts):
         sock.sendall(part)
@@ -175,13 +183,13 @@ class MessageReader:
 
     def __init__(self, max_frame: int = PRE_AUTH_MAX_FRAME):
         self.max_frame = max_frame
-        self.messages: deque[tuple[dict, list]] = deque()
+        self.messages: deque[tuple[Message, list[Any]]] = deque()
         self._buf = bytearray(_SMALL if max_frame > PRE_AUTH_MAX_FRAME else 2 * PRE_AUTH_MAX_FRAME)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
-        self._big: bytearray | None = None
+        self._big: bytearray | mmap.mmap | None = None
         self._big_fill = 0
-        self._pending: tuple[dict, list, int] | None = None
+        self._pending: tuple[Message, list[Any], int] | None = None
         self._pending_bytes = 0
 
     def allow(self, max_frame: int) -> None:
@@ -254,7 +262,7 @@ class MessageReader:
             self._start = body + length
             self._on_frame(self._view[body:self._start])
 
-    def _on_frame(self, frame) -> None:
+    def _on_frame(self, frame: Any) -> None:
         if self._pending is not None:
             msg, buffers, count = self._pending
             # a small frame is a view of the shared buffer: copy it out (writable, like big ones)
@@ -274,7 +282,7 @@ class MessageReader:
             self.messages.append((msg, []))
 
 
-def decode(frame) -> dict:
+def decode(frame: Any) -> Message:
     """One message map from a frame; checks its shape, type and protocol version."""
     try:
         msg = msgpack.unpackb(frame, raw=False)
@@ -301,10 +309,10 @@ class BlockingConnection:
         self.reader = MessageReader(max_frame)
         self.last_received = time.monotonic()  # any bytes, not only whole messages: a big one takes time
 
-    def send(self, msg: dict, buffers=()) -> None:
+    def send(self, msg: Outgoing, buffers: Buffers = ()) -> None:
         send_parts(self.sock, encode(msg, buffers))
 
-    def recv(self) -> tuple[dict, list]:
+    def recv(self) -> tuple[Message, list[Any]]:
         """The next message; raises ConnectionError at EOF."""
         reader = self.reader
         while not reader.messages:
@@ -330,7 +338,7 @@ def hello(nonce: bytes, peer_id: str, cluster: str, txt: dict[str, str]) -> Hell
     return {"t": HELLO, "nonce": nonce, "peer": peer_id, "cluster": cluster, "advert": txt}
 
 
-def client_handshake(conn: BlockingConnection, key: bytes, client_id: str) -> dict:
+def client_handshake(conn: BlockingConnection, key: bytes, client_id: str) -> Message:
     """Run the submitter's half of the mutual HMAC handshake; return the peer's HELLO.
 
     Raises AuthError when either side's proof fails.
@@ -352,7 +360,7 @@ def client_handshake(conn: BlockingConnection, key: bytes, client_id: str) -> di
     return msg
 
 
-def check_auth(msg: dict, key: bytes, nonce_p: bytes) -> dict | None:
+def check_auth(msg: Message, key: bytes, nonce_p: bytes) -> Message | None:
     """The peer's check of an AUTH message: the AUTH_OK reply, or None when the proof fails."""
     nonce_s = msg.get("nonce")
     if msg["t"] != AUTH or not isinstance(nonce_s, bytes) or len(nonce_s) != security.NONCE_BYTES:

@@ -26,7 +26,7 @@ class ConnectionTask(Protocol):
 
     task_id: int
 
-    def message(self) -> tuple[dict[str, Any], list[Any]]: ...
+    def message(self) -> tuple[wire.Outgoing, list[Any]]: ...
 
     def on_output(self, stream: str, data: bytes) -> None: ...
 
@@ -79,7 +79,7 @@ class PeerConnection:
 
     # ---- sending ----------------------------------------------------------------------------------
 
-    def send(self, msg: dict[str, Any], buffers: list[Any] | tuple[()] = ()) -> None:
+    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
         with self._send_lock:
             self._wire.send(msg, buffers)
 

@@ -9,6 +9,7 @@ them at once, when its socket resets).
 from __future__ import annotations
 
 import codecs
+import functools
 import logging
 import os
 import sys
@@ -45,7 +46,7 @@ def _env_float(name: str, default: float) -> float:
         raise ConfigError(f"{name} must be a number of seconds") from None
 
 
-class TaskFuture(Future):
+class TaskFuture(Future[Any]):
     """A task's future. `cancel()` also stops the task on its peer; `stdout`/`stderr` hold its output."""
 
     def __init__(self, task: SubmittedTask):
@@ -95,7 +96,7 @@ class SubmittedTask:
     def peer_name(self) -> str | None:
         return self.conn.name if self.conn is not None else None
 
-    def message(self) -> tuple[dict[str, Any], list[Any]]:
+    def message(self) -> tuple[wire.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None
         return wire.submit(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name), \
             self.buffers or []
@@ -130,6 +131,11 @@ class SubmittedTask:
             out = sys.stdout if stream == "out" else sys.stderr
             out.write(text)
             out.flush()
+
+
+def _task_finished(window: threading.BoundedSemaphore, bar: ProgressBar, _future: Future[Any]) -> None:
+    window.release()
+    bar.advance()
 
 
 class Client:
@@ -239,7 +245,7 @@ class Client:
                 if window is None:
                     window = threading.BoundedSemaphore(max(4, 2 * self.total_slots(req)))
                     window.acquire()
-                future.add_done_callback(lambda _f, w=window: (w.release(), bar.advance()))
+                future.add_done_callback(functools.partial(_task_finished, window, bar))
                 futures.append(future)
             return [f.result() for f in futures]
         except BaseException:

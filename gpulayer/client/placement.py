@@ -7,6 +7,7 @@ retrying belong to the engine.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import Any
 
 from ..discovery import Directory, PeerRecord
 from ..matching import Requirements, match, rank_key
@@ -32,7 +33,7 @@ class Placement:
         """The candidates, best first."""
         return sorted(self.candidates(req, excluded), key=lambda record: self.rank(req, record))
 
-    def rank(self, req: Requirements, record: PeerRecord) -> tuple:
+    def rank(self, req: Requirements, record: PeerRecord) -> tuple[Any, ...]:
         live = self._load_of(record.advert.peer_id)
         load, latency = live if live is not None else (0, 1.0)
         return rank_key(req, record.advert, load, latency)

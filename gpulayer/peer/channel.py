@@ -28,6 +28,9 @@ OnMessage = Callable[[dict[str, Any], list[Any]], None]  # one complete message 
 OnClosed = Callable[[str, "ProtocolError | None"], None]  # why it closed; the error when input was bad
 
 
+_CLOSED_READER = wire.MessageReader()  # what a closed channel keeps: nothing is fed to it
+
+
 def _ignore(*_args: Any) -> None:
     pass
 
@@ -48,10 +51,10 @@ class AsyncChannel:
         self._out: deque[memoryview] = deque()
         self._out_bytes = 0
         self._writing = False
-        self._flushed: asyncio.Future | None = None
-        self._eof: asyncio.Future | None = None  # set while closing: input is read and dropped
+        self._flushed: asyncio.Future[None] | None = None
+        self._eof: asyncio.Future[None] | None = None  # set while closing: input is read and dropped
         self._scratch: bytearray | None = None
-        self._closing: asyncio.Task | None = None
+        self._closing: asyncio.Task[None] | None = None
         self._loop.add_reader(self._fd, self._on_readable)
 
     # ---- reading ----------------------------------------------------------------------------------
@@ -63,7 +66,7 @@ class AsyncChannel:
                 return
             closing = self._eof is not None
             try:  # while closing, input goes to a scratch buffer: the reader's may have no room left
-                n = self.sock.recv_into(self._scratch if closing else reader.buffer())
+                n = self.sock.recv_into(self._scratch if self._scratch is not None and closing else reader.buffer())
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -92,7 +95,7 @@ class AsyncChannel:
 
     # ---- writing ----------------------------------------------------------------------------------
 
-    def write(self, msg: dict, buffers=()) -> None:
+    def write(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
         """Queue a message and send as much as the socket takes now; never blocks."""
         if self.closed:
             return
@@ -144,7 +147,7 @@ class AsyncChannel:
 
     # ---- closing ----------------------------------------------------------------------------------
 
-    def close_gracefully(self, timeout: float = 1.0) -> asyncio.Future:
+    def close_gracefully(self, timeout: float = 1.0) -> asyncio.Task[None]:
         """Send what is queued (an ERROR, say), then close without resetting the connection.
 
         Closing with unread input makes the kernel send a reset, which can destroy the ERROR
@@ -161,7 +164,8 @@ class AsyncChannel:
         try:
             await asyncio.wait_for(self.drain(0), timeout)
             self.sock.shutdown(socket.SHUT_WR)
-            await asyncio.wait_for(asyncio.shield(self._eof), timeout)
+            if self._eof is not None:
+                await asyncio.wait_for(asyncio.shield(self._eof), timeout)
         except (asyncio.TimeoutError, OSError):
             pass
         self.close()
@@ -186,4 +190,4 @@ class AsyncChannel:
         # let go of the owner and the buffers now: under a flood of connections, waiting for the
         # cycle collector would let memory pile up
         self.on_message = self.on_closed = _ignore
-        self.reader = None
+        self.reader = _CLOSED_READER

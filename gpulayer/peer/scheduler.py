@@ -33,7 +33,7 @@ LOOKAHEAD = 256  # how deep the queue is searched for a task that fits the free 
 class TaskOwner(Protocol):
     """The submitter connection a task came from."""
 
-    def task_done(self, task: ScheduledTask, reply: wire.Message, buffers: list[Any]) -> None:
+    def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
         """Send the task's outcome (once)."""
 
     def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
@@ -238,7 +238,7 @@ class Scheduler:
             task.timer.cancel()
             task.timer = None
 
-    def _answer(self, task: ScheduledTask, reply: wire.Message, buffers: list[Any] | None = None) -> None:
+    def _answer(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any] | None = None) -> None:
         """Send the task's outcome, once."""
         if task.answered:
             return

@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,12 +81,12 @@ class Connection:
 
     # ---- TaskOwner: where the scheduler sends a task's outcome and output ----
 
-    def task_done(self, task: ScheduledTask, reply: wire.Message, buffers: list[Any]) -> None:
+    def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
         self.tasks.pop(task.client_id, None)
         self.channel.write(reply, buffers)
 
     def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
-        self.channel.write(msg)  # type: ignore[arg-type]
+        self.channel.write(msg)
 
 
 class Peer:
@@ -247,7 +248,7 @@ class Peer:
         log.warning("closing connection from %s: %s", conn.address, message)
         self._unauthenticated.pop(conn, None)
         self.drop(conn)
-        conn.channel.write(wire.error(code, message))  # type: ignore[arg-type]
+        conn.channel.write(wire.error(code, message))
         # a submitter may be in the middle of a large message: give it time to finish sending it,
         # so that closing does not reset the connection before it has read why
         conn.channel.close_gracefully(5.0 if conn.authenticated else 1.0)
@@ -307,7 +308,7 @@ class Peer:
             conn.channel.write({"t": wire.ACCEPT, "id": task_id, "load": self.load()})
 
     def _reject(self, conn: Connection, task_id: Any, code: str, message: str) -> None:
-        conn.channel.write(wire.reject(task_id, code, message, self.load()))  # type: ignore[arg-type]
+        conn.channel.write(wire.reject(task_id, code, message, self.load()))
 
 
 def _check_submit(msg: wire.Message) -> str | None:
@@ -329,7 +330,7 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-async def run_peer(config: PeerConfig, ready=None) -> None:
+async def run_peer(config: PeerConfig, ready: Callable[[Peer], None] | None = None) -> None:
     """Run a peer until SIGINT or SIGTERM; a second signal cancels its tasks at once."""
     peer = Peer(config)
     await peer.start()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import wire
-from ..errors import WorkerDied
+from ..errors import ProtocolError, WorkerDied
 from .channel import AsyncChannel
 
 log = logging.getLogger("gpulayer.peer")
@@ -30,7 +30,7 @@ class Slot:
     index: int
     device: str  # "cpu", "cuda:0", "mps"
     memory_gb: float | None = None
-    env: dict = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     worker: Worker | None = None
     task: object = None  # the scheduler's running ScheduledTask, if any
 
@@ -99,9 +99,9 @@ class Worker:
         self._channel: AsyncChannel | None = None
         self._pipes: dict[int, str] = {}
         self._loop = asyncio.get_running_loop()
-        self._started: asyncio.Future = self._loop.create_future()
+        self._started: asyncio.Future[wire.Message] = self._loop.create_future()
 
-    def replacement(self, extra_env: dict | None = None) -> Worker:
+    def replacement(self, extra_env: dict[str, str] | None = None) -> Worker:
         """A new (not yet started) worker for the same slot, optionally with extra environment."""
         return Worker(self.slot, self.python, self.preload, self.on_reply, self.on_output, self.on_exit,
                       self.pythonpath, extra_env)
@@ -144,17 +144,18 @@ class Worker:
         self.ready = True
         log.debug("worker %s ready on %s", self.pid, self.slot.device)
 
-    def send(self, msg: dict, buffers=()) -> None:
+    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+        assert self._channel is not None, "the worker has not started"
         self._channel.write(msg, buffers)
 
-    def _on_message(self, msg: dict, buffers: list) -> None:
+    def _on_message(self, msg: wire.Message, buffers: list[Any]) -> None:
         if not self._started.done():
             self._started.set_result(msg)
         elif msg["t"] in (wire.RESULT, wire.ERROR):
             self.drain_output()
             self.on_reply(self, msg, buffers)
 
-    def _on_channel_closed(self, reason: str, error) -> None:
+    def _on_channel_closed(self, reason: str, error: ProtocolError | None) -> None:
         self.ready = False
         if not self._started.done():
             self._started.set_exception(ConnectionError(reason))

@@ -37,3 +37,16 @@ def test_every_environment_variable_is_documented():
     assert {"GPULAYER_KEY", "GPULAYER_PEERS"} <= names
     missing = sorted(n for n in names if f"`{n}`" not in PAGE)
     assert not missing, f"docs/configuration.md does not mention: {missing}"
+
+
+def test_the_architecture_page_names_every_module_and_only_real_ones():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`(gpulayer/[\w/]+(?:\.py|/))`", page))
+    assert {"gpulayer/client/engine.py", "gpulayer/peer/scheduler.py"} <= named
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "gpulayer").glob("*.py") if p.name != "__init__.py"}
+    modules |= {str(p.relative_to(ROOT)) for p in (ROOT / "gpulayer").glob("*/*.py")
+                if p.name not in ("__init__.py", "__main__.py") and p.parent.name not in ("torch", "resources")}
+    covered = {m for m in modules if m in named or any(m.startswith(d) for d in named if d.endswith("/"))}
+    assert modules == covered, f"docs/architecture.md does not mention: {sorted(modules - covered)}"
