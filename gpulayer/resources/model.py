@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
 
-from ..accelerators import HOST_MEMORY, UNSUPPORTED, is_gpu, machine_accelerator
-from ..wire import PROTOCOL_VERSION  # re-exported: adverts carry it
+from ..accelerators import DEDICATED, HOST_MEMORY, KINDS, UNIFIED, UNSUPPORTED, is_gpu, machine_accelerator
+from ..wire import PROTOCOL_VERSION as PROTOCOL_VERSION  # re-exported: adverts carry it
 
 TXT_VALUE_MAX = 255  # bytes in one TXT string, key and '=' included
 
@@ -73,7 +76,7 @@ class Resources:
     def framework(self, name: str) -> Framework | None:
         return next((f for f in self.frameworks if f.name == name), None)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; each device's `validation` is under its reported name "independent"."""
         data = asdict(self)
         data["devices"] = [{("independent" if k == "validation" else k): v for k, v in d.items()}
@@ -100,7 +103,7 @@ class Advert:
     ram_gb: float
     cpu_count: int
     frameworks: tuple[tuple[str, str], ...]
-    capabilities: frozenset
+    capabilities: frozenset[str]
     slots: int
     python: str
     version: int = PROTOCOL_VERSION
@@ -161,34 +164,84 @@ class Advert:
         return {k: _fit_txt(k, v) for k, v in txt.items()}
 
     @classmethod
-    def from_txt(cls, txt: dict) -> Advert:
-        """Parse TXT properties (str or bytes keys/values). Raises ValueError when malformed."""
+    def from_txt(cls, txt: Mapping[Any, Any]) -> Advert:
+        """Parse TXT properties (str or bytes keys/values) from an untrusted source.
+
+        Every value is checked: numbers finite, non-negative and bounded, names from the known
+        vocabularies, text printable (control characters are removed) and short. Raises
+        ValueError naming the first value that fails.
+        """
         t = {_text(k): _text(v) for k, v in txt.items() if v is not None}
         try:
+            peer_id = _token(t, "id")
             return cls(
-                version=int(t["v"]),
-                peer_id=t["id"],
-                cluster=t["cl"],
-                name=t.get("n", t["id"]),
-                accelerator=t["acc"],
-                memory_kind=t.get("mk", HOST_MEMORY),
-                device_memory_gb=tuple(float(m) for m in t.get("gm", "").split(",") if m),
-                device_name=t.get("dn", ""),
-                distributed=t.get("dist", UNSUPPORTED),
-                validation=t.get("ind", "detected"),
-                ram_gb=float(t.get("ram", 0)),
-                cpu_count=int(t.get("cpu", 0)),
-                frameworks=tuple(sorted(tuple(item.split("/", 1)) for item in t.get("fw", "").split(",") if "/" in item)),
-                capabilities=frozenset(c for c in t.get("cap", "").split(",") if c),
-                slots=int(t.get("sl", 1)),
-                python=t.get("py", ""),
+                version=_number(t, "v", int, 1 << 16),
+                peer_id=peer_id,
+                cluster=_token(t, "cl"),
+                name=_printable(t.get("n", peer_id)) or peer_id,
+                accelerator=_choice(t, "acc", KINDS, None),
+                memory_kind=_choice(t, "mk", MEMORY_KINDS, HOST_MEMORY),
+                device_memory_gb=tuple(_bounded(float(m), "gm", MAX_MEMORY_GB) for m in t.get("gm", "").split(",") if m),
+                device_name=_printable(t.get("dn", "")),
+                distributed=_printable(t.get("dist", UNSUPPORTED)),
+                validation=_printable(t.get("ind", "detected")),
+                ram_gb=_number(t, "ram", float, MAX_MEMORY_GB, 0.0),
+                cpu_count=_number(t, "cpu", int, MAX_COUNT, 0),
+                frameworks=tuple(sorted((_printable(n), _printable(v)) for n, v in
+                                        (item.split("/", 1) for item in t.get("fw", "").split(",") if "/" in item))),
+                capabilities=frozenset(_printable(c) for c in t.get("cap", "").split(",") if c),
+                slots=max(1, _number(t, "sl", int, MAX_COUNT, 1)),
+                python=_printable(t.get("py", "")),
             )
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"malformed GPUlayer TXT record: {exc!r}") from None
+        except KeyError as exc:
+            raise ValueError(f"malformed GPUlayer TXT record: {exc.args[0]!r} is missing") from None
+        except ValueError as exc:
+            raise ValueError(f"malformed GPUlayer TXT record: {exc}") from None
 
 
-def _text(value) -> str:
+MAX_MEMORY_GB = 1 << 20  # bounds on advertised numbers: beyond any machine, far below overflow
+MAX_COUNT = 1 << 16
+MEMORY_KINDS = (DEDICATED, UNIFIED, HOST_MEMORY)
+_TOKEN = re.compile(r"[0-9A-Za-z_-]{1,64}")
+_N = TypeVar("_N", int, float)
+
+
+def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _printable(value: str, limit: int = TXT_VALUE_MAX) -> str:
+    """The value without control or other non-printable characters, at most `limit` characters."""
+    return "".join(ch for ch in value if ch.isprintable())[:limit]
+
+
+def _token(t: dict[str, str], key: str) -> str:
+    value = t[key]
+    if not _TOKEN.fullmatch(value):
+        raise ValueError(f"{key}={value[:40]!r} is not an id")
+    return value
+
+
+def _choice(t: dict[str, str], key: str, choices: tuple[str, ...], default: str | None) -> str:
+    value = t.get(key, default)
+    if value not in choices:
+        raise ValueError(f"{key}={(value or '')[:40]!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _bounded(value: _N, key: str, limit: int) -> _N:
+    if not 0 <= value <= limit:  # NaN fails too
+        raise ValueError(f"{key}={value!r} is not between 0 and {limit}")
+    return value
+
+
+def _number(t: dict[str, str], key: str, kind: type[_N], limit: int, default: _N | None = None) -> _N:
+    raw = t.get(key)
+    if raw is None:
+        if default is None:
+            raise KeyError(key)
+        return default
+    return _bounded(kind(raw), key, limit)
 
 
 def _fit_txt(key: str, value: str) -> str:
