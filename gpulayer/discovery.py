@@ -37,6 +37,9 @@ PEERS_ENV = "GPULAYER_PEERS"
 CACHE_ENV = "GPULAYER_CACHE"
 _MDNS_GROUP = "224.0.0.251"
 _TYPE_PTR, _CLASS_IN = 12, 1
+MAX_RECORDS = 1024  # peers a directory holds at most
+MAX_LOOKUPS = 32  # mDNS service-info look-ups outstanding at once; more names wait for the next announcement
+LOOKUP_TIMEOUT_MS = 1500
 
 
 def configured_interfaces(interfaces: list[str] | None = None) -> list[str] | None:
@@ -92,6 +95,8 @@ class PeerRecord:
     advert: Advert
     addresses: list[tuple[str, int]]
     source: str  # "mdns", "static", "cache"
+    verified: bool = False  # the advert and addresses came from a handshake with the cluster key
+    name: str = ""  # the mDNS name that announced it (unverified mDNS records only)
     seen: float = field(default_factory=time.time)
     down_until: float = 0.0
     error: str = ""
@@ -106,24 +111,34 @@ class PeerRecord:
 
 
 class Directory:
-    """The peers of one cluster known from every source; safe to use from any thread."""
+    """The peers of one cluster known from every source; safe to use from any thread.
 
-    def __init__(self, cluster: str, cache_path: Path | None = None):
+    Adverts are hints: an unverified record (from mDNS or the cache) never replaces a
+    verified one (from a handshake) or a static one, and the directory holds at most
+    `max_records` records, so that a flood of adverts cannot grow it without bound.
+    """
+
+    def __init__(self, cluster: str, cache_path: Path | None = None, max_records: int = MAX_RECORDS):
         self.cluster = cluster
         self.cache_path = cache_path
+        self.max_records = max_records
         self._records: dict[str, PeerRecord] = {}
         self._changed = threading.Condition()
 
     def upsert(self, record: PeerRecord) -> bool:
-        """Add or refresh a record; records of another cluster are ignored."""
+        """Add or refresh a record; False when it is ignored (another cluster, a weaker source, full)."""
         if record.advert.cluster != self.cluster:
             return False
         with self._changed:
             old = self._records.get(record.advert.peer_id)
             if old is not None:
-                record.down_until, record.error = old.down_until, old.error
-                if record.source == "cache":
+                if not record.verified and (old.verified or old.source == "static" or record.source == "cache"):
                     return False
+                record.down_until, record.error = old.down_until, old.error
+            elif not record.verified and len(self._records) >= self.max_records:
+                log.debug("directory full (%d records): ignoring the advert of %s", self.max_records,
+                          record.advert.peer_id)
+                return False
             self._records[record.advert.peer_id] = record
             self._changed.notify_all()
         return True
@@ -132,6 +147,23 @@ class Directory:
         with self._changed:
             if self._records.pop(peer_id, None) is not None:
                 self._changed.notify_all()
+
+    def withdraw(self, peer_id: str, name: str) -> PeerRecord | None:
+        """An mDNS goodbye for `name`: remove the record only if that name created it, unverified.
+
+        Returns the record the goodbye did not remove (verified or static), whose owner must
+        check for itself whether the peer is gone; None otherwise.
+        """
+        with self._changed:
+            record = self._records.get(peer_id)
+            if record is None:
+                return None
+            if record.verified or record.source == "static":
+                return record
+            if record.name == name:
+                del self._records[peer_id]
+                self._changed.notify_all()
+            return None
 
     def get(self, peer_id: str) -> PeerRecord | None:
         return self._records.get(peer_id)
@@ -168,7 +200,7 @@ class Directory:
         if self.cache_path is None:
             return
         entries = [{"txt": r.advert.to_txt(), "addresses": r.addresses}
-                   for r in self.records() if r.up and r.source != "cache"]
+                   for r in self.records() if r.up and r.verified]
         try:
             data = json.loads(self.cache_path.read_text()) if self.cache_path.exists() else {}
             if not isinstance(data, dict):
@@ -179,7 +211,10 @@ class Directory:
         try:
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o600)  # also when an old temp file was there
+                f.write(json.dumps(data))
             tmp.replace(self.cache_path)
         except OSError as exc:
             log.debug("could not write peer cache %s: %s", self.cache_path, exc)
@@ -209,19 +244,54 @@ def parse_address(item: str) -> tuple[str, int]:
 
 
 class Browser(ServiceListener):
-    """An mDNS browse of GPUlayer peers that keeps a Directory up to date."""
+    """An mDNS browse of GPUlayer peers that keeps a Directory up to date.
 
-    def __init__(self, directory: Directory, interfaces: list[str] | None = None):
+    Names whose records are in zeroconf's cache (a peer's announcement carries them all) are
+    resolved at once; the others are looked up in the background, at most MAX_LOOKUPS at a
+    time, so that a flood of bogus names never stalls the honest ones. A goodbye that cannot
+    remove a verified or static record is passed to `on_goodbye(record)`, which checks.
+    """
+
+    def __init__(self, directory: Directory, interfaces: list[str] | None = None,
+                 on_goodbye: Callable[[PeerRecord], None] | None = None):
         self.directory = directory
         self.interfaces = interfaces
+        self.on_goodbye = on_goodbye
         self._closed = threading.Event()
         self._names: dict[str, str] = {}  # mDNS name -> peer id
+        self._lookups: set[str] = set()
+        self._lookups_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="gpulayer-mdns")
         self.zc = _zeroconf(interfaces)
         self.browser = ServiceBrowser(self.zc, SERVICE_TYPE, self, question_type=DNSQuestionType.QM)
 
     def add_service(self, zc: Zeroconf, type_: str, name: str) -> None:
-        info = zc.get_service_info(type_, name, timeout=1500)
-        if info is None or not info.port:
+        info = ServiceInfo(type_, name)
+        if info.load_from_cache(zc):
+            self._found(name, info)
+            return
+        with self._lookups_lock:
+            if name in self._lookups or len(self._lookups) >= MAX_LOOKUPS or self._closed.is_set():
+                log.debug("not looking up %s now (%d look-ups outstanding)", name, len(self._lookups))
+                return
+            self._lookups.add(name)
+        self._pool.submit(self._look_up, zc, type_, name)
+
+    update_service = add_service
+
+    def _look_up(self, zc: Zeroconf, type_: str, name: str) -> None:
+        try:
+            info = zc.get_service_info(type_, name, timeout=LOOKUP_TIMEOUT_MS)
+            if info is not None and not self._closed.is_set():
+                self._found(name, info)
+        except Exception as exc:  # zeroconf closed meanwhile, or a malformed record
+            log.debug("look-up of %s failed: %s", name, exc)
+        finally:
+            with self._lookups_lock:
+                self._lookups.discard(name)
+
+    def _found(self, name: str, info: ServiceInfo) -> None:
+        if not info.port:
             return
         addresses = [(a, info.port) for a in info.parsed_addresses(IPVersion.V4Only)]
         try:
@@ -229,10 +299,11 @@ class Browser(ServiceListener):
         except ValueError as exc:
             log.debug("ignoring %s: %s", name, exc)
             return
-        if addresses and self.directory.upsert(PeerRecord(advert, addresses, "mdns")):
-            self._names[name] = advert.peer_id
-
-    update_service = add_service
+        if not addresses or advert.cluster != self.directory.cluster:
+            return
+        if name in self._names or len(self._names) < 4 * self.directory.max_records:
+            self._names[name] = advert.peer_id  # also when a verified record keeps it out: its goodbye counts
+        self.directory.upsert(PeerRecord(advert, addresses, "mdns", name=name))
 
     def query_now(self, window: float = 0.5) -> None:
         """Ask all peers at once with a one-shot legacy unicast query (RFC 6762, section 6.7).
@@ -277,12 +348,16 @@ class Browser(ServiceListener):
 
     def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
         peer_id = self._names.pop(name, None)
-        if peer_id is not None:
-            self.directory.remove(peer_id)
+        if peer_id is None:
+            return
+        unconfirmed = self.directory.withdraw(peer_id, name)
+        if unconfirmed is not None and self.on_goodbye is not None:
+            self.on_goodbye(unconfirmed)
 
     def close(self) -> None:
         self._closed.set()
         self.browser.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.zc.close()
 
 

@@ -185,15 +185,18 @@ def _version_ok(version: str, spec: str) -> bool:
         return False
 
 
-def rank_key(req: Requirements, advert: Advert, load: float, latency: float = 0.0) -> tuple[Any, ...]:
+def rank_key(req: Requirements, advert: Advert, load: float, latency: float = 0.0,
+             verified: bool = True) -> tuple[Any, ...]:
     """Sort key among matching peers; smaller is better.
 
     GPU tasks: least loaded (busy + queued per slot), then the smallest memory that fits,
-    then the lowest latency. CPU and unplaced tasks: a free slot first, then a peer without
-    a GPU (so GPUs stay free), then the least loaded, then the lowest latency.
+    then a verified advert, then the lowest latency. CPU and unplaced tasks: a free slot
+    first, then a peer without a GPU (so GPUs stay free), then the least loaded, then a
+    verified advert, then the lowest latency. A verified advert came through a handshake;
+    an unverified one (mDNS, the cache) is a hint that the handshake checks before any task.
     """
     ratio = load / max(advert.slots, 1)
     if is_gpu(_backend(req, advert)):
         fits = [m for m in advert.device_memory_gb if m >= (req.gpu_memory_gb or 0.0)]
-        return (ratio, min(fits, default=0.0), latency)
-    return (load >= advert.slots, advert.has_gpu, ratio, latency)
+        return (ratio, min(fits, default=0.0), not verified, latency)
+    return (load >= advert.slots, advert.has_gpu, ratio, not verified, latency)

@@ -67,6 +67,9 @@ class PeerConnection:
             self._wire = wire.BlockingConnection(sock)
             hello = wire.client_handshake(self._wire, key, client_id)
             self.advert = Advert.from_txt(hello.get("advert") or {})
+        except ValueError as exc:  # the peer proved the key, but its advert is malformed
+            sock.close()
+            raise ProtocolError(f"{self.address} sent a bad advert: {exc}") from None
         except BaseException:
             sock.close()
             raise
@@ -208,6 +211,6 @@ def _connect(addresses: list[tuple[str, int]]) -> tuple[socket.socket, str]:
         except OSError as exc:
             errors.append(f"{host}:{port}: {exc.strerror or exc}")
             continue
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        wire.tune(sock)
         return sock, f"{host}:{port}"
     raise ConnectionError("; ".join(errors) or "no address")

@@ -179,7 +179,7 @@ class Client:
                 return
             self._started = True
         if self._mdns:
-            self._browser = discovery.Browser(self.directory, self.interfaces)
+            self._browser = discovery.Browser(self.directory, self.interfaces, self._on_goodbye)
             threading.Thread(target=self._browser.query_now, name="gpulayer-query", daemon=True).start()
         for address in self.static:
             self._helpers.submit(self._probe_static, address)
@@ -256,26 +256,42 @@ class Client:
             bar.close()
 
     def _place(self, task: SubmittedTask) -> None:
-        """Give the task to the best matching peer; raise NoMatchingPeer when there is none."""
-        ranked = self.placement.ranked(task.req, task.excluded)
-        if not ranked:
-            self._wait_for_match(task.req, task.excluded)
+        """Give the task to the best matching peer; raise NoMatchingPeer when there is none.
+
+        Discovery, the heartbeat and static probing run whatever the source of the peers (mDNS,
+        the cache, GPULAYER_PEERS). When every known candidate fails (a stale cache, say), it
+        waits for discovery to find another once before giving up.
+        """
+        self.start()
+        failures: dict[str, list[str]] = {}
+        for attempt in range(2):
             ranked = self.placement.ranked(task.req, task.excluded)
-        failures = {}
-        for record in ranked:
-            try:
-                conn = self._connection(record)
-            except (OSError, GPULayerError) as exc:
-                failures[f"{record.advert.name} ({record.address})"] = [f"down: {exc}"]
-                continue
-            why = match(task.req, conn.advert)
-            if why:  # the cached or static advert was stale
-                failures[f"{conn.name} ({conn.address})"] = list(why)
-                continue
-            task.conn = conn
-            conn.submit(task)
-            return
+            if not ranked and (attempt == 0 or failures):
+                self._wait_for_match(task.req, task.excluded)
+                ranked = self.placement.ranked(task.req, task.excluded)
+            for record in ranked:
+                conn = self._usable_connection(task.req, record, failures)
+                if conn is not None:
+                    task.conn = conn
+                    conn.submit(task)
+                    return
+            if not failures:
+                break
         raise NoMatchingPeer(task.req, {**self.placement.reasons(task.req, task.excluded), **failures})
+
+    def _usable_connection(self, req: Requirements, record: discovery.PeerRecord,
+                           failures: dict[str, list[str]]) -> PeerConnection | None:
+        """The connection to a candidate if it is up and its verified advert still fits; else note why not."""
+        try:
+            conn = self._connection(record)
+        except (OSError, GPULayerError) as exc:
+            failures[f"{record.advert.name} ({record.address})"] = [f"down: {exc}"]
+            return None
+        why = match(req, conn.advert)
+        if why:  # the cached, static or mDNS advert was stale
+            failures[f"{conn.name} ({conn.address})"] = list(why)
+            return None
+        return conn
 
     def _place_again(self, task: SubmittedTask, cause: GPULayerError, delay: float = 0.0) -> None:
         """Place a task that a peer rejected or lost, after `delay`; fail it with `cause` if none fits."""
@@ -314,7 +330,7 @@ class Client:
     def _open(self, addresses: list[tuple[str, int]], source: str) -> PeerConnection:
         """Connect and authenticate; the peer's HELLO refreshes (or creates) its directory record."""
         conn = PeerConnection(self, addresses, self.key, self.client_id)
-        fresh = discovery.PeerRecord(conn.advert, addresses, "static" if source == "static" else "mdns")
+        fresh = discovery.PeerRecord(conn.advert, addresses, "static" if source == "static" else "mdns", verified=True)
         if not self.directory.upsert(fresh):
             conn.fail("the peer belongs to another cluster")
             raise AuthError(f"{conn.address} belongs to another cluster")
@@ -348,7 +364,29 @@ class Client:
             self._on_error(task, msg)
 
     def on_leaving(self, conn: PeerConnection) -> None:
-        self.mark_down(conn.peer_id, "the peer is shutting down")
+        self._forget(conn.peer_id, "the peer is shutting down")
+
+    def _forget(self, peer_id: str, reason: str) -> None:
+        """The peer is gone: drop its record, or mark a static one down."""
+        record = self.directory.get(peer_id)
+        if record is not None and record.source == "static":
+            self.mark_down(peer_id, reason)
+        else:
+            self.directory.remove(peer_id)
+
+    def _on_goodbye(self, record: discovery.PeerRecord) -> None:
+        """An mDNS goodbye for a verified or static peer is a hint: ask the peer itself."""
+        if not self._closed.is_set():
+            self._helpers.submit(self._check_leaving, record)
+
+    def _check_leaving(self, record: discovery.PeerRecord) -> None:
+        try:
+            status = self._connection(record).request(wire.status_request(), CONNECT_TIMEOUT)
+        except (OSError, GPULayerError) as exc:
+            self._forget(record.advert.peer_id, f"gone after its goodbye: {exc}")
+            return
+        if status.get("draining"):
+            self._forget(record.advert.peer_id, "the peer is shutting down")
 
     def on_lost(self, conn: PeerConnection, tasks: list[SubmittedTask], reason: str) -> None:
         with self._lock:

@@ -36,7 +36,7 @@ class Placement:
     def rank(self, req: Requirements, record: PeerRecord) -> tuple[Any, ...]:
         live = self._load_of(record.advert.peer_id)
         load, latency = live if live is not None else (0, 1.0)
-        return rank_key(req, record.advert, load, latency)
+        return rank_key(req, record.advert, load, latency, record.verified)
 
     def reasons(self, req: Requirements, excluded: Collection[str] = ()) -> dict[str, list[str]]:
         """Why each known peer is not a candidate, for NoMatchingPeer."""

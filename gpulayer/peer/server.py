@@ -207,7 +207,7 @@ class Peer:
                 oldest = next(iter(self._unauthenticated))  # evict the oldest, so floods cannot lock honest peers out
                 del self._unauthenticated[oldest]
                 oldest.channel.close()
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.tune(sock)
             conn = Connection(self, sock, f"{addr[0]}:{addr[1]}")
             self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
 

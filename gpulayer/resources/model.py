@@ -171,6 +171,8 @@ class Advert:
         vocabularies, text printable (control characters are removed) and short. Raises
         ValueError naming the first value that fails.
         """
+        if not isinstance(txt, Mapping):
+            raise ValueError(f"malformed GPUlayer TXT record: a {type(txt).__name__}, not a map")
         t = {_text(k): _text(v) for k, v in txt.items() if v is not None}
         try:
             peer_id = _token(t, "id")

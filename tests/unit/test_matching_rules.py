@@ -436,7 +436,17 @@ def test_gpu_rank_smallest_fitting_memory_then_latency():
     near_small = make_advert("cuda", name="near-small", memory=(24.0,))
     order = ranked(r, [(big, 0, 0.0), (mixed, 0, 0.0), (small, 0, 0.3), (near_small, 0, 0.1)])
     assert order == ["near-small", "small", "mixed", "big"]
-    assert rank_key(r, mixed, 0) == (0.0, 48.0, 0.0)
+    assert rank_key(r, mixed, 0) == (0.0, 48.0, False, 0.0)
+
+
+def test_a_verified_advert_wins_a_tie_but_never_beats_a_lighter_load():
+    for acc in ("cuda", "cpu"):
+        r = req(accelerator=acc)
+        heard = make_advert(acc, name="heard")  # from mDNS only
+        proven = make_advert(acc, name="proven")  # its advert came through a handshake
+        keys = {"heard": rank_key(r, heard, 0, 0.0, verified=False), "proven": rank_key(r, proven, 0, 0.5)}
+        assert min(keys, key=keys.get) == "proven"
+        assert rank_key(r, heard, 0, 0.0, verified=False) < rank_key(r, proven, 1, 0.0)
 
 
 def test_gpu_rank_load_beats_memory_and_latency():
@@ -451,7 +461,7 @@ def test_gpu_rank_applies_to_mps_by_unified_memory():
     mac36 = make_advert("mps", name="mac36", memory=(36.0,))
     mac128 = make_advert("mps", name="mac128", memory=(128.0,))
     assert ranked(r, [(mac128, 0, 0.0), (mac36, 0, 0.0)]) == ["mac36", "mac128"]
-    assert rank_key(r, mac36, 0, 0.25) == (0.0, 36.0, 0.25)
+    assert rank_key(r, mac36, 0, 0.25) == (0.0, 36.0, False, 0.25)
 
 
 def test_gpu_rank_zero_slots_does_not_divide_by_zero():
@@ -478,10 +488,10 @@ def test_cpu_rank_full_peer_without_gpu_after_any_free_gpu_peer():
     cpu_full = make_advert("cpu", name="cpu-full", slots=1)
     gpu_busyish = make_advert("cuda", name="gpu", slots=8)
     assert ranked(r, [(cpu_full, 1, 0.0), (gpu_busyish, 7, 1.0)]) == ["gpu", "cpu-full"]
-    assert rank_key(r, cpu_full, 1, 0.0) == (True, False, 1.0, 0.0)
+    assert rank_key(r, cpu_full, 1, 0.0) == (True, False, 1.0, False, 0.0)
 
 
 def test_cpu_task_on_gpu_peers_ranks_by_cpu_rules_not_memory():
     r = req(accelerator="cpu")
     key = rank_key(r, make_advert("cuda", memory=(80.0,), slots=2), 1, 0.2)
-    assert key == (False, True, 0.5, 0.2)
+    assert key == (False, True, 0.5, False, 0.2)
