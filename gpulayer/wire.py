@@ -204,7 +204,7 @@ def send_parts(sock: socket.socket, parts: list[Any]) -> None:
 class MessageReader:
     """Incremental decoder of frames into (message, buffers) pairs, with size limits."""
 
-    def __init__(self, max_frame: int = PRE_AUTH_MAX_FRAME):
+    def __init__(self, max_frame: int = PRE_AUTH_MAX_FRAME, buffers: bool = True):
         self.max_frame = max_frame
         self.messages: deque[tuple[Message, list[Any]]] = deque()
         self._buf = bytearray(_SMALL if max_frame > PRE_AUTH_MAX_FRAME else 2 * PRE_AUTH_MAX_FRAME)
@@ -214,10 +214,12 @@ class MessageReader:
         self._big_fill = 0
         self._pending: tuple[Message, list[Any], int] | None = None
         self._pending_bytes = 0
+        self.buffers_allowed = buffers
 
     def allow(self, max_frame: int) -> None:
-        """Raise the limit (after authentication), with a receive buffer to match."""
+        """Raise the limit (after authentication), with a receive buffer to match; allow buffers."""
         self.max_frame = max_frame
+        self.buffers_allowed = True
         if len(self._buf) < _SMALL:
             kept = self._buf[self._start:self._end]
             self._buf = bytearray(_SMALL)
@@ -299,10 +301,17 @@ class MessageReader:
         count = msg.get("nb", 0)
         if not isinstance(count, int) or not 0 <= count <= MAX_BUFFERS:
             raise ProtocolError(f"bad buffer count {count!r}")
+        if count and not self.buffers_allowed:
+            raise ProtocolError("out-of-band buffers are not allowed before authentication")
         if count:
             self._pending, self._pending_bytes = (msg, [], count), len(frame)
         else:
             self.messages.append((msg, []))
+
+
+def connection_reader(max_frame: int) -> MessageReader:
+    """The reader of a connection: below the post-auth limit (before AUTH_OK), no out-of-band buffers."""
+    return MessageReader(max_frame, buffers=max_frame > PRE_AUTH_MAX_FRAME)
 
 
 def decode(frame: Any) -> Message:
@@ -329,7 +338,7 @@ class BlockingConnection:
 
     def __init__(self, sock: socket.socket, max_frame: int = PRE_AUTH_MAX_FRAME):
         self.sock = sock
-        self.reader = MessageReader(max_frame)
+        self.reader = connection_reader(max_frame)
         self.last_received = time.monotonic()  # any bytes, not only whole messages: a big one takes time
 
     def send(self, msg: Outgoing, buffers: Buffers = ()) -> None:

@@ -41,7 +41,7 @@ class AsyncChannel:
     def __init__(self, sock: socket.socket, max_frame: int, on_message: OnMessage, on_closed: OnClosed):
         sock.setblocking(False)
         self.sock = sock
-        self.reader = wire.MessageReader(max_frame)
+        self.reader = wire.connection_reader(max_frame)
         self.closed = False
         self.on_message = on_message
         self.on_closed = on_closed

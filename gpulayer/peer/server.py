@@ -29,6 +29,9 @@ from .scheduler import ScheduledTask, Scheduler, default_preload, plan_slots
 
 log = logging.getLogger("gpulayer.peer")
 
+ACCEPT_PAUSE_MIN, ACCEPT_PAUSE_MAX = 0.05, 1.0  # back-off of accepting when out of descriptors (s)
+ACCEPT_WARN_EVERY = 10.0  # seconds between warnings about failing accepts
+
 
 @dataclass
 class PeerConfig:
@@ -106,6 +109,10 @@ class Peer:
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
+        self._lingering: dict[Connection, None] = {}  # refused, closing in the background; oldest first
+        self._accept_pause = 0.0  # seconds accepting pauses after running out of descriptors
+        self._accept_errors = 0  # since the last warning
+        self._accept_warned = 0.0
         self._draining = False
         self._forced = False
         self._stopped: asyncio.Event | None = None
@@ -201,15 +208,43 @@ class Peer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("accept failed: %s", exc)
+                self._accept_failed(exc)
                 return
-            if len(self._unauthenticated) >= self.config.max_unauthenticated:
-                oldest = next(iter(self._unauthenticated))  # evict the oldest, so floods cannot lock honest peers out
-                del self._unauthenticated[oldest]
-                oldest.channel.close()
+            self._accept_pause = 0.0
+            self._make_room()
             wire.tune(sock)
             conn = Connection(self, sock, f"{addr[0]}:{addr[1]}")
             self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
+
+    def _make_room(self) -> None:
+        """Keep connections not (or no longer) authenticated under the cap: close the oldest.
+
+        Lingering refused connections go first, then the oldest handshake, so that a flood
+        cannot lock honest submitters out.
+        """
+        while len(self._unauthenticated) + len(self._lingering) >= self.config.max_unauthenticated:
+            pool: dict[Connection, Any] = self._lingering or self._unauthenticated
+            oldest = next(iter(pool))
+            del pool[oldest]
+            oldest.channel.close()
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """Out of descriptors (or another accept error): pause accepting, back off, warn at most every 10 s."""
+        assert self._loop is not None and self._server is not None
+        self._accept_errors += 1
+        now = time.monotonic()
+        self._accept_pause = min(max(2 * self._accept_pause, ACCEPT_PAUSE_MIN), ACCEPT_PAUSE_MAX)
+        if now - self._accept_warned >= ACCEPT_WARN_EVERY:
+            log.warning("accept failed %d time(s): %s; pausing new connections for %.2f s",
+                        self._accept_errors, exc, self._accept_pause)
+            self._accept_warned, self._accept_errors = now, 0
+        fd = self._server.fileno()
+        self._loop.remove_reader(fd)
+        self._loop.call_later(self._accept_pause, self._resume_accepting, fd)
+
+    def _resume_accepting(self, fd: int) -> None:
+        if not self._draining and self._loop is not None:
+            self._loop.add_reader(fd, self._on_accept)
 
     async def _watchdog(self) -> None:
         """Close handshakes that stall and submitters that went silent (no PING for a while)."""
@@ -251,7 +286,10 @@ class Peer:
         conn.channel.write(wire.error(code, message))
         # a submitter may be in the middle of a large message: give it time to finish sending it,
         # so that closing does not reset the connection before it has read why
-        conn.channel.close_gracefully(5.0 if conn.authenticated else 1.0)
+        closing = conn.channel.close_gracefully(5.0 if conn.authenticated else 1.0)
+        if not closing.done():
+            self._lingering[conn] = None
+            closing.add_done_callback(lambda _: self._lingering.pop(conn, None))
 
     def drop(self, conn: Connection) -> None:
         """Forget a connection and cancel its tasks: its submitter is gone."""

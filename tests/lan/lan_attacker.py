@@ -222,12 +222,12 @@ class Attacker:
         self.expect_refusal("bad_buffer_count", sock, {"protocol", "auth"})
 
     def buffers_before_auth(self) -> None:
-        """Out-of-band buffers before AUTH: their total is bounded by the pre-auth limit."""
+        """Out-of-band buffers before AUTH: refused at their message's header."""
         sock = self.connect()
         self.hello(sock)
         sock.sendall(message(t=wire.SUBMIT, nb=4, id=1, fn=self.bomb, args=self.bomb)
                      + b"".join(frame(self.rng.randbytes(2000)) for _ in range(4)))
-        self.expect_refusal("buffers_before_auth", sock, {"too-large", "auth"})
+        self.expect_refusal("buffers_before_auth", sock, {"protocol", "auth"})
 
     def submit_before_auth(self) -> None:
         sock = self.connect()

@@ -623,3 +623,14 @@ def test_blocking_send_and_recv_with_buffers(socket_pair):
     assert bytes(bufs[0]) == payload and bufs[1] == b"x"
     left.close()
     left.close()  # idempotent
+
+
+def test_a_connection_reader_refuses_buffers_until_authentication_raises_its_limit():
+    data, _ = stream_of(({"t": wire.AUTH, "id": 1}, [b"x" * 10] * 3))
+    reader = wire.connection_reader(wire.PRE_AUTH_MAX_FRAME)
+    with pytest.raises(ProtocolError, match="not allowed before authentication"):
+        feed(reader, data)
+    reader = wire.connection_reader(wire.PRE_AUTH_MAX_FRAME)
+    reader.allow(1 << 20)
+    feed(reader, data)
+    assert [len(b) for b in drain(reader)[0][1]] == [10, 10, 10]
