@@ -7,6 +7,7 @@ import json
 import sys
 
 from .errors import GPULayerError
+from .peer_table import format_peers
 
 
 def _resources_detect(args) -> int:
@@ -18,28 +19,6 @@ def _resources_detect(args) -> int:
     else:
         print(detect.format_resources(res, python_path=args.python or sys.executable))
     return 0
-
-
-def format_peers(rows: list[dict]) -> str:
-    """The peer table of `gpulayer peers` and `gpulayer demo`."""
-    header = ("NAME", "ADDRESS", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "STATE")
-    lines = [header]
-    for r in rows:
-        if "accelerator" not in r:  # an unreachable static peer
-            lines.append((r["name"], r["address"], "?", "?", "?", "?", f"down: {r['error']}"))
-            continue
-        mem = r["device_memory_gb"]
-        memory = f"{max(mem):g} GB {r['memory_kind']}" if mem else f"{r['ram_gb']:g} GB host"
-        if len(mem) > 1:
-            memory = f"{len(mem)}x{max(mem):g} GB {r['memory_kind']}"
-        busy = "?" if r["busy"] is None else r["busy"]
-        queued = f" +{r['queued']}q" if r.get("queued") else ""
-        state = r["state"] if r["state"] == "up" else f"down: {r['error']}"
-        frameworks = " ".join(f"{k} {v}" for k, v in sorted(r["frameworks"].items())) or "-"
-        lines.append((r["name"], r["address"], r["accelerator"], memory, frameworks,
-                      f"{busy}/{r['slots']}{queued}", state))
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 def _peers(args) -> int:

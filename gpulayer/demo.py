@@ -61,7 +61,7 @@ def local_peer(env: dict, name: str = "demo-peer", extra_args=(), timeout: float
 
 def run_demo(tasks: int = 16) -> int:
     import gpulayer as gl
-    from .cli import format_peers
+    from .peer_table import format_peers
 
     key = secrets.token_hex(16)
     os.environ.update(GPULAYER_KEY=key, GPULAYER_INTERFACES="127.0.0.1", GPULAYER_CACHE="0")

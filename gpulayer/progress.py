@@ -1,4 +1,4 @@
-"""A one-line progress bar on stderr, drawn only on a terminal."""
+"""The progress bar of `gl.map`: one line on stderr, drawn only on a terminal."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import threading
 import time
 
 
-class Progress:
+class MapProgressBar:
+    """Tasks done out of `total` and their rate, redrawn at most every 0.1 s (and at the last one)."""
+
     def __init__(self, total: int, label: str = "", enabled: bool | None = None, stream=None):
         self.total = total
         self.label = label
@@ -38,3 +40,7 @@ class Progress:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
+
+
+# TODO(remove): a temporary alias until gpulayer/client/engine.py imports MapProgressBar.
+Progress = MapProgressBar

@@ -18,8 +18,8 @@ def format_metrics(metrics: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
 
 
-class Progress:
-    """Silent progress; the base of the visible kinds."""
+class TrainerProgress:
+    """The Trainer's progress output, silent; the base of the visible kinds (LogLines, Bar)."""
 
     def start_epoch(self, epoch: int, total: int | None) -> None: ...
     def update(self, batches_done: int, step: int, metrics: dict[str, float]) -> None: ...
@@ -28,7 +28,7 @@ class Progress:
     def close(self) -> None: ...
 
 
-class LogLines(Progress):
+class LogLines(TrainerProgress):
     """One line per sync point: `epoch 2 step 40 train_loss=0.1234 val_loss=0.1201`."""
 
     def __init__(self, stream: TextIO):
@@ -92,8 +92,12 @@ class Bar(LogLines):
             self.bar = None
 
 
-def make_progress(enabled: bool, stream: TextIO | None = None) -> Progress:
+def make_progress(enabled: bool, stream: TextIO | None = None) -> TrainerProgress:
     stream = stream or sys.stderr
     if not enabled:
-        return Progress()
+        return TrainerProgress()
     return Bar(stream) if stream.isatty() else LogLines(stream)
+
+
+# TODO(remove): a temporary alias until gpulayer/torch/trainer.py imports TrainerProgress.
+Progress = TrainerProgress

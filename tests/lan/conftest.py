@@ -6,17 +6,15 @@ environment), all with one fresh cluster key. Submitters run in namespaces of th
 agents (lan_agent.py) driven from the test. Everything is removed after the module, whether
 its tests passed or not; lanlab.py also cleans up at exit, on SIGTERM, and after a crashed run.
 
-The `reliability` fixture collects what the tests tried and what survived; at the end of the
-session it is written to bench/results/reliability.json.
+The `reliability` fixture collects what the tests tried and what survived (lanreport.py); at
+the end of the session it is written into pytest's temporary directory, or to
+`--reliability-json PATH`, and the terminal summary names the file. Only bench/reliability.py
+writes bench/results/reliability.json: a test run leaves the work tree as it was.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,9 +22,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lanlab import Agent, Host, Lan, LanPeer, LanUnavailable, why_unavailable  # noqa: E402
+from lanreport import Reliability  # noqa: E402
 from support import new_key  # noqa: E402
 
-REPORT = Path(__file__).resolve().parents[2] / "bench" / "results" / "reliability.json"
+REPORT_NAME = "reliability.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reliability-json", metavar="PATH", default=None,
+                     help="where the LAN suite writes its reliability report (default: pytest's temporary "
+                          "directory); bench/reliability.py sets it")
 
 
 class LanCluster:
@@ -94,64 +99,6 @@ def lan(request, tmp_path_factory):
     assert not left, f"the LAN left these behind: {left}"
 
 
-class Reliability:
-    """Sections of bench/results/reliability.json, filled by the tests that ran."""
-
-    def __init__(self):
-        self.sections: dict[str, dict] = {}
-        self.outcomes: dict[str, str] = {}
-        self.started = time.time()
-
-    def record(self, section: str, **data) -> None:
-        self.sections.setdefault(section, {"recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).update(data)
-
-    def write(self) -> None:
-        if not self.sections:
-            return
-        try:
-            report = json.loads(REPORT.read_text())
-            if not isinstance(report, dict):
-                report = {}
-        except (OSError, ValueError):
-            report = {}
-        tests = report.get("tests", {}) if isinstance(report.get("tests"), dict) else {}
-        tests.update(self.sections)
-        totals = {"faults_injected": {}, "faults_injected_total": 0, "tasks_completed": 0, "duplicates": 0,
-                  "lost": 0}
-        for section in tests.values():
-            faults = section.get("faults_injected")
-            if isinstance(faults, dict):
-                for kind, n in faults.items():
-                    totals["faults_injected"][kind] = totals["faults_injected"].get(kind, 0) + n
-                    totals["faults_injected_total"] += n
-            for key in ("tasks_completed", "duplicates", "lost"):
-                if isinstance(section.get(key), int):
-                    totals[key] += section[key]
-        outcomes = report.get("outcomes", {}) if isinstance(report.get("outcomes"), dict) else {}
-        outcomes.update(self.outcomes)
-        detection = {}
-        words = ("detect", "discovered", "appeared", "disappeared", "found", "reused")
-        for name, section in tests.items():
-            for key, value in section.items():
-                timed = isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith("_s")
-                if timed and "bound" not in key and any(word in key for word in words):
-                    detection[f"{name}.{key}"] = value
-        report = {
-            "what": "GPUlayer across hosts: peers in network namespaces on a bridge, real mDNS multicast, "
-                    "kills, link cuts, a faulty relay, load, and hostile input (tests/lan)",
-            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
-            "totals": totals,
-            "detection_times_s": detection,
-            "outcomes": dict(sorted(outcomes.items())),
-            "tests": tests,
-        }
-        REPORT.parent.mkdir(parents=True, exist_ok=True)
-        tmp = REPORT.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
-        tmp.replace(REPORT)
-
-
 _report = Reliability()
 
 
@@ -166,6 +113,12 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(scope="session")
-def reliability():
+def reliability(request, tmp_path_factory):
     yield _report
-    _report.write()
+    path = request.config.getoption("reliability_json", default=None)
+    _report.write(Path(path) if path else tmp_path_factory.getbasetemp() / REPORT_NAME)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _report.written:
+        terminalreporter.write_line(f"LAN reliability report: {_report.written}")

@@ -81,7 +81,7 @@ def test_builtin_bar_on_a_terminal(monkeypatch):
     out = stream.getvalue()
     assert "\repoch 3 |############............| 5/10 step 40 train_loss=0.5" in out
     assert out.endswith("| 10/10 step 42 train_loss=0.25 val_loss=0.3\x1b[K\n")
-    assert isinstance(progress.make_progress(False, stream), progress.Progress)
+    assert isinstance(progress.make_progress(False, stream), progress.TrainerProgress)
 
 
 def test_gradient_accumulation_equals_the_larger_batch():

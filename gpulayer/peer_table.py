@@ -1,0 +1,31 @@
+"""The peer table that `gpulayer peers` and `gpulayer demo` print, from the rows of `gl.peers()`.
+
+It lives on its own so that the CLI and the demo both use it without importing each other
+(the CLI imports the demo; the demo imports nothing of the CLI).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def format_peers(rows: list[dict[str, Any]]) -> str:
+    """One line per row under a header, columns padded to their widest cell."""
+    header = ("NAME", "ADDRESS", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "STATE")
+    lines = [header]
+    for r in rows:
+        if "accelerator" not in r:  # an unreachable static peer
+            lines.append((r["name"], r["address"], "?", "?", "?", "?", f"down: {r['error']}"))
+            continue
+        mem = r["device_memory_gb"]
+        memory = f"{max(mem):g} GB {r['memory_kind']}" if mem else f"{r['ram_gb']:g} GB host"
+        if len(mem) > 1:
+            memory = f"{len(mem)}x{max(mem):g} GB {r['memory_kind']}"
+        busy = "?" if r["busy"] is None else r["busy"]
+        queued = f" +{r['queued']}q" if r.get("queued") else ""
+        state = r["state"] if r["state"] == "up" else f"down: {r['error']}"
+        frameworks = " ".join(f"{k} {v}" for k, v in sorted(r["frameworks"].items())) or "-"
+        lines.append((r["name"], r["address"], r["accelerator"], memory, frameworks,
+                      f"{busy}/{r['slots']}{queued}", state))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
