@@ -1,4 +1,4 @@
-"""`gpulayer`: resources detect | peers | join | demo | key init."""
+"""`gpulayer`: resources detect | peers | join | demo | bench | key init."""
 
 from __future__ import annotations
 

@@ -40,7 +40,3 @@ class MapProgressBar:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
-
-
-# TODO(remove): a temporary alias until gpulayer/client/engine.py imports MapProgressBar.
-Progress = MapProgressBar

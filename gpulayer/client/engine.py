@@ -26,7 +26,7 @@ from ..errors import (AuthError, ConfigError, GPULayerError, NoMatchingPeer, Pee
                       TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match
 from ..options import check_retries, check_timeout
-from ..progress import Progress as ProgressBar  # TODO(helper-2 rename)
+from ..progress import MapProgressBar
 from ..security import cluster_id, load_key
 from .connection import CONNECT_TIMEOUT, PeerConnection
 from .placement import Placement
@@ -133,7 +133,7 @@ class SubmittedTask:
             out.flush()
 
 
-def _task_finished(window: threading.BoundedSemaphore, bar: ProgressBar, _future: Future[Any]) -> None:
+def _task_finished(window: threading.BoundedSemaphore, bar: MapProgressBar, _future: Future[Any]) -> None:
     window.release()
     bar.advance()
 
@@ -234,7 +234,7 @@ class Client:
         peers take more. The first failure cancels the rest and is raised.
         """
         fn_bytes = serialization.dumps(fn)[0]
-        bar = ProgressBar(len(items), label=f"{getattr(fn, '__name__', 'map')} ", enabled=progress)
+        bar = MapProgressBar(len(items), label=f"{getattr(fn, '__name__', 'map')} ", enabled=progress)
         futures: list[TaskFuture] = []
         window: threading.BoundedSemaphore | None = None
         try:

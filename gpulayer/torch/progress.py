@@ -97,7 +97,3 @@ def make_progress(enabled: bool, stream: TextIO | None = None) -> TrainerProgres
     if not enabled:
         return TrainerProgress()
     return Bar(stream) if stream.isatty() else LogLines(stream)
-
-
-# TODO(remove): a temporary alias until gpulayer/torch/trainer.py imports TrainerProgress.
-Progress = TrainerProgress

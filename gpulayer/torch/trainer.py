@@ -14,7 +14,7 @@ from .callbacks import Callback, ModelCheckpoint
 from .metrics import MetricStore
 from .module import Module
 from .precision import Precision
-from .progress import Progress, make_progress
+from .progress import TrainerProgress, make_progress
 
 _NO_SYNC_NEEDED = contextlib.nullcontext()
 
@@ -122,7 +122,7 @@ class Trainer:
         self._all_reduce = None  # set in DDP worker processes
         self._ddp = None
         self._resume_epoch = 0  # the epoch a checkpoint saved now resumes at
-        self._progress: Progress = Progress()
+        self._progress: TrainerProgress = TrainerProgress()
         self._store: MetricStore | None = None  # where Module.log writes now
         self._train_store: MetricStore | None = None
         self._epoch_val: dict[str, float] = {}  # this epoch's latest validation means
@@ -131,7 +131,7 @@ class Trainer:
 
     def __getstate__(self):
         """Picklable for DDP workers: configuration and callbacks, not the state of a run."""
-        return {**self.__dict__, "module": None, "optimizer": None, "lr_scheduler": None, "_progress": Progress(),
+        return {**self.__dict__, "module": None, "optimizer": None, "lr_scheduler": None, "_progress": TrainerProgress(),
                 "_store": None, "_train_store": None, "_ddp": None, "_clip_params": []}
 
     @property
