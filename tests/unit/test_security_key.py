@@ -22,8 +22,10 @@ def config_home(tmp_path, monkeypatch):
 
 
 def write_key(path, text: str):
+    """A key file as `gpulayer key init` leaves it: mode 0600 (others' modes are refused, see test_keys.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+    os.chmod(path, 0o600)
     return path
 
 
@@ -46,30 +48,30 @@ def test_empty_xdg_config_home_falls_back_to_home(monkeypatch, tmp_path):
 
 
 def test_an_explicit_key_file_wins_then_env_then_default(config_home, tmp_path, monkeypatch):
-    write_key(config_home / "gpulayer" / "key", "from-default\n")
-    key_file = write_key(tmp_path / "explicit.key", "from-file\n")
-    monkeypatch.setenv(security.KEY_ENV, "  from-env \n")
-    assert security.load_key(key_file) == b"from-file"
-    assert security.load_key() == b"from-env"
+    write_key(config_home / "gpulayer" / "key", "from-default-0123456789abcdef0123456789abcdef\n")
+    key_file = write_key(tmp_path / "explicit.key", "from-file-0123456789abcdef0123456789abcdef\n")
+    monkeypatch.setenv(security.KEY_ENV, "  from-env-0123456789abcdef0123456789abcdef \n")
+    assert security.load_key(key_file) == b"from-file-0123456789abcdef0123456789abcdef"
+    assert security.load_key() == b"from-env-0123456789abcdef0123456789abcdef"
 
 
 def test_key_file_wins_over_default(config_home, tmp_path):
-    write_key(config_home / "gpulayer" / "key", "from-default\n")
-    key_file = write_key(tmp_path / "explicit.key", "from-file\n")
-    assert security.load_key(key_file) == b"from-file"
-    assert security.load_key(str(key_file)) == b"from-file"
+    write_key(config_home / "gpulayer" / "key", "from-default-0123456789abcdef0123456789abcdef\n")
+    key_file = write_key(tmp_path / "explicit.key", "from-file-0123456789abcdef0123456789abcdef\n")
+    assert security.load_key(key_file) == b"from-file-0123456789abcdef0123456789abcdef"
+    assert security.load_key(str(key_file)) == b"from-file-0123456789abcdef0123456789abcdef"
 
 
 def test_default_path_is_used_last(config_home):
-    write_key(config_home / "gpulayer" / "key", "\n  from-default  \n")
-    assert security.load_key() == b"from-default"
-    assert security.load_key(None) == b"from-default"
+    write_key(config_home / "gpulayer" / "key", "\n  from-default-0123456789abcdef0123456789abcdef  \n")
+    assert security.load_key() == b"from-default-0123456789abcdef0123456789abcdef"
+    assert security.load_key(None) == b"from-default-0123456789abcdef0123456789abcdef"
 
 
 def test_empty_env_var_is_ignored(config_home, monkeypatch):
-    write_key(config_home / "gpulayer" / "key", "from-default")
+    write_key(config_home / "gpulayer" / "key", "from-default-0123456789abcdef0123456789abcdef")
     monkeypatch.setenv(security.KEY_ENV, "")
-    assert security.load_key() == b"from-default"
+    assert security.load_key() == b"from-default-0123456789abcdef0123456789abcdef"
 
 
 def test_missing_key_explains_the_way_out(config_home):
@@ -82,7 +84,7 @@ def test_missing_key_explains_the_way_out(config_home):
 
 
 def test_missing_explicit_key_file(config_home, tmp_path):
-    write_key(config_home / "gpulayer" / "key", "from-default")  # not used as a fallback
+    write_key(config_home / "gpulayer" / "key", "from-default-0123456789abcdef0123456789abcdef")  # not used as a fallback
     missing = tmp_path / "nope.key"
     with pytest.raises(ConfigError, match="gpulayer key init") as info:
         security.load_key(missing)
