@@ -163,3 +163,18 @@ def write_override(path: Path, accelerator: str, memory_gb: float = 32.0, framew
         data["frameworks"] = frameworks
     path.write_text(json.dumps(data))
     return path
+
+
+def solo_peer(peer_factory, name: str, *args: str):
+    """For a fixture to `yield from`: (peer, client), one single-slot peer of a fresh cluster (started
+    with GPULAYER_KEY in its environment, as PeerProcess does) and a submitter of that cluster,
+    which is closed at teardown."""
+    from gpulayer.client import Client
+
+    key = new_key()
+    peer = peer_factory(name, "--concurrency", "1", *args, key=key)
+    client = Client(key=key.encode(), echo_output=False)
+    try:
+        yield peer, client
+    finally:
+        client.close()

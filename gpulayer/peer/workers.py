@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from .. import wire
 from ..errors import ProtocolError, WorkerDied
+from ..security import KEY_ENV
 from .channel import AsyncChannel
 
 log = logging.getLogger("gpulayer.peer")
@@ -111,7 +114,7 @@ class Worker:
         parent, child = tcp_socketpair()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        env = {**os.environ, **self.slot.env, **self.extra_env, "PYTHONUNBUFFERED": "1"}
+        env = worker_env({**os.environ, **self.slot.env, **self.extra_env, "PYTHONUNBUFFERED": "1"})
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
         try:
@@ -165,6 +168,8 @@ class Worker:
 
     async def _report_exit(self) -> None:
         code = await self.wait_exit(5.0)
+        if code is not None and self.pid is not None:
+            _signal_group(self.pid, signal.SIGKILL)  # what its task left in its process group
         self.close()
         self.on_exit(self, code)
 
@@ -202,14 +207,15 @@ class Worker:
             return None
 
     async def kill(self) -> int | None:
-        """Kill the process and its children; return its exit code. No on_exit follows."""
+        """Kill the process and every descendant of it; return its exit code. No on_exit follows.
+
+        Descendants that left the worker's process group (setsid, start_new_session) are found
+        through the process tree: see `kill_tree`.
+        """
         self._retired = True
         self.ready = False
         if self._proc is not None and self._proc.returncode is None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            await kill_tree(self._proc.pid)
         code = await self.wait_exit(10.0)
         self.close()
         return code
@@ -228,6 +234,61 @@ class Worker:
         self.drain_output()
         if self._channel is not None:
             self._channel.close()
+
+
+def worker_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the cluster key: GPULAYER_KEY, and any other variable that holds the same value."""
+    key = env.pop(KEY_ENV, "").strip()
+    return {name: value for name, value in env.items() if not key or value.strip() != key}
+
+
+_FREEZE_ROUNDS = 5
+
+
+async def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid`, its process group and all its descendants, wherever their group.
+
+    Everything is stopped (SIGSTOP) first, the tree walked again until no new process shows up,
+    and only then killed, so that nothing forks or is re-parented between the walk and the kill.
+    A descendant whose parent exited before this is re-parented away (to init) and escapes,
+    unless the worker made itself a child subreaper (Linux; gpulayer.peer.worker does).
+    """
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    _signal_group(pid, signal.SIGSTOP)
+    seen: dict[int, psutil.Process] = {}
+    try:
+        for _ in range(_FREEZE_ROUNDS):
+            try:
+                found = [p for p in root.children(recursive=True) if p.pid not in seen]
+            except psutil.NoSuchProcess:
+                break
+            if not found:
+                break
+            for proc in found:
+                seen[proc.pid] = proc
+                _signal(proc, signal.SIGSTOP)
+            await asyncio.sleep(0.005)  # let a fork under way finish, so that the next walk sees its child
+    finally:  # even if this is cancelled: nothing stays stopped
+        for proc in seen.values():
+            _signal(proc, signal.SIGKILL)
+        _signal_group(pid, signal.SIGKILL)
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)  # psutil refuses a pid that was reused since the walk
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def describe_exit(code: int | None) -> str:
