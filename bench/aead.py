@@ -88,7 +88,7 @@ def measure_primitives(quick: bool) -> dict:
 def keys() -> tuple[bytes, bytes]:
     from gpulayer import security
 
-    transcript = security.handshake_transcript(2, os.urandom(32), os.urandom(32), "bench", bytes(32))
+    transcript = security.handshake_transcript(2, os.urandom(32), os.urandom(32), "bench", bytes(32), "bench")
     return security.session_keys(b"bench-" + os.urandom(16).hex().encode(), transcript, security.SUBMITTER)
 
 
@@ -149,13 +149,7 @@ def measure_record_sizes(buffer: memoryview, repeats: int) -> list[dict]:
             started = time.perf_counter()
             for record in sealed:
                 t0 = time.perf_counter()
-                whole = memoryview(record)
-                while whole:
-                    view = opener.buffer()
-                    k = min(len(view), len(whole))
-                    view[:k] = whole[:k]
-                    opener.feed_into(k, reader)
-                    whole = whole[k:]
+                opener.feed_bytes_into(record, reader)
                 open_each.append(time.perf_counter() - t0)
             open_s.append(time.perf_counter() - started)
             _msg, bufs = reader.messages.popleft()

@@ -94,7 +94,16 @@ class Sealer:
         if (isinstance(parts, list) and len(parts) == 1 and isinstance(parts[0], (bytes, bytearray))
                 and 0 < len(parts[0]) <= self.record_max):
             return [self._record(parts[0])]  # a message without buffers: no gathering at all
-        return [self._record(chunk) for chunk in self._chunks(parts)]
+        return list(self.records(parts))
+
+    def records(self, parts: Iterable[BytesLike]) -> Iterator[bytearray]:
+        """The records of `parts`, each a bytearray of its own, sealed only when asked for.
+
+        Counters are given at sealing: records of a later message must not be sealed before
+        this iterator is exhausted.
+        """
+        for chunk in self._chunks(parts):
+            yield self._record(chunk)
 
     def stream(self, parts: Iterable[BytesLike]) -> Iterator[memoryview]:
         """The records of `parts`, sealed one at a time as they are asked for.
@@ -238,6 +247,16 @@ class Opener:
                 deliver(reader, piece)
             delivered += size
         return delivered
+
+    def feed_bytes_into(self, data: BytesLike, reader: Reader) -> None:
+        """Open ciphertext already read from the socket (`data`) into `reader`, as `feed_into` does."""
+        view = _byte_view(data)
+        while view:
+            dest = self.buffer()
+            k = min(len(dest), len(view))
+            dest[:k] = view[:k]
+            self.feed_into(k, reader)
+            view = view[k:]
 
     def eof(self) -> None:
         """The other side closed: raises ChannelError when that cut a record off."""

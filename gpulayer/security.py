@@ -26,8 +26,8 @@ KEY_BITS = 256  # what `gpulayer key init` makes
 MIN_KEY_BITS = 128
 SESSION_KEY_BYTES = 32
 SUBMITTER, PEER = "submitter", "peer"
-_SUBMITTER_LABEL = b"gpulayer/v1/submitter"
-_PEER_LABEL = b"gpulayer/v1/peer"
+_SUBMITTER_LABEL = b"gpulayer/v2/submitter"
+_PEER_LABEL = b"gpulayer/v2/peer"
 _FEW_DISTINCT = 8
 
 
@@ -144,12 +144,14 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def submitter_proof(key: bytes, peer_nonce: bytes, submitter_nonce: bytes) -> bytes:
-    return hmac.new(key, _SUBMITTER_LABEL + peer_nonce + submitter_nonce, hashlib.sha256).digest()
+def submitter_proof(key: bytes, transcript: bytes) -> bytes:
+    """AUTH's proof: HMAC-SHA256 over the submitter's label and the whole handshake transcript."""
+    return hmac.new(key, _SUBMITTER_LABEL + transcript, hashlib.sha256).digest()
 
 
-def peer_proof(key: bytes, peer_nonce: bytes, submitter_nonce: bytes) -> bytes:
-    return hmac.new(key, _PEER_LABEL + peer_nonce + submitter_nonce, hashlib.sha256).digest()
+def peer_proof(key: bytes, transcript: bytes) -> bytes:
+    """AUTH_OK's proof, under the peer's label: a reflected AUTH proof never passes for it."""
+    return hmac.new(key, _PEER_LABEL + transcript, hashlib.sha256).digest()
 
 
 def proofs_equal(a: object, b: object) -> bool:
@@ -178,14 +180,14 @@ def _canonical(value: Any) -> Any:
 
 
 def handshake_transcript(version: int, peer_nonce: bytes, submitter_nonce: bytes, peer_id: str,
-                         hello: bytes) -> bytes:
-    """The handshake's transcript for `session_keys`: a label, then each field length-prefixed.
+                         hello: bytes, client_id: str) -> bytes:
+    """The handshake's transcript, for the proofs and `session_keys`: a label, then each field length-prefixed.
 
-    `hello` is `hello_digest(HELLO)`. Length prefixes make the encoding unambiguous: no two
-    different handshakes give the same bytes.
+    `hello` is `hello_digest(HELLO)`; `client_id` is what AUTH names the submitter. Length
+    prefixes make the encoding unambiguous: no two different handshakes give the same bytes.
     """
     fields = [b"gpulayer/transcript", struct.pack(">Q", version), peer_nonce, submitter_nonce,
-              peer_id.encode(), hello]
+              peer_id.encode(), hello, client_id.encode()]
     return b"".join(struct.pack(">I", len(f)) + f for f in fields)
 
 

@@ -17,14 +17,15 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any, TypedDict
 
 import msgpack
 
-from . import security
+from . import records, security
 from .errors import AuthError, ConfigError, FrameTooLarge, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 1  # in every message ("v") and every advert ("ver"); bump on any incompatible change
+PROTOCOL_VERSION = 2  # in every message ("v") and every advert ("ver"); bump on any incompatible change
 
 HELLO, AUTH, AUTH_OK = "hello", "auth", "auth_ok"
 SUBMIT, ACCEPT, REJECT = "submit", "accept", "reject"
@@ -249,6 +250,18 @@ class MessageReader:
             self._start, self._end = 0, n
         return self._view[self._end:]
 
+    def take_unread(self) -> bytes:
+        """The bytes received past the last whole message, removed from the reader.
+
+        At the switch to the secure channel these are the first records, not frames. Raises
+        ProtocolError when a message was still incomplete: the switch cannot cut one.
+        """
+        if self._big is not None or self._pending is not None:
+            raise ProtocolError("a message was still arriving when the channel became secure")
+        data = bytes(self._buf[self._start:self._end])
+        self._start = self._end = 0
+        return data
+
     def feed(self, n: int) -> None:
         """Account for n bytes written into `buffer()`; parse what is complete.
 
@@ -334,29 +347,67 @@ def error(code: str, message: str, task_id: int | None = None) -> ErrorMessage:
 
 
 class BlockingConnection:
-    """A blocking socket speaking frames: used by submitters and workers."""
+    """A blocking socket speaking frames: used by submitters and workers.
+
+    After `secure()`, every byte both ways travels in sealed records (records.py).
+    """
 
     def __init__(self, sock: socket.socket, max_frame: int = PRE_AUTH_MAX_FRAME):
         self.sock = sock
         self.reader = connection_reader(max_frame)
         self.last_received = time.monotonic()  # any bytes, not only whole messages: a big one takes time
+        self._sealer: records.Sealer | None = None
+        self._opener: records.Opener | None = None
+
+    def secure(self, send_key: bytes, recv_key: bytes) -> None:
+        """Seal what is sent and open what is received from now on, with the post-auth message limit."""
+        self._sealer, self._opener = records.Sealer(send_key), records.Opener(recv_key)
+        self.reader.allow(max_message_bytes())
+        self._opener.feed_bytes_into(self.reader.take_unread(), self.reader)
 
     def send(self, msg: Outgoing, buffers: Buffers = ()) -> None:
-        send_parts(self.sock, encode(msg, buffers))
+        parts = encode(msg, buffers)
+        if self._sealer is None:
+            send_parts(self.sock, parts)
+            return
+        for record in self._sealer.stream(parts):
+            self.sock.sendall(record)
 
-    def recv(self) -> tuple[Message, list[Any]]:
-        """The next message; raises ConnectionError at EOF."""
+    def recv(self, deadline: float | None = None) -> tuple[Message, list[Any]]:
+        """The next message; raises ConnectionError at EOF, socket.timeout past `deadline` (monotonic)."""
         reader = self.reader
         while not reader.messages:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout("timed out")
+                self.sock.settimeout(left)
+            n = self._receive()
+            if n == 0:
+                if self._opener is not None:
+                    self._opener.eof()
+                raise ConnectionError("connection closed by the other side")
+            self.last_received = time.monotonic()
+        return reader.messages.popleft()
+
+    def _receive(self) -> int:
+        """Read once from the socket into the reader (through the opener, once secure)."""
+        reader, opener = self.reader, self._opener
+        if opener is None:
             if reader.big_remaining:  # wait for a good piece of a large frame, not for every packet
                 n = self.sock.recv_into(reader.buffer(), min(reader.big_remaining, BULK_PIECE), socket.MSG_WAITALL)
             else:
                 n = self.sock.recv_into(reader.buffer())
-            if n == 0:
-                raise ConnectionError("connection closed by the other side")
-            self.last_received = time.monotonic()
-            reader.feed(n)
-        return reader.messages.popleft()
+            if n:
+                reader.feed(n)
+            return n
+        if opener.remaining > BULK_PIECE // 4:  # the rest of a large record at once
+            n = self.sock.recv_into(opener.buffer(), opener.remaining, socket.MSG_WAITALL)
+        else:
+            n = self.sock.recv_into(opener.buffer())
+        if n:
+            opener.feed_into(n, reader)
+        return n
 
     def close(self) -> None:
         try:
@@ -365,38 +416,62 @@ class BlockingConnection:
             pass
 
 
+HANDSHAKE_TIMEOUT = 3.0  # the submitter's bound on the whole handshake, slow drips included (the peer's: PeerConfig)
+
+
 def hello(nonce: bytes, peer_id: str, cluster: str, txt: dict[str, str]) -> HelloMessage:
-    """The peer's greeting: a fresh nonce and its (public) advert."""
-    return {"t": HELLO, "nonce": nonce, "peer": peer_id, "cluster": cluster, "advert": txt}
+    """The peer's greeting: a fresh nonce and its (public) advert. It carries "v" already,
+    so that both sides digest the same map."""
+    return {"t": HELLO, "v": PROTOCOL_VERSION, "nonce": nonce, "peer": peer_id, "cluster": cluster, "advert": txt}
 
 
-def client_handshake(conn: BlockingConnection, key: bytes, client_id: str) -> Message:
-    """Run the submitter's half of the mutual HMAC handshake; return the peer's HELLO.
+def transcript(hello_msg: Mapping[str, Any], nonce_s: bytes, client_id: str) -> bytes:
+    """The handshake transcript both sides compute: the version, both nonces, the peer id, HELLO, the client."""
+    return security.handshake_transcript(PROTOCOL_VERSION, hello_msg["nonce"], nonce_s, str(hello_msg["peer"]),
+                                         security.hello_digest(hello_msg), client_id)
 
-    Raises AuthError when either side's proof fails.
+
+def auth(hello_msg: Message, key: bytes, client_id: str, nonce_s: bytes | None = None) -> tuple[Message, bytes]:
+    """The submitter's AUTH answering `hello_msg`, and the transcript it proves."""
+    nonce_s = nonce_s or security.new_nonce()
+    proven = transcript(hello_msg, nonce_s, client_id)
+    return {"t": AUTH, "nonce": nonce_s, "mac": security.submitter_proof(key, proven), "client": client_id}, proven
+
+
+def client_handshake(conn: BlockingConnection, key: bytes, client_id: str,
+                     timeout: float = HANDSHAKE_TIMEOUT) -> Message:
+    """Run the submitter's half of the handshake within `timeout` in all; return the peer's HELLO.
+
+    Both proofs cover the whole transcript; then the connection is secured with the session
+    keys derived from it. Raises AuthError when either side's proof fails, socket.timeout
+    when the peer is too slow (a slow drip of bytes included).
     """
-    msg, _ = conn.recv()
+    deadline = time.monotonic() + timeout
+    msg, _ = conn.recv(deadline)
     if msg["t"] == ERROR:
         raise ProtocolError(f"peer refused the connection: {msg.get('message')}")
     nonce_p = msg.get("nonce")
-    if msg["t"] != HELLO or not isinstance(nonce_p, bytes) or len(nonce_p) != security.NONCE_BYTES:
-        raise ProtocolError("expected HELLO with a nonce from the peer")
-    nonce_s = security.new_nonce()
-    conn.send({"t": AUTH, "nonce": nonce_s, "mac": security.submitter_proof(key, nonce_p, nonce_s),
-               "client": client_id})
-    reply, _ = conn.recv()
+    if msg["t"] != HELLO or not isinstance(nonce_p, bytes) or len(nonce_p) != security.NONCE_BYTES \
+            or not isinstance(msg.get("peer"), str):
+        raise ProtocolError("expected HELLO with a nonce and a peer id from the peer")
+    request, proven = auth(msg, key, client_id)
+    conn.send(request)
+    reply, _ = conn.recv(deadline)
     if reply["t"] == ERROR:
         raise AuthError(f"peer {msg.get('peer')} refused authentication: {reply.get('message')}")
-    if reply["t"] != AUTH_OK or not security.proofs_equal(reply.get("mac"), security.peer_proof(key, nonce_p, nonce_s)):
+    if reply["t"] != AUTH_OK or not security.proofs_equal(reply.get("mac"), security.peer_proof(key, proven)):
         raise AuthError(f"peer {msg.get('peer')} failed to prove the cluster key")
+    conn.secure(*security.session_keys(key, proven, security.SUBMITTER))
     return msg
 
 
-def check_auth(msg: Message, key: bytes, nonce_p: bytes) -> Message | None:
-    """The peer's check of an AUTH message: the AUTH_OK reply, or None when the proof fails."""
-    nonce_s = msg.get("nonce")
-    if msg["t"] != AUTH or not isinstance(nonce_s, bytes) or len(nonce_s) != security.NONCE_BYTES:
+def check_auth(msg: Message, key: bytes, hello_msg: Mapping[str, Any]) -> tuple[Message, tuple[bytes, bytes]] | None:
+    """The peer's check of an AUTH answering `hello_msg`: (AUTH_OK, (send_key, recv_key)), or None."""
+    nonce_s, client = msg.get("nonce"), msg.get("client", "")
+    if msg["t"] != AUTH or not isinstance(nonce_s, bytes) or len(nonce_s) != security.NONCE_BYTES \
+            or not isinstance(client, str):
         return None
-    if not security.proofs_equal(msg.get("mac"), security.submitter_proof(key, nonce_p, nonce_s)):
+    proven = transcript(hello_msg, nonce_s, client)
+    if not security.proofs_equal(msg.get("mac"), security.submitter_proof(key, proven)):
         return None
-    return {"t": AUTH_OK, "mac": security.peer_proof(key, nonce_p, nonce_s)}
+    return {"t": AUTH_OK, "mac": security.peer_proof(key, proven)}, security.session_keys(key, proven, security.PEER)

@@ -77,7 +77,6 @@ class PeerConnection:
         self.peer_id = self.advert.peer_id
         self.name = self.advert.name
         sock.settimeout(None)
-        self._wire.reader.allow(wire.max_message_bytes())
         threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
 
     # ---- sending ----------------------------------------------------------------------------------

@@ -13,15 +13,16 @@ import asyncio
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
-from .. import wire
+from .. import records, wire
 from ..errors import ProtocolError
 
 _IOV = 64  # parts per sendmsg call
 _READS_PER_EVENT = 16  # then let other connections have a turn
+_RECORDS_AHEAD = 4  # records of a large message sealed ahead of the socket
 
 
 OnMessage = Callable[[dict[str, Any], list[Any]], None]  # one complete message and its buffers
@@ -55,7 +56,19 @@ class AsyncChannel:
         self._eof: asyncio.Future[None] | None = None  # set while closing: input is read and dropped
         self._scratch: bytearray | None = None
         self._closing: asyncio.Task[None] | None = None
+        self._sealer: records.Sealer | None = None
+        self._opener: records.Opener | None = None
+        self._unsealed: deque[Iterator[bytearray]] = deque()  # large messages, sealed as the socket takes them
         self._loop.add_reader(self._fd, self._on_readable)
+
+    def secure(self, send_key: bytes, recv_key: bytes) -> None:
+        """Seal what is written and open what is read from now on, with the post-auth message limit."""
+        self._sealer, self._opener = records.Sealer(send_key), records.Opener(recv_key)
+        self.reader.allow(wire.max_message_bytes())
+        try:
+            self._opener.feed_bytes_into(self.reader.take_unread(), self.reader)
+        except ProtocolError as exc:
+            self._lost(str(exc), exc)
 
     # ---- reading ----------------------------------------------------------------------------------
 
@@ -65,8 +78,13 @@ class AsyncChannel:
             if self.closed:  # a handler closed it
                 return
             closing = self._eof is not None
-            try:  # while closing, input goes to a scratch buffer: the reader's may have no room left
-                n = self.sock.recv_into(self._scratch if self._scratch is not None and closing else reader.buffer())
+            opener = self._opener
+            if self._scratch is not None and closing:  # input goes to a scratch buffer: the reader's may be full
+                into = memoryview(self._scratch)
+            else:
+                into = reader.buffer() if opener is None else opener.buffer()
+            try:
+                n = self.sock.recv_into(into)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -77,7 +95,10 @@ class AsyncChannel:
             if closing:  # input is dropped
                 continue
             try:
-                reader.feed(n)
+                if opener is None:
+                    reader.feed(n)
+                else:
+                    opener.feed_into(n, reader)
             except ProtocolError as exc:
                 return self._lost(str(exc), exc)
             while reader.messages and not self.closed and self._eof is None:
@@ -99,12 +120,24 @@ class AsyncChannel:
         """Queue a message and send as much as the socket takes now; never blocks."""
         if self.closed:
             return
-        for part in wire.encode(msg, buffers):
+        parts = wire.encode(msg, buffers)
+        if self._sealer is None:
+            self._queue(parts)
+        else:
+            size = sum(memoryview(p).nbytes for p in parts)
+            if self._unsealed or size > records.RECORD_MAX:  # big: sealed piece by piece as it goes out
+                self._unsealed.append(self._sealer.records(parts))
+                self._out_bytes += size
+            else:
+                self._queue(self._sealer.seal(parts))
+        if not self._writing:
+            self._flush()
+
+    def _queue(self, parts: list[Any]) -> None:
+        for part in parts:
             view = memoryview(part)
             self._out.append(view)
             self._out_bytes += view.nbytes
-        if not self._writing:
-            self._flush()
 
     async def drain(self, limit: int = 0) -> None:
         """Wait until at most `limit` bytes are queued (or the channel closed)."""
@@ -113,9 +146,23 @@ class AsyncChannel:
                 self._flushed = self._loop.create_future()
             await self._flushed
 
+    def _seal_more(self) -> None:
+        """Seal the next records of the large messages waiting (a few MiB at most)."""
+        while self._unsealed and len(self._out) < _RECORDS_AHEAD:
+            record = next(self._unsealed[0], None)
+            if record is None:
+                self._unsealed.popleft()
+                continue
+            self._out.append(memoryview(record))
+            self._out_bytes += records.OVERHEAD  # its plaintext was counted when it was written
+
     def _flush(self) -> None:
         out = self._out
-        while out:
+        while True:
+            if not out and self._unsealed:
+                self._seal_more()
+            if not out:
+                break
             try:
                 sent = self.sock.sendmsg(list(islice(out, _IOV)))
             except (BlockingIOError, InterruptedError):
@@ -179,6 +226,7 @@ class AsyncChannel:
             self._loop.remove_writer(self._fd)
             self._writing = False
         self._out.clear()
+        self._unsealed.clear()
         self._out_bytes = 0
         self._wake()
         if self._eof is not None and not self._eof.done():

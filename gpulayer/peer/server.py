@@ -62,9 +62,9 @@ class Connection:
         self.authenticated = False
         self.tasks: dict[int, ScheduledTask] = {}
         self.last_pong = 0.0
-        self.nonce = security.new_nonce()
+        self.hello = wire.hello(security.new_nonce(), peer.peer_id, peer.advert.cluster, peer.advert.to_txt())
         self.channel = AsyncChannel(sock, wire.PRE_AUTH_MAX_FRAME, self.on_message, self.on_closed)
-        self.channel.write(wire.hello(self.nonce, peer.peer_id, peer.advert.cluster, peer.advert.to_txt()))
+        self.channel.write(self.hello)
 
     def on_message(self, msg: wire.Message, buffers: list[Any]) -> None:
         try:
@@ -268,15 +268,16 @@ class Peer:
 
     def authenticate(self, conn: Connection, msg: wire.Message) -> None:
         self._unauthenticated.pop(conn, None)
-        reply = wire.check_auth(msg, self.config.key, conn.nonce)
-        if reply is None:
+        checked = wire.check_auth(msg, self.config.key, conn.hello)
+        if checked is None:
             self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
             return
+        reply, keys = checked
         conn.authenticated = True
-        conn.client = str(msg.get("client", "?"))[:64]
-        conn.channel.reader.allow(wire.max_message_bytes())
+        conn.client = "".join(ch for ch in str(msg.get("client", "?"))[:64] if ch.isprintable())
         self._connections.add(conn)
-        conn.channel.write(reply)
+        conn.channel.write(reply)  # the last frame in clear: every later byte both ways is sealed
+        conn.channel.secure(*keys)
 
     def refuse(self, conn: Connection, code: str, message: str) -> None:
         """Tell the other side why, then close (in the background)."""

@@ -16,7 +16,6 @@ from gpulayer.client import Client, PeerConnection
 from gpulayer.errors import AuthError, NoMatchingPeer, ProtocolError
 from gpulayer.matching import Requirements
 from gpulayer.resources.model import PROTOCOL_VERSION
-from gpulayer.security import submitter_proof
 from support import new_key
 
 ANY = Requirements.build()
@@ -90,7 +89,7 @@ def test_a_replayed_auth_is_refused(target):
     peer, client = target
     _, first, hello1 = raw(peer)
     nonce_s = os.urandom(32)
-    recorded = {"t": wire.AUTH, "nonce": nonce_s, "mac": submitter_proof(peer.key.encode(), hello1["nonce"], nonce_s)}
+    recorded, _ = wire.auth(hello1, peer.key.encode(), "recorded", nonce_s)
     _, second, hello2 = raw(peer)
     assert hello1["nonce"] != hello2["nonce"]
     second.send(dict(recorded))  # valid for the first connection's nonce only

@@ -204,7 +204,7 @@ HELLO = {"t": "hello", "nonce": NP, "peer": "alpha-1", "cluster": "abc", "advert
 
 def transcript(**change) -> bytes:
     fields = {"version": 2, "peer_nonce": NP, "submitter_nonce": NS, "peer_id": "alpha-1",
-              "hello": security.hello_digest(HELLO), **change}
+              "hello": security.hello_digest(HELLO), "client_id": "c-1", **change}
     return security.handshake_transcript(**fields)
 
 
@@ -235,6 +235,7 @@ def test_session_keys_are_hkdf_sha256_of_key_and_transcript():
     {"version": 3}, {"peer_nonce": b"q" * 32}, {"submitter_nonce": b"t" * 32}, {"peer_id": "alpha-2"},
     {"hello": security.hello_digest({**HELLO, "advert": {"gm": "80", "acc": "cuda"}})},
     {"peer_nonce": NS, "submitter_nonce": NP},  # the nonces swapped
+    {"client_id": "c-2"},
 ])
 def test_every_field_of_the_transcript_changes_both_keys(change):
     base = security.session_keys(KEY, transcript(), "submitter")
@@ -248,7 +249,7 @@ def test_another_cluster_key_gives_other_keys():
 
 def test_the_transcript_encoding_is_unambiguous():
     a = transcript(peer_id="ab", hello=b"c" * 32)
-    b = security.handshake_transcript(2, NP, NS, "a", b"b" + b"c" * 32)
+    b = security.handshake_transcript(2, NP, NS, "a", b"b" + b"c" * 32, "c-1")
     assert a != b
     assert transcript(peer_nonce=NP + b"x", submitter_nonce=NS) != transcript(peer_nonce=NP, submitter_nonce=b"x" + NS)
 

@@ -22,7 +22,7 @@ from gpulayer.errors import ProtocolError
 from gpulayer.records import ChannelError, Opener, Sealer
 
 CLUSTER_KEY = b"0123456789abcdef" * 4
-TRANSCRIPT = security.handshake_transcript(2, b"p" * 32, b"s" * 32, "alpha", b"h" * 32)
+TRANSCRIPT = security.handshake_transcript(2, b"p" * 32, b"s" * 32, "alpha", b"h" * 32, "client")
 SUBMITTER_SEND, SUBMITTER_RECV = security.session_keys(CLUSTER_KEY, TRANSCRIPT, security.SUBMITTER)
 PEER_SEND, PEER_RECV = security.session_keys(CLUSTER_KEY, TRANSCRIPT, security.PEER)
 KEY = SUBMITTER_SEND

@@ -187,27 +187,28 @@ def test_cluster_id_is_not_a_plain_hash_of_the_key():
 
 KEY = b"k" * 32
 NP, NS = b"p" * 32, b"s" * 32
+T = security.handshake_transcript(2, NP, NS, "peer-1", b"h" * 32, "c")
 
 
 def test_proofs_are_hmac_sha256_digests():
-    assert len(security.submitter_proof(KEY, NP, NS)) == 32
-    assert len(security.peer_proof(KEY, NP, NS)) == 32
-    assert security.submitter_proof(KEY, NP, NS) == security.submitter_proof(KEY, NP, NS)
+    assert len(security.submitter_proof(KEY, T)) == 32
+    assert len(security.peer_proof(KEY, T)) == 32
+    assert security.submitter_proof(KEY, T) == security.submitter_proof(KEY, T)
 
 
 def test_proofs_differ_by_role():
-    assert security.submitter_proof(KEY, NP, NS) != security.peer_proof(KEY, NP, NS)
+    assert security.submitter_proof(KEY, T) != security.peer_proof(KEY, T)
 
 
-def test_proofs_differ_by_nonce_and_key():
-    base = security.submitter_proof(KEY, NP, NS)
-    assert base != security.submitter_proof(KEY, b"q" * 32, NS)
-    assert base != security.submitter_proof(KEY, NP, b"t" * 32)
-    assert base != security.submitter_proof(KEY, NS, NP)  # the order of the nonces matters
-    assert base != security.submitter_proof(b"other", NP, NS)
-    peer = security.peer_proof(KEY, NP, NS)
-    assert peer != security.peer_proof(KEY, NP, b"t" * 32)
-    assert peer != security.peer_proof(KEY, b"q" * 32, NS)
+def test_proofs_differ_by_transcript_and_key():
+    base = security.submitter_proof(KEY, T)
+    for other in (security.handshake_transcript(2, b"q" * 32, NS, "peer-1", b"h" * 32, "c"),
+                  security.handshake_transcript(2, NP, b"t" * 32, "peer-1", b"h" * 32, "c"),
+                  security.handshake_transcript(2, NS, NP, "peer-1", b"h" * 32, "c"),  # the order of the nonces
+                  security.handshake_transcript(2, NP, NS, "peer-2", b"h" * 32, "c")):
+        assert base != security.submitter_proof(KEY, other)
+        assert security.peer_proof(KEY, T) != security.peer_proof(KEY, other)
+    assert base != security.submitter_proof(b"other", T)
 
 
 def test_new_nonces_are_fresh():
@@ -217,7 +218,7 @@ def test_new_nonces_are_fresh():
 
 
 def test_proofs_equal():
-    mac = security.peer_proof(KEY, NP, NS)
+    mac = security.peer_proof(KEY, T)
     assert security.proofs_equal(mac, bytes(mac))
     assert not security.proofs_equal(mac, mac[:-1] + bytes([mac[-1] ^ 1]))
     assert not security.proofs_equal(mac, mac[:16])
@@ -225,7 +226,7 @@ def test_proofs_equal():
 
 @pytest.mark.parametrize("other", [None, "str", 0, 1.5, [1], {"a": 1}, bytearray(32), memoryview(b"x" * 32)])
 def test_proofs_equal_tolerates_non_bytes(other):
-    mac = security.peer_proof(KEY, NP, NS)
+    mac = security.peer_proof(KEY, T)
     assert security.proofs_equal(mac, other) is False
     assert security.proofs_equal(other, mac) is False
     assert security.proofs_equal(other, other) is False

@@ -471,19 +471,24 @@ class FakePeer(threading.Thread):
         super().__init__(daemon=True)
         self.conn = wire.BlockingConnection(sock)
         self.key = key
-        self.answer = answer  # None: the real check; else a function(auth_msg, nonce_p) -> reply
+        self.answer = answer  # None: the real check; else a function(auth_msg, hello) -> reply
         self.nonce = security.new_nonce()
+        self.hello = wire.hello(self.nonce, "peer-1", security.cluster_id(self.key), {"n": "box"})
+        self.keys = None
         self.auth_reply = "unset"
         self.auth_msg = None
         self.error = None
 
     def run(self):
         try:
-            self.conn.send(wire.hello(self.nonce, "peer-1", security.cluster_id(self.key), {"n": "box"}))
+            self.conn.send(self.hello)
             self.auth_msg, _ = self.conn.recv()
-            self.auth_reply = wire.check_auth(self.auth_msg, self.key, self.nonce)
-            reply = self.answer(self.auth_msg, self.nonce) if self.answer else self.auth_reply
+            checked = wire.check_auth(self.auth_msg, self.key, self.hello)
+            self.auth_reply, self.keys = checked if checked is not None else (None, None)
+            reply = self.answer(self.auth_msg, self.hello) if self.answer else self.auth_reply
             self.conn.send(reply if reply is not None else wire.error("auth", "bad key"))
+            if reply is self.auth_reply and self.keys is not None:
+                self.conn.secure(*self.keys)
         except Exception as exc:  # reported by the test
             self.error = exc
 
@@ -522,6 +527,23 @@ def test_handshake_success_returns_the_hello(socket_pair):
     assert peer.auth_reply["t"] == wire.AUTH_OK
 
 
+def test_after_the_handshake_both_directions_are_sealed_with_keys_bound_to_it(socket_pair):
+    client_sock, peer_sock = socket_pair
+    peer = FakePeer(peer_sock)
+    peer.start()
+    client = wire.BlockingConnection(client_sock)
+    wire.client_handshake(client, KEY, "client-1")
+    peer.join(10)
+    client.send({"t": wire.PING, "id": 5})
+    assert peer.conn.recv()[0] == {"t": wire.PING, "id": 5, "v": PROTOCOL_VERSION}
+    peer.conn.send({"t": wire.PONG, "id": 5}, [b"x" * 100])
+    msg, buffers = client.recv()
+    assert msg["t"] == wire.PONG and bytes(buffers[0]) == b"x" * 100
+    client_sock.sendall(b"".join(bytes(p) for p in wire.encode({"t": wire.PING, "id": 6})))  # a frame in clear
+    with pytest.raises(ProtocolError):
+        peer.conn.recv()
+
+
 def test_wrong_key_fails_on_both_sides(socket_pair):
     client_sock, peer_sock = socket_pair
     peer = FakePeer(peer_sock)
@@ -533,15 +555,17 @@ def test_wrong_key_fails_on_both_sides(socket_pair):
 
 
 @pytest.mark.parametrize("answer", [
-    lambda auth, nonce_p: {"t": wire.AUTH_OK, "mac": b"\x00" * 32},
-    lambda auth, nonce_p: {"t": wire.AUTH_OK},
-    lambda auth, nonce_p: {"t": wire.AUTH_OK, "mac": "not bytes"},
+    lambda auth, hello: {"t": wire.AUTH_OK, "mac": b"\x00" * 32},
+    lambda auth, hello: {"t": wire.AUTH_OK},
+    lambda auth, hello: {"t": wire.AUTH_OK, "mac": "not bytes"},
     # replaying the submitter's own proof is not a peer proof
-    lambda auth, nonce_p: {"t": wire.AUTH_OK, "mac": auth["mac"]},
+    lambda auth, hello: {"t": wire.AUTH_OK, "mac": auth["mac"]},
     # a proof under another key
-    lambda auth, nonce_p: {"t": wire.AUTH_OK, "mac": security.peer_proof(b"other", nonce_p, auth["nonce"])},
+    lambda auth, hello: {"t": wire.AUTH_OK,
+                         "mac": security.peer_proof(b"other", wire.transcript(hello, auth["nonce"], auth["client"]))},
     # a valid-looking reply of the wrong type
-    lambda auth, nonce_p: {"t": wire.ACCEPT, "mac": security.peer_proof(KEY, nonce_p, auth["nonce"])},
+    lambda auth, hello: {"t": wire.ACCEPT,
+                         "mac": security.peer_proof(KEY, wire.transcript(hello, auth["nonce"], auth["client"]))},
 ], ids=["zero-mac", "no-mac", "str-mac", "replayed-submitter-mac", "other-key", "wrong-type"])
 def test_client_demands_the_peer_proof(socket_pair, answer):
     with pytest.raises(AuthError, match="failed to prove"):
@@ -562,16 +586,21 @@ def test_client_reports_a_refusal_before_hello(socket_pair):
         wire.client_handshake(wire.BlockingConnection(client_sock), KEY, "c")
 
 
-def _auth(key=KEY, nonce_p=b"p" * 32, nonce_s=b"s" * 32, **over):
-    msg = {"t": wire.AUTH, "nonce": nonce_s, "mac": security.submitter_proof(key, nonce_p, nonce_s), "client": "c"}
+def _hello(nonce_p=b"p" * 32, peer="peer-1"):
+    return wire.hello(nonce_p, peer, security.cluster_id(KEY), {"n": "box"})
+
+
+def _auth(key=KEY, hello=None, **over):
+    msg, _ = wire.auth(hello or _hello(), key, "c", b"s" * 32)
     msg.update(over)
     return msg
 
 
-def test_check_auth_accepts_a_good_proof():
-    nonce_p, nonce_s = b"p" * 32, b"s" * 32
-    reply = wire.check_auth(_auth(), KEY, nonce_p)
-    assert reply == {"t": wire.AUTH_OK, "mac": security.peer_proof(KEY, nonce_p, nonce_s)}
+def test_check_auth_accepts_a_good_proof_and_gives_the_peers_session_keys():
+    reply, keys = wire.check_auth(_auth(), KEY, _hello())
+    proven = wire.transcript(_hello(), b"s" * 32, "c")
+    assert reply == {"t": wire.AUTH_OK, "mac": security.peer_proof(KEY, proven)}
+    assert keys == security.session_keys(KEY, proven, security.PEER)
 
 
 @pytest.mark.parametrize("over", [
@@ -589,15 +618,17 @@ def test_check_auth_accepts_a_good_proof():
     {"t": wire.AUTH_OK},
 ])
 def test_check_auth_rejects_bad_input_without_raising(over):
-    assert wire.check_auth(_auth(**over), KEY, b"p" * 32) is None
+    assert wire.check_auth(_auth(**over), KEY, _hello()) is None
 
 
-def test_check_auth_rejects_a_missing_mac_and_a_different_peer_nonce():
+def test_check_auth_rejects_a_proof_of_another_handshake():
     msg = _auth()
     del msg["mac"]
-    assert wire.check_auth(msg, KEY, b"p" * 32) is None
-    assert wire.check_auth(_auth(), KEY, b"q" * 32) is None
-    assert wire.check_auth(_auth(), b"other", b"p" * 32) is None
+    assert wire.check_auth(msg, KEY, _hello()) is None
+    assert wire.check_auth(_auth(), KEY, _hello(nonce_p=b"q" * 32)) is None  # another peer nonce
+    assert wire.check_auth(_auth(), KEY, _hello(peer="peer-2")) is None  # relayed from another peer
+    assert wire.check_auth(_auth(client="someone-else"), KEY, _hello()) is None  # a changed client id
+    assert wire.check_auth(_auth(), b"other", _hello()) is None
 
 
 def test_blocking_recv_raises_connection_error_at_eof(socket_pair):
