@@ -6,7 +6,9 @@ Everything runs on loopback: a local peer subprocess (mDNS bound to 127.0.0.1), 
 msgpack-over-TCP server subprocess that does the same job with nothing else (cloudpickle the
 call, one frame each way, plain blocking sockets). Reported: trivial round trip p50/p99,
 tasks/s for 2,000 submits, a 256 MiB argument round trip against raw socket throughput, and
-discovery / fresh-process times. Figures are ratios from one run on one machine.
+discovery / fresh-process times; the secure channel's AEAD timed alone on the same frames (its
+share of each figure); and Ray on the same machine, bound to loopback. Repeated measurements
+give their spread (min and max). Figures are ratios from one run on one machine.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from gpulayer.wire import receive_buffer
 
 HEADER = struct.Struct(">I")
 RESULTS = Path(__file__).resolve().parent / "results"
-TARGETS = {"p50_ms": 0.3, "tasks_per_s": 5000, "bandwidth_ratio": 0.6, "fresh_process_s": 0.6}
+# The budget of the secure channel (issue 9): p50 within 3x the raw floor of the same run,
+# 9,000 tasks/s, a 256 MiB round trip no slower than 0.50 GB/s; and a fresh process under 0.6 s.
+TARGETS = {"p50_over_raw": 3.0, "tasks_per_s": 9000, "bulk_gb_per_s": 0.5, "fresh_process_s": 0.6}
 
 
 def trivial():
@@ -127,8 +131,8 @@ def latencies(call, n: int, warmup: int) -> dict:
             "mean_ms": 1e3 * statistics.fmean(times)}
 
 
-def best_of(repeats: int, fn) -> float:
-    return min(fn() for _ in range(repeats))
+def runs(repeats: int, fn) -> list[float]:
+    return [fn() for _ in range(repeats)]
 
 
 def timed(fn) -> float:
@@ -144,10 +148,16 @@ def measure_raw(n: int, big: np.ndarray, repeats: int) -> dict:
     try:
         lat = latencies(lambda: raw.call(trivial), n, n // 10)
         view = memoryview(big).cast("B")
-        seconds = best_of(repeats, lambda: timed(lambda: raw.bulk(view)))
+        seconds = runs(repeats, lambda: timed(lambda: raw.bulk(view)))
     finally:
         raw.close()
-    return {"latency": lat, "bulk_seconds": seconds, "bulk_gb_per_s": 2 * big.nbytes / seconds / 1e9}
+    return {"latency": lat, **_bulk(seconds, big)}
+
+
+def _bulk(seconds: list[float], big: np.ndarray) -> dict:
+    """A round trip of `big` (there and back): the best run, and the spread of the runs."""
+    return {"bulk_seconds": min(seconds), "bulk_gb_per_s": 2 * big.nbytes / min(seconds) / 1e9,
+            "bulk_gb_per_s_range": [2 * big.nbytes / max(seconds) / 1e9, 2 * big.nbytes / min(seconds) / 1e9]}
 
 
 def measure_gpulayer(n: int, submits: int, big: np.ndarray, repeats: int) -> dict:
@@ -163,14 +173,52 @@ def measure_gpulayer(n: int, submits: int, big: np.ndarray, repeats: int) -> dic
             for f in futures:
                 f.result()
 
-        burst_s = best_of(repeats, lambda: timed(burst))
+        burst_s = runs(repeats, lambda: timed(burst))
         check = gl.run(echo, big)
         assert np.array_equal(check, big)
-        seconds = best_of(repeats, lambda: timed(lambda: gl.run(echo, big)))
+        seconds = runs(repeats, lambda: timed(lambda: gl.run(echo, big)))
         discovery = measure_discovery()
         gl.api.shutdown()
-    return {"latency": lat, "submits": submits, "tasks_per_s": submits / burst_s,
-            "bulk_seconds": seconds, "bulk_gb_per_s": 2 * big.nbytes / seconds / 1e9, "discovery": discovery}
+    return {"latency": lat, "submits": submits, "tasks_per_s": submits / min(burst_s),
+            "tasks_per_s_range": [submits / max(burst_s), submits / min(burst_s)],
+            **_bulk(seconds, big), "discovery": discovery}
+
+
+def measure_aead(n: int, big: np.ndarray, repeats: int) -> dict:
+    """The secure channel's records alone, on the frames of one trivial task and of the 256 MiB echo.
+
+    A task crosses the channel twice (SUBMIT there, RESULT back): each is sealed on one side and
+    opened on the other. The worker link is host-local and carries no records.
+    """
+    from gpulayer import records, serialization, wire
+
+    fn, args = serialization.dumps(trivial)[0], serialization.dumps(((), {}))[0]
+    ends = {}  # one sealer, opener and reader per direction, as on a connection
+
+    def crossing(direction: str, msg: dict, buffers=()) -> None:
+        if direction not in ends:
+            key = secrets.token_bytes(32)
+            ends[direction] = records.Sealer(key), records.Opener(key), wire.MessageReader(wire.max_message_bytes())
+        sealer, opener, reader = ends[direction]
+        for record in sealer.stream(wire.encode(dict(msg), buffers)):
+            opener.feed_bytes_into(record, reader)
+        reader.messages.popleft()
+
+    def task() -> None:
+        crossing("up", wire.submit(1, fn, args, {"acc": None}, None, "trivial"))
+        crossing("down", {"t": wire.RESULT, "id": 1, "data": serialization.dumps(1)[0]})
+
+    for _ in range(n // 10):
+        task()
+    started = time.perf_counter()
+    for _ in range(n):
+        task()
+    per_task = (time.perf_counter() - started) / n
+    view = memoryview(big).cast("B")
+    bulk = runs(repeats, lambda: timed(lambda: [crossing(way, {"t": wire.RESULT, "id": 1}, [view])
+                                                for way in ("up", "down")]))
+    return {"per_task_us": 1e6 * per_task, "bulk_seconds": min(bulk), "aead": records.AEAD.__name__,
+            "record_max": records.RECORD_MAX}
 
 
 FRESH = ("import time; t0 = time.perf_counter(); import gpulayer as gl; gl.run(abs, -1); "
@@ -209,21 +257,23 @@ def measure_discovery() -> dict:
     return {"browser_sees_new_peer_s": seen_after, "fresh_submitter": fresh}
 
 
-def measure_ray(n: int, submits: int) -> dict | None:
+def measure_ray(n: int, submits: int, repeats: int) -> dict | None:
     try:
         import ray
     except ImportError:
         return None
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = time.perf_counter()
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR", _node_ip_address="127.0.0.1")
     init_s = time.perf_counter() - started
     task = ray.remote(trivial)
     try:
         lat = latencies(lambda: ray.get(task.remote()), n, n // 10)
-        burst = timed(lambda: ray.get([task.remote() for _ in range(submits)]))
+        bursts = runs(repeats, lambda: timed(lambda: ray.get([task.remote() for _ in range(submits)])))
     finally:
         ray.shutdown()
-    return {"version": ray.__version__, "init_s": init_s, "latency": lat, "tasks_per_s": submits / burst}
+    return {"version": ray.__version__, "init_s": init_s, "latency": lat, "tasks_per_s": submits / min(bursts),
+            "tasks_per_s_range": [submits / max(bursts), submits / min(bursts)]}
 
 
 def machine() -> dict:
@@ -231,26 +281,35 @@ def machine() -> dict:
             "platform": platform.platform(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def summarize(raw: dict, glr: dict, ray: dict | None) -> dict:
+def summarize(raw: dict, glr: dict, aead: dict, ray: dict | None) -> dict:
     fresh = glr["discovery"]["fresh_submitter"]
     summary = {
         "gpulayer_p50_ms": glr["latency"]["p50_ms"],
+        "gpulayer_p99_ms": glr["latency"]["p99_ms"],
         "raw_p50_ms": raw["latency"]["p50_ms"],
         "p50_over_raw": glr["latency"]["p50_ms"] / raw["latency"]["p50_ms"],
         "tasks_per_s": glr["tasks_per_s"],
+        "tasks_per_s_range": glr["tasks_per_s_range"],
+        "bulk_gb_per_s": glr["bulk_gb_per_s"],
+        "bulk_gb_per_s_range": glr["bulk_gb_per_s_range"],
+        "raw_bulk_gb_per_s": raw["bulk_gb_per_s"],
         "bandwidth_ratio": glr["bulk_gb_per_s"] / raw["bulk_gb_per_s"],
+        "aead_share_of_p50": aead["per_task_us"] / 1e3 / glr["latency"]["p50_ms"],
+        "aead_share_of_bulk": aead["bulk_seconds"] / glr["bulk_seconds"],
         "fresh_process_s": {k: v["median_process_s"] for k, v in fresh.items()},
     }
     summary["targets"] = {
-        "p50_ms<=0.3": summary["gpulayer_p50_ms"] <= TARGETS["p50_ms"],
-        "tasks_per_s>=5000": summary["tasks_per_s"] >= TARGETS["tasks_per_s"],
-        "bandwidth_ratio>=0.6": summary["bandwidth_ratio"] >= TARGETS["bandwidth_ratio"],
+        "p50_over_raw<=3.0": summary["p50_over_raw"] <= TARGETS["p50_over_raw"],
+        "tasks_per_s>=9000": summary["tasks_per_s"] >= TARGETS["tasks_per_s"],
+        "bulk_gb_per_s>=0.5": summary["bulk_gb_per_s"] >= TARGETS["bulk_gb_per_s"],
         "fresh_process_s<=0.6 (mdns)": fresh["mdns"]["median_process_s"] <= TARGETS["fresh_process_s"],
         "fresh_process_s<=0.6 (cache)": fresh["cache"]["median_process_s"] <= TARGETS["fresh_process_s"],
     }
     if ray:
         summary["ray_p50_over_gpulayer"] = ray["latency"]["p50_ms"] / glr["latency"]["p50_ms"]
+        summary["ray_p50_ms"] = ray["latency"]["p50_ms"]
         summary["ray_tasks_per_s"] = ray["tasks_per_s"]
+        summary["ray_tasks_per_s_range"] = ray["tasks_per_s_range"]
     return summary
 
 
@@ -274,6 +333,8 @@ def plot(result: dict, path: Path) -> None:
     axes[1].set_title(f"{glr['submits']} submits (tasks/s)")
     axes[1].legend()
     axes[2].bar(["raw socket", "GPUlayer"], [raw["bulk_gb_per_s"], glr["bulk_gb_per_s"]], color="tab:purple")
+    axes[2].axhline(TARGETS["bulk_gb_per_s"], color="gray", linestyle="--", label="budget")
+    axes[2].legend()
     axes[2].set_title("256 MiB argument round trip (GB/s)")
     fig.suptitle(f"GPUlayer overhead on {result['machine']['host']} ({result['machine']['cpus']} CPUs), "
                  f"{result['machine']['date'][:10]}")
@@ -297,8 +358,9 @@ def main(argv=None) -> int:
     result = {"machine": machine(), "targets": TARGETS}
     result["raw"] = measure_raw(n, big, repeats)
     result["gpulayer"] = measure_gpulayer(n, submits, big, repeats)
-    result["ray"] = measure_ray(n, submits)
-    result["summary"] = summarize(result["raw"], result["gpulayer"], result["ray"])
+    result["aead"] = measure_aead(n, big, repeats)
+    result["ray"] = measure_ray(n, submits, repeats)
+    result["summary"] = summarize(result["raw"], result["gpulayer"], result["aead"], result["ray"])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:

@@ -55,6 +55,11 @@ def _ms(value) -> str:
     return "–" if value is None else f"{value:.3f} ms" if value < 1 else f"{value:.1f} ms"
 
 
+def _spread(bounds, fmt: str) -> str:
+    """' (min–max)' of repeated runs, when the result file has them."""
+    return f" ({fmt.format(bounds[0])}–{fmt.format(bounds[1])})" if bounds else ""
+
+
 def _overhead() -> str:
     path = RESULTS / "overhead.json"
     if not path.exists():
@@ -62,14 +67,15 @@ def _overhead() -> str:
                 "to make it (and `overhead.png`).*\n")
     data = _load(path)
     try:
-        m, raw, glr, ray = data["machine"], data["raw"], data["gpulayer"], data.get("ray")
+        m, raw, glr, ray, aead = data["machine"], data["raw"], data["gpulayer"], data.get("ray"), data.get("aead")
         fresh = glr["discovery"]["fresh_submitter"]
         rows = [
             ("trivial `gl.run` round trip, p50", _ms(glr["latency"]["p50_ms"]), _ms(raw["latency"]["p50_ms"])),
             ("trivial `gl.run` round trip, p99", _ms(glr["latency"]["p99_ms"]), _ms(raw["latency"]["p99_ms"])),
             (f"throughput: {glr['submits']} `gl.submit` calls, then wait for all",
-             f"{glr['tasks_per_s']:,.0f} tasks/s", "–"),
-            ("256 MiB array echoed back (GB/s, both directions)", f"{glr['bulk_gb_per_s']:.2f}",
+             f"{glr['tasks_per_s']:,.0f} tasks/s{_spread(glr.get('tasks_per_s_range'), '{:,.0f}')}", "–"),
+            ("256 MiB array echoed back (GB/s, both directions)",
+             f"{glr['bulk_gb_per_s']:.2f}{_spread(glr.get('bulk_gb_per_s_range'), '{:.2f}')}",
              f"{raw['bulk_gb_per_s']:.2f}"),
             ("a browsing client sees a newly started peer", f"{glr['discovery']['browser_sees_new_peer_s'] * 1e3:.1f} ms",
              "–"),
@@ -77,9 +83,13 @@ def _overhead() -> str:
              f"{fresh['mdns']['median_process_s']:.2f} s", "–"),
             ("fresh process with the peer cache (median of 5)", f"{fresh['cache']['median_process_s']:.2f} s", "–"),
         ]
+        if aead:
+            rows.append((f"the secure channel's {aead['aead']} alone: per task / per 256 MiB echo",
+                         f"{aead['per_task_us']:.1f} µs / {aead['bulk_seconds'] * 1e3:.0f} ms", "–"))
         if ray:
             rows.append((f"Ray {ray['version']}: trivial task p50 / tasks per s",
-                         f"{_ms(ray['latency']['p50_ms'])} / {ray['tasks_per_s']:,.0f}", "–"))
+                         f"{_ms(ray['latency']['p50_ms'])} / {ray['tasks_per_s']:,.0f}"
+                         f"{_spread(ray.get('tasks_per_s_range'), '{:,.0f}')}", "–"))
         targets = data["summary"]["targets"]
         head = (f"Measured on `{m['host']}` ({m['cpus']} CPUs, Python {m['python']}, {m['platform']}) "
                 f"on {m['date'][:10]}, with {glr['latency']['n']} sequential calls. "
