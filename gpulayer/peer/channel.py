@@ -29,6 +29,7 @@ OnMessage = Callable[[dict[str, Any], list[Any]], None]  # one complete message 
 OnClosed = Callable[[str, "ProtocolError | None"], None]  # why it closed; the error when input was bad
 
 
+_DISCARD = memoryview(bytearray(1 << 16))  # where closing channels drop their input: one for all, on one loop
 _CLOSED_READER = wire.MessageReader()  # what a closed channel keeps: nothing is fed to it
 
 
@@ -54,7 +55,6 @@ class AsyncChannel:
         self._writing = False
         self._flushed: asyncio.Future[None] | None = None
         self._eof: asyncio.Future[None] | None = None  # set while closing: input is read and dropped
-        self._scratch: bytearray | None = None
         self._closing: asyncio.Task[None] | None = None
         self._sealer: records.Sealer | None = None
         self._opener: records.Opener | None = None
@@ -79,8 +79,8 @@ class AsyncChannel:
                 return
             closing = self._eof is not None
             opener = self._opener
-            if self._scratch is not None and closing:  # input goes to a scratch buffer: the reader's may be full
-                into = memoryview(self._scratch)
+            if closing:  # input is dropped into the shared scratch buffer: the reader's may be full
+                into = _DISCARD
             else:
                 into = reader.buffer() if opener is None else opener.buffer()
             try:
@@ -202,7 +202,6 @@ class AsyncChannel:
         `timeout`, in the background. Returns that background task.
         """
         if self._closing is None:
-            self._scratch = bytearray(1 << 16)
             self._eof = self._loop.create_future()
             self._closing = self._loop.create_task(self._linger(timeout))
         return self._closing
