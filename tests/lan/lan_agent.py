@@ -8,7 +8,6 @@ interfaces. Requests name a function of lan_tasks.py; see the op_* methods.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -18,6 +17,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lan_tasks  # noqa: E402
+from lanserve import serve  # noqa: E402
 
 import gpulayer as gl  # noqa: E402
 from gpulayer.matching import Requirements  # noqa: E402
@@ -63,14 +63,53 @@ class Agent:
         if discovery_timeout is not None:
             options["discovery_timeout"] = discovery_timeout
         self.client = gl.configure(**options)
+        self.goodbyes = []
+        check = self.client._on_goodbye  # mDNS goodbyes that the directory passed on to be checked
+
+        def on_goodbye(record, check=check):
+            self.goodbyes.append(record.advert.name)
+            check(record)
+
+        self.client._on_goodbye = on_goodbye  # before start(), which hands it to the browser
         if start:
             self.client.start()
         return {"client_id": self.client.client_id, "cluster": self.client.cluster}
 
     def records(self) -> list[dict]:
         return [{"name": r.advert.name, "peer_id": r.advert.peer_id, "cluster": r.advert.cluster, "up": r.up,
-                 "source": r.source, "address": r.address, "error": r.error, "slots": r.advert.slots}
-                for r in self.client.directory.records()]
+                 "source": r.source, "address": r.address, "error": r.error, "slots": r.advert.slots,
+                 "verified": r.verified} for r in self.client.directory.records()]
+
+    def op_heard(self):
+        """The service names whose PTR records this submitter's mDNS cache holds (what the browser heard)."""
+        from gpulayer.discovery import SERVICE_TYPE
+
+        browser = self.client._browser
+        if browser is None:
+            return {"names": []}
+        return {"names": sorted({r.alias for r in browser.zc.cache.get_all_by_details(SERVICE_TYPE, 12, 1)})}
+
+    def op_goodbyes(self):
+        """The names of the verified or static peers whose mDNS goodbyes were checked with the peer."""
+        return {"names": list(self.goodbyes)}
+
+    def op_watch_names(self, names, seconds=3.0, interval=0.05):
+        """Sample the directory for `seconds`: how often each of `names` was missing or down, and its addresses."""
+        missing = {n: 0 for n in names}
+        addresses = {n: set() for n in names}
+        samples = 0
+        deadline = time.monotonic() + min(seconds, MAX_LOOP_SECONDS)
+        while time.monotonic() < deadline:
+            listed = {r.advert.name: r for r in self.client.directory.records()}
+            samples += 1
+            for n in names:
+                if n not in listed or not listed[n].up:
+                    missing[n] += 1
+                else:
+                    addresses[n].add(listed[n].address)
+            time.sleep(interval)
+        return {"samples": samples, "missing": missing, "addresses": {n: sorted(a) for n, a in addresses.items()},
+                "records": self.records()}
 
     def op_names(self):
         return {"records": self.records()}
@@ -93,7 +132,8 @@ class Agent:
         return {"ok": ok, "elapsed": time.monotonic() - started, "wall": time.time(), "records": self.records()}
 
     def op_peers(self, wait=0.0):
-        return {"peers": [{k: row.get(k) for k in ("name", "state", "busy", "queued", "error", "source", "slots")}
+        return {"peers": [{k: row.get(k) for k in ("name", "state", "busy", "queued", "error", "source", "slots",
+                                                   "address", "peer_id", "device", "frameworks")}
                           for row in self.client.peers(wait=wait)]}
 
     # ---- work ----------------------------------------------------------------------------------------
@@ -150,6 +190,35 @@ class Agent:
 
         future.add_done_callback(done)
         return {"peer": future.peer}
+
+    def op_submit_many(self, fn, count, args=(), peer=None, wait=10.0, pause=0.0):
+        """`count` submits one after another (each may need a new connection), then up to `wait` s for all.
+
+        Replies how many futures were still pending then, the outcomes of the others, and the
+        errors of the submits that raised (NoMatchingPeer, say).
+        """
+        from collections import Counter
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        func = getattr(lan_tasks, fn)
+        futures, submit_errors = [], Counter()
+        for _ in range(min(count, 1000)):
+            try:
+                futures.append(self.client.submit(func, tuple(args), req=Requirements.build(peer=peer)))
+            except Exception as exc:
+                submit_errors[f"{type(exc).__name__}: {str(exc)[-120:]}"] += 1
+            if pause:
+                time.sleep(pause)
+        deadline = time.monotonic() + min(wait, MAX_LOOP_SECONDS)
+        outcomes = Counter()
+        for future in futures:
+            try:
+                exc = future.exception(max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                continue
+            outcomes["ok" if exc is None else f"{type(exc).__name__}: {str(exc)[:120]}"] += 1
+        return {"submitted": len(futures), "pending": sum(not f.done() for f in futures),
+                "outcomes": dict(outcomes), "submit_errors": dict(submit_errors)}
 
     def op_where(self, tags):
         """The peer each task was given to (now; a retry moves it)."""
@@ -302,25 +371,7 @@ class _Bound:
 
 
 def main() -> None:
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    sys.stdout = sys.stderr  # stray prints must not corrupt the replies
-    agent = Agent()
-    for line in sys.stdin:
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            request = json.loads(line)
-            op = request.pop("op")
-            reply = getattr(agent, f"op_{op}")(**request)
-        except Exception as exc:
-            reply = {"exception": type(exc).__name__, "message": str(exc)[:4000], "traceback": traceback.format_exc()}
-            op = None
-        reply["t"] = time.monotonic()
-        out.write(json.dumps(reply) + "\n")
-        if op == "exit":
-            break
-    os._exit(0)
+    serve(Agent)
 
 
 if __name__ == "__main__":

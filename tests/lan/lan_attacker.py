@@ -5,12 +5,20 @@
 It cycles through hostile inputs: random bytes, random frames, truncated frames, huge length
 prefixes, valid frames of unknown type or version, non-map messages, bad buffer counts, SUBMIT
 and other messages before AUTH (carrying pickles that would create `marker` if anything
-unpickled them), AUTH with a wrong key, AUTH replayed from another connection (and after
-AUTH_OK), garbage and huge lengths after a real AUTH, floods of half-open connections, and
-connections that go silent mid-frame. For each it records how the peer reacted, and a
-violation whenever the peer did something it must not: accept a bad AUTH, answer a task
-before AUTH, answer with an unexpected error, or leave a bad connection open past its bounds.
-It prints one JSON line of statistics at the end.
+unpickled them), AUTH with a wrong key, AUTH proving another handshake (a changed HELLO, another
+client name), AUTH replayed from another connection (and after AUTH_OK, in clear and sealed),
+floods of half-open connections, and connections that go silent mid-frame.
+
+After a real AUTH (the attacker holds a stolen key there: `authenticated()` runs the protocol v2
+handshake and derives the session keys, so it reads the peer's sealed replies and seals frames
+of its own), every byte must be a record: garbage sent in clear is refused with code "channel",
+and so are replayed, reordered, reflected, bit-flipped and foreign records; garbage frames
+sealed properly are refused with the frame codes (too-large, protocol, version).
+
+For each it records how the peer reacted, and a violation whenever the peer did something it
+must not: accept a bad AUTH, answer a task before AUTH, answer with an unexpected error, send a
+record that does not open, or leave a bad connection open past its bounds. It prints one JSON
+line of statistics at the end.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from collections import Counter, defaultdict
 
 import msgpack
 
-from gpulayer import security, wire
+from gpulayer import records, security, wire
+from gpulayer.errors import ProtocolError
 from gpulayer.resources.model import PROTOCOL_VERSION
 
 HEADER = struct.Struct(">I")
@@ -55,6 +64,19 @@ def message(**fields) -> bytes:
     return frame({"v": PROTOCOL_VERSION, **fields})
 
 
+class Session:
+    """A connection that passed the handshake with the (stolen) key, and its secure channel."""
+
+    def __init__(self, sock: socket.socket, hello: dict, auth: bytes, key: bytes, transcript: bytes):
+        self.sock, self.hello, self.auth = sock, hello, auth
+        self.send_key, self.recv_key = security.session_keys(key, transcript, security.SUBMITTER)
+        self.sealer, self.opener = records.Sealer(self.send_key), records.Opener(self.recv_key)
+
+    def seal(self, data: bytes) -> bytes:
+        """`data` (frame bytes, or anything) as the next record of this connection."""
+        return b"".join(self.sealer.seal([data]))
+
+
 class Attacker:
     def __init__(self, cfg: dict):
         self.cfg = cfg
@@ -77,8 +99,14 @@ class Attacker:
         return sock
 
     @staticmethod
-    def read(sock: socket.socket, timeout: float, until_eof: bool = True) -> tuple[list[dict], str]:
-        """The messages the peer sends within `timeout`, and how the connection ended: eof, reset or open."""
+    def read(sock: socket.socket, timeout: float, until_eof: bool = True,
+             opener: records.Opener | None = None) -> tuple[list[dict], str]:
+        """The messages the peer sends within `timeout`, and how the connection ended: eof, reset or open.
+
+        With `opener` (after AUTH_OK) what arrives is opened as records first. A record that does
+        not open, or a frame the codec refuses, ends the reading with state "bad-records" or
+        "bad-frames": the peer must never send either.
+        """
         reader = wire.MessageReader(1 << 22)
         deadline = time.monotonic() + timeout
         state = "open"
@@ -98,9 +126,17 @@ class Attacker:
             if not data:
                 state = "eof"
                 break
-            view = reader.buffer()
-            view[:len(data)] = data
-            reader.feed(len(data))
+            try:
+                if opener is None:
+                    records.deliver(reader, data)
+                else:
+                    opener.feed_bytes_into(data, reader)
+            except records.ChannelError:
+                state = "bad-records"
+                break
+            except ProtocolError:
+                state = "bad-frames"
+                break
         return [m for m, _ in reader.messages], state
 
     def hello(self, sock: socket.socket) -> dict:
@@ -109,14 +145,25 @@ class Attacker:
             raise RuntimeError(f"no HELLO from the peer ({state}): {msgs!r}")
         return msgs[0]
 
-    def expect_refusal(self, kind: str, sock: socket.socket, codes: set[str], timeout: float = 6.0) -> None:
-        """The peer must answer with one ERROR of an allowed code and close (or reset); nothing else."""
-        msgs, state = self.read(sock, timeout)
+    def expect_refusal(self, kind: str, sock: socket.socket, codes: set[str], timeout: float = 6.0,
+                       session: Session | None = None, answered: int = 0) -> None:
+        """The peer must answer with one ERROR of an allowed code and close (or reset); nothing else.
+
+        With `session`, the answer is read as sealed records. `answered`: how many PONGs may come
+        before the ERROR (honest PINGs sent just before the bad input; the peer may answer them,
+        or close before it reads them).
+        """
+        msgs, state = self.read(sock, timeout, opener=session.opener if session else None)
         sock.close()
+        first = [m.get("t") for m in msgs]
+        while answered and msgs and msgs[0].get("t") == wire.PONG:
+            msgs, answered = msgs[1:], answered - 1
         kinds = [m.get("t") for m in msgs]
         code = msgs[0].get("code") if msgs and msgs[0].get("t") == wire.ERROR else None
         self.stats[kind][f"{code or ','.join(kinds) or '-'}/{state}"] += 1
-        if any(t in (wire.AUTH_OK, wire.RESULT, wire.ACCEPT, wire.LOG) for t in kinds):
+        if state in ("bad-records", "bad-frames"):
+            self.violations.append(f"{kind}: the peer's reply did not open or decode ({state}) after {first}")
+        elif any(t in (wire.AUTH_OK, wire.RESULT, wire.ACCEPT, wire.LOG) for t in kinds):
             self.violations.append(f"{kind}: the peer answered {kinds}")
         elif msgs and code not in codes:
             self.violations.append(f"{kind}: unexpected answer {msgs[0]!r} (allowed: {sorted(codes)})")
@@ -141,18 +188,25 @@ class Attacker:
             now = time.monotonic()
         self.held = keep
 
-    def authenticated(self) -> tuple[socket.socket, dict, bytes]:
-        """A connection that really authenticated (the attacker stole the key: only for post-auth input)."""
+    def authenticated(self) -> Session:
+        """A connection that really authenticated (the attacker stole the key: only for post-auth input).
+
+        The protocol v2 handshake: AUTH proves the whole transcript (wire.auth), the peer's
+        AUTH_OK must prove it too, and both sides then hold the session keys of this connection.
+        """
         sock = self.connect()
         hello = self.hello(sock)
-        nonce_s = security.new_nonce()
-        auth = message(t=wire.AUTH, nonce=nonce_s, mac=security.submitter_proof(self.key, hello["nonce"], nonce_s),
-                       client="attacker")
+        request, transcript = wire.auth(hello, self.key, "attacker", security.new_nonce())
+        auth = message(**request)
         sock.sendall(auth)
-        msgs, state = self.read(sock, 5, until_eof=False)
+        msgs, state = self.read(sock, 5, until_eof=False)  # AUTH_OK is the last frame in clear; nothing follows
         if not msgs or msgs[0].get("t") != wire.AUTH_OK:
             raise RuntimeError(f"the real key was refused: {msgs!r} {state}")
-        return sock, hello, auth
+        if not security.proofs_equal(msgs[0].get("mac"), security.peer_proof(self.key, transcript)):
+            self.violations.append("authenticated: AUTH_OK did not prove the transcript")
+        if len(msgs) > 1:
+            self.violations.append(f"authenticated: frames in clear after AUTH_OK: {[m.get('t') for m in msgs]}")
+        return Session(sock, hello, auth, self.key, transcript)
 
     # ---- the attacks ---------------------------------------------------------------------------------
 
@@ -246,33 +300,102 @@ class Attacker:
     def wrong_key(self) -> None:
         sock = self.connect()
         hello = self.hello(sock)
-        nonce_s = security.new_nonce()
         key = self.rng.choice([b"wrong", self.key + b"x", self.key[:-1], b""])
-        mac = security.submitter_proof(key, hello["nonce"], nonce_s)
-        sock.sendall(message(t=wire.AUTH, nonce=nonce_s, mac=mac, client="intruder"))
+        request, _ = wire.auth(hello, key, "intruder", security.new_nonce())
+        sock.sendall(message(**request))
         self.expect_refusal("wrong_key", sock, {"auth"})
 
+    def spliced_auth(self) -> None:
+        """The right key, but a proof of another handshake: what a relay that changes HELLO or AUTH gets."""
+        sock = self.connect()
+        hello = self.hello(sock)
+        choice = self.rng.randrange(4)
+        if choice == 0:  # HELLO changed on the way (a relay advertising better resources)
+            request, _ = wire.auth({**hello, "advert": {**hello["advert"], "sl": "64"}}, self.key, "x")
+        elif choice == 1:  # another peer's id
+            request, _ = wire.auth({**hello, "peer": "someone-else"}, self.key, "x")
+        elif choice == 2:  # another peer nonce (a HELLO of another connection)
+            request, _ = wire.auth({**hello, "nonce": security.new_nonce()}, self.key, "x")
+        else:  # the client name changed after the proof
+            request, _ = wire.auth(hello, self.key, "honest")
+            request["client"] = "attacker"
+        sock.sendall(message(**request))
+        self.expect_refusal(f"spliced_auth_{choice}", sock, {"auth"})
+
     def replayed_auth(self) -> None:
-        sock, _hello, auth = self.authenticated()  # an AUTH seen on the wire, valid for that connection only
+        session = self.authenticated()  # an AUTH seen on the wire, valid for that connection only
         other = self.connect()
         self.hello(other)
-        other.sendall(auth)
+        other.sendall(session.auth)
         self.expect_refusal("replayed_auth_other_connection", other, {"auth"})
-        sock.sendall(auth)  # and again on its own connection, after AUTH_OK
-        self.expect_refusal("replayed_auth_same_connection", sock, {"protocol"})
+        if self.rng.random() < 0.5:  # and again on its own connection, after AUTH_OK: in clear, not a record
+            session.sock.sendall(session.auth)
+            self.expect_refusal("replayed_auth_same_connection_clear", session.sock, {"channel"}, session=session)
+        else:  # sealed: a valid record of an AUTH, which is not a submitter's message after the handshake
+            session.sock.sendall(session.seal(session.auth))
+            self.expect_refusal("replayed_auth_same_connection_sealed", session.sock, {"protocol"},
+                                session=session)
 
     def post_auth_garbage(self) -> None:
-        sock, _, _ = self.authenticated()
-        choice = self.rng.randrange(3)
+        """Garbage in clear after AUTH_OK: not a record, so the channel refuses it, whatever it says."""
+        session = self.authenticated()
+        choice = self.rng.randrange(5)
         if choice == 0:
-            sock.sendall(HEADER.pack(0xFFFFFFFF))  # the peer runs with an 8 MiB message limit
-            self.expect_refusal("post_auth_huge_length", sock, {"too-large"})
+            data = HEADER.pack(0xFFFFFFFF)  # a length no record has: refused at its header
         elif choice == 1:
-            sock.sendall(frame(self.rng.randbytes(self.rng.randint(1, 3000))))
-            self.expect_refusal("post_auth_random_frame", sock, {"protocol", "version"})
+            data = frame(self.rng.randbytes(self.rng.randint(1, 3000)))
+        elif choice == 2:
+            data = message(t="frobnicate")
+        elif choice == 3:  # a well-formed SUBMIT in clear, carrying bombs: what a relay would inject
+            data = message(t=wire.SUBMIT, id=1, fn=self.bomb, args=self.bomb, req={}, timeout=None, name="x")
         else:
-            sock.sendall(message(t="frobnicate"))
-            self.expect_refusal("post_auth_unknown_type", sock, {"protocol"})
+            data = self.rng.randbytes(self.rng.choice([4, 20, 100]))
+            data = HEADER.pack(self.rng.randint(0, 15)) + data  # shorter than a tag
+        session.sock.sendall(data)
+        self.expect_refusal(f"post_auth_clear_{choice}", session.sock, {"channel"}, session=session)
+
+    def post_auth_sealed_garbage(self) -> None:
+        """Garbage frames sealed properly: the records open, and the frame codec refuses what they say."""
+        session = self.authenticated()
+        choice = self.rng.randrange(4)
+        if choice == 0:
+            data, codes = HEADER.pack(0xFFFFFFFF), {"too-large"}  # the peer runs with an 8 MiB message limit
+        elif choice == 1:
+            data, codes = frame(self.rng.randbytes(self.rng.randint(1, 3000))), {"protocol", "version"}
+        elif choice == 2:
+            data, codes = message(t="frobnicate"), {"protocol"}
+        else:
+            data, codes = frame({"t": wire.PING, "v": self.rng.choice([1, PROTOCOL_VERSION + 1, None])}), {"version"}
+        session.sock.sendall(session.seal(data))
+        self.expect_refusal(f"post_auth_sealed_{choice}", session.sock, codes, session=session)
+
+    def post_auth_bad_records(self) -> None:
+        """Records that do not belong here: replayed, reordered, bit-flipped, reflected, of another connection."""
+        session = self.authenticated()
+        ping = message(t=wire.PING, id=7)
+        choice = self.rng.randrange(6)
+        answered = 0
+        if choice == 0:  # a record replayed: it opened once (a PONG may come), its counter is spent
+            record = session.seal(ping)
+            data, answered = record + record, 1
+        elif choice == 1:  # two records swapped
+            first, second = session.seal(ping), session.seal(ping)
+            data = second + first
+        elif choice == 2:  # one bit flipped, anywhere past the length
+            record = bytearray(session.seal(ping))
+            record[self.rng.randrange(4, len(record))] ^= 1 << self.rng.randrange(8)
+            data = bytes(record)
+        elif choice == 3:  # sealed with the other direction's key (a reflected record)
+            data = b"".join(records.Sealer(session.recv_key).seal([ping]))
+        elif choice == 4:  # a record of another connection (its keys are its own)
+            other = self.authenticated()
+            data = other.seal(ping)
+            other.sock.close()
+        else:  # a length out of bounds, in a record's header
+            data = HEADER.pack(self.rng.choice([0, 15, records.RECORD_MAX + records.TAG + 1])) + bytes(32)
+        session.sock.sendall(data)
+        self.expect_refusal(f"post_auth_record_{choice}", session.sock, {"channel"}, session=session,
+                            answered=answered)
 
     def flood(self, count: int) -> None:
         """Many connections that never send a byte (half-open at the protocol level), held a moment."""
@@ -298,8 +421,9 @@ class Attacker:
     def run(self) -> dict:
         attacks = [self.random_bytes, self.random_frame, self.truncated, self.huge_length, self.unknown_type,
                    self.wrong_version, self.not_a_map, self.bad_buffer_count, self.buffers_before_auth,
-                   self.submit_before_auth, self.bombs_in_auth, self.wrong_key, self.replayed_auth,
-                   self.post_auth_garbage]
+                   self.submit_before_auth, self.bombs_in_auth, self.wrong_key, self.spliced_auth,
+                   self.replayed_auth, self.post_auth_garbage, self.post_auth_sealed_garbage,
+                   self.post_auth_bad_records]
         if self.cfg.get("kinds"):
             attacks = [a for a in attacks if a.__name__ in self.cfg["kinds"]]
         started = time.monotonic()

@@ -316,9 +316,9 @@ class Host:
         self.lan.procs.append(proc)
         return proc
 
-    def run(self, argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], timeout: float = 30.0, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", self.ns, *argv], capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, env=env)
 
     # ---- faults ---------------------------------------------------------------------------------
 
@@ -345,8 +345,9 @@ class Host:
         self.peers.append(peer)
         return peer.start(wait=False)
 
-    def agent(self, key: str | None, name: str | None = None, env: dict | None = None) -> Agent:
-        agent = Agent(self, name or f"agent-{self.label}-{len(self.agents)}", key, env or {})
+    def agent(self, key: str | None, name: str | None = None, env: dict | None = None, script: Path = AGENT) -> Agent:
+        """A process driven by JSON lines: a submitter (lan_agent.py), or another `script` of that kind."""
+        agent = Agent(self, name or f"agent-{self.label}-{len(self.agents)}", key, env or {}, script)
         self.agents.append(agent)
         return agent
 
@@ -381,9 +382,12 @@ class AgentError(RuntimeError):
 
 
 class Agent:
-    """A submitter process inside a namespace (tests/lan/lan_agent.py), driven by JSON lines."""
+    """A submitter process inside a namespace (tests/lan/lan_agent.py), driven by JSON lines.
 
-    def __init__(self, host: Host, name: str, key: str | None, env: dict):
+    Other scripts that speak the same JSON lines (lan_rogue.py) run as agents too.
+    """
+
+    def __init__(self, host: Host, name: str, key: str | None, env: dict, script: Path = AGENT):
         import queue
 
         self.host = host
@@ -391,7 +395,7 @@ class Agent:
         self.log_file = host.lan.workdir / f"{name}.log"
         self._replies: queue.Queue = queue.Queue()
         with open(self.log_file, "ab") as log:
-            self.proc = host.popen([sys.executable, str(AGENT)], lan_env(key, **env), stdin=subprocess.PIPE,
+            self.proc = host.popen([sys.executable, str(script)], lan_env(key, **env), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
         threading.Thread(target=self._read, name=f"agent-{name}", daemon=True).start()
 

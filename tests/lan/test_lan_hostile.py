@@ -1,6 +1,8 @@
-"""Hostile input: hypothesis against the frame and message codec (in process), and a scripted
-raw-socket attacker (lan_attacker.py, in a namespace of its own) against a live peer on the LAN,
-while an honest submitter in another namespace keeps using that peer."""
+"""Hostile input: hypothesis against the frame and message codec and the v2 handshake (in process),
+and a scripted raw-socket attacker (lan_attacker.py, in a namespace of its own) against a live peer
+on the LAN, while an honest submitter in another namespace keeps using that peer. The attacker
+also holds a stolen key for its post-handshake attacks: garbage in clear, garbage sealed, and
+records replayed, reordered, flipped, reflected or taken from another connection."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lanlab import HERE, BackgroundSampler, lan_env
+from support import new_key
 
 from gpulayer import security, wire
 from gpulayer.errors import GPULayerError, ProtocolError
@@ -131,18 +134,34 @@ def test_damaged_frames_give_valid_messages_or_a_protocol_error(no_unpickling, d
     assert all(valid_message(m) for m in msgs)
 
 
+HELLO_KEY = new_key().encode()
+
+
 @settings(max_examples=300, deadline=None)
-@given(msg=any_map, nonce_s=st.binary(min_size=0, max_size=40), mac=st.binary(max_size=40) | msgpack_values)
-def test_only_the_right_proof_for_this_nonce_passes_auth(msg, nonce_s, mac):
-    key, nonce_p = b"the-key", os.urandom(32)
-    msg = {**msg, "nonce": nonce_s, "mac": mac}
-    reply = wire.check_auth(msg, key, nonce_p)
-    assert reply is None  # random proofs never pass
-    if len(nonce_s) == 32:
-        good = {**msg, "t": wire.AUTH, "mac": security.submitter_proof(key, nonce_p, nonce_s)}
-        assert wire.check_auth(good, key, nonce_p)["mac"] == security.peer_proof(key, nonce_p, nonce_s)
-        assert wire.check_auth(good, key, os.urandom(32)) is None  # replayed to another connection
-        assert wire.check_auth(good, b"other-key", nonce_p) is None
+@given(msg=any_map, nonce_s=st.binary(min_size=0, max_size=40), mac=st.binary(max_size=40) | msgpack_values,
+       client=st.text(max_size=20), advert=st.dictionaries(st.text(max_size=4), st.text(max_size=8), max_size=3))
+def test_only_the_proof_of_this_whole_handshake_passes_auth(msg, nonce_s, mac, client, advert):
+    """check_auth(AUTH, key, HELLO): random proofs never pass; the right one passes only for the HELLO it
+    answered (its nonce, peer id and advert), its client name and the key, and gives the session keys."""
+    key = HELLO_KEY
+    hello = wire.hello(os.urandom(32), "peer-1", security.cluster_id(key), advert)
+    assert wire.check_auth({**msg, "nonce": nonce_s, "mac": mac}, key, hello) is None  # random proofs never pass
+    if len(nonce_s) != security.NONCE_BYTES:
+        return
+    request, transcript = wire.auth(hello, key, client, nonce_s)
+    good = {**msg, **request}  # any other fields the AUTH carries do not matter
+    checked = wire.check_auth(good, key, hello)
+    assert checked is not None
+    reply, (send_key, recv_key) = checked
+    assert reply["t"] == wire.AUTH_OK and reply["mac"] == security.peer_proof(key, transcript)
+    assert (recv_key, send_key) == security.session_keys(key, transcript, security.SUBMITTER)
+    assert send_key != recv_key
+    # a proof of this handshake fails every other one
+    assert wire.check_auth(good, key, {**hello, "nonce": os.urandom(32)}) is None  # replayed to another connection
+    assert wire.check_auth(good, key, {**hello, "peer": "peer-2"}) is None  # relayed to another peer
+    assert wire.check_auth(good, key, {**hello, "advert": {**advert, "sl": "64"}}) is None  # HELLO changed on the way
+    assert wire.check_auth({**good, "client": client + "x"}, key, hello) is None  # the client name changed
+    assert wire.check_auth(good, new_key().encode(), hello) is None  # another cluster's key
 
 
 @settings(max_examples=150, deadline=None)
@@ -152,7 +171,7 @@ def test_the_submitters_handshake_against_a_hostile_peer_fails_cleanly(replies, 
     ConnectionError, and never believes a peer that did not prove the key."""
     ours, theirs = socket.socketpair()
     ours.settimeout(5)
-    key = b"the-key"
+    key = HELLO_KEY
 
     def fake_peer():
         try:
