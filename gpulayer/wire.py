@@ -216,11 +216,13 @@ class MessageReader:
         self._pending: tuple[Message, list[Any], int] | None = None
         self._pending_bytes = 0
         self.buffers_allowed = buffers
+        self.one_at_a_time = not buffers  # before authentication: the bytes after a message may be records
 
     def allow(self, max_frame: int) -> None:
         """Raise the limit (after authentication), with a receive buffer to match; allow buffers."""
         self.max_frame = max_frame
         self.buffers_allowed = True
+        self.one_at_a_time = False
         if len(self._buf) < _SMALL:
             kept = self._buf[self._start:self._end]
             self._buf = bytearray(_SMALL)
@@ -278,7 +280,7 @@ class MessageReader:
         self._parse()
 
     def _parse(self) -> None:
-        while self._end - self._start >= 4:
+        while self._end - self._start >= 4 and not (self.one_at_a_time and self.messages):
             (length,) = HEADER.unpack_from(self._buf, self._start)
             room = self.max_frame - (self._pending_bytes if self._pending is not None else 0)
             if length > room:
@@ -376,6 +378,8 @@ class BlockingConnection:
     def recv(self, deadline: float | None = None) -> tuple[Message, list[Any]]:
         """The next message; raises ConnectionError at EOF, socket.timeout past `deadline` (monotonic)."""
         reader = self.reader
+        if reader.one_at_a_time and not reader.messages:
+            reader.feed(0)  # a whole message may wait in the buffer, parsed one at a time before the switch
         while not reader.messages:
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -416,6 +420,11 @@ class BlockingConnection:
             pass
 
 
+def printable(value: object, limit: int = 200) -> str:
+    """Peer-supplied text fit for a terminal: no control characters, at most `limit` characters."""
+    return "".join(ch for ch in str(value) if ch.isprintable())[:limit]
+
+
 HANDSHAKE_TIMEOUT = 3.0  # the submitter's bound on the whole handshake, slow drips included (the peer's: PeerConfig)
 
 
@@ -449,18 +458,19 @@ def client_handshake(conn: BlockingConnection, key: bytes, client_id: str,
     deadline = time.monotonic() + timeout
     msg, _ = conn.recv(deadline)
     if msg["t"] == ERROR:
-        raise ProtocolError(f"peer refused the connection: {msg.get('message')}")
+        raise ProtocolError(f"peer refused the connection: {printable(msg.get('message'))}")
     nonce_p = msg.get("nonce")
     if msg["t"] != HELLO or not isinstance(nonce_p, bytes) or len(nonce_p) != security.NONCE_BYTES \
             or not isinstance(msg.get("peer"), str):
         raise ProtocolError("expected HELLO with a nonce and a peer id from the peer")
+    name = printable(msg["peer"])
     request, proven = auth(msg, key, client_id)
     conn.send(request)
     reply, _ = conn.recv(deadline)
     if reply["t"] == ERROR:
-        raise AuthError(f"peer {msg.get('peer')} refused authentication: {reply.get('message')}")
+        raise AuthError(f"peer {name} refused authentication: {printable(reply.get('message'))}")
     if reply["t"] != AUTH_OK or not security.proofs_equal(reply.get("mac"), security.peer_proof(key, proven)):
-        raise AuthError(f"peer {msg.get('peer')} failed to prove the cluster key")
+        raise AuthError(f"peer {name} failed to prove the cluster key")
     conn.secure(*security.session_keys(key, proven, security.SUBMITTER))
     return msg
 

@@ -88,8 +88,13 @@ class PeerConnection:
     def submit(self, task: ConnectionTask) -> None:
         """Send the task's SUBMIT under a fresh id; its outcome reaches the listener."""
         with self._lock:
-            task.task_id = next(self._ids)
-            self.pending[task.task_id] = task
+            closed = self.closed
+            if not closed:
+                task.task_id = next(self._ids)
+                self.pending[task.task_id] = task
+        if closed:  # it closed after placement chose it: the task is lost like its others
+            self.listener.on_lost(self, [task], self.send_error or "the connection closed")
+            return
         msg, buffers = task.message()
         try:
             self.send(msg, buffers)

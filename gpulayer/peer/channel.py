@@ -103,6 +103,8 @@ class AsyncChannel:
                 return self._lost(str(exc), exc)
             while reader.messages and not self.closed and self._eof is None:
                 self.on_message(*reader.messages.popleft())
+                if reader.one_at_a_time and not reader.messages and not self.closed:
+                    reader.feed(0)  # before the switch to records, messages are parsed one at a time
 
     def _lost(self, reason: str, error: ProtocolError | None = None) -> None:
         if self._eof is not None:

@@ -277,8 +277,6 @@ def test_hostile_txt_values_are_dropped_and_names_reach_no_terminal_raw(lan, rog
                        tasks_completed=20, duplicates=0, lost=0)
 
 
-@pytest.mark.xfail(strict=True, reason="gpulayer bug: text from a keyless endpoint's HELLO ('peer') and ERROR "
-                   "('message') is quoted raw in handshake errors, which NoMatchingPeer and `gpulayer peers` print")
 def test_what_a_keyless_endpoint_says_in_its_handshake_reaches_no_terminal_raw(lan, rogue, reliability):
     """A rogue endpoint whose HELLO names it with escapes and whose ERROR carries escapes: the submitter's
     handshake errors quote both, and NoMatchingPeer and `gpulayer peers` print those errors."""
@@ -400,9 +398,6 @@ RACE_ATTEMPTS = 20  # per delay
 RACE_DELAYS = (0.0005, 0.001)  # from AUTH_OK to the peer's refusal, at the relay (0.5 ms: 20-40 % hung here)
 
 
-@pytest.mark.xfail(strict=False, reason="gpulayer bug: PeerConnection.submit adds the task to a connection that "
-                   "closed meanwhile (after Client._connection checked it): the future never completes. "
-                   "A race: not strict, since a run may miss its window")
 def test_a_task_submitted_as_its_connection_closes_still_completes(lan, rogue, relayed, reliability):
     """The relay makes the peer refuse each connection just after AUTH_OK, so that it closes while the
     submitter starts to use it. Every future must complete (with the peer's refusal, or PeerLost)."""
@@ -422,8 +417,6 @@ def test_a_task_submitted_as_its_connection_closes_still_completes(lan, rogue, r
     assert all(out["pending"] == 0 for out in rounds.values()), rounds
 
 
-@pytest.mark.xfail(strict=True, reason="gpulayer bug: the submitter's pre-auth MessageReader parses the first "
-                   "record as a clear frame when it arrives in the same read as AUTH_OK ('undecodable frame')")
 def test_a_record_that_arrives_with_auth_ok_is_opened_as_a_record(lan, rogue, relayed, reliability):
     """TCP is a byte stream: AUTH_OK and the peer's first record may come in one segment (here the
     relay makes them: the peer's refusal of its injected SUBMIT, right behind AUTH_OK)."""
