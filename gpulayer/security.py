@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import msgpack
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import ConfigError
 
@@ -199,6 +197,9 @@ def session_keys(key: bytes, transcript: bytes, role: str) -> tuple[bytes, bytes
     key and the other way round. Any difference in the transcript (a nonce, the version, the
     peer id, what HELLO said) gives unrelated keys, so a channel is bound to its handshake.
     """
+    from cryptography.hazmat.primitives import hashes  # here: workers import this module without cryptography
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     if role not in (SUBMITTER, PEER):
         raise ValueError(f"role must be {SUBMITTER!r} or {PEER!r}, not {role!r}")
     if not isinstance(transcript, (bytes, bytearray)) or not transcript:

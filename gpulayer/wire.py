@@ -18,12 +18,15 @@ import struct
 import time
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import msgpack
 
-from . import records, security
+from . import security
 from .errors import AuthError, ConfigError, FrameTooLarge, ProtocolError, VersionMismatch
+
+if TYPE_CHECKING:
+    from . import records
 
 PROTOCOL_VERSION = 2  # in every message ("v") and every advert ("ver"); bump on any incompatible change
 
@@ -363,6 +366,8 @@ class BlockingConnection:
 
     def secure(self, send_key: bytes, recv_key: bytes) -> None:
         """Seal what is sent and open what is received from now on, with the post-auth message limit."""
+        from . import records  # here: a worker (a job interpreter that may lack cryptography) never secures
+
         self._sealer, self._opener = records.Sealer(send_key), records.Opener(recv_key)
         self.reader.allow(max_message_bytes())
         self._opener.feed_bytes_into(self.reader.take_unread(), self.reader)

@@ -468,3 +468,13 @@ def test_nonces_never_repeat_across_a_long_run():
     for record in seal_all(sealer, messages([[]] * 500)):
         seen.add(record)
     assert len(seen) == 500 and sealer.counter == 500
+
+
+def test_a_worker_imports_nothing_of_cryptography():
+    """Workers run in the job interpreter, which needs only msgpack and cloudpickle: no records there."""
+    import subprocess
+    import sys
+
+    code = "import sys, gpulayer.peer.worker; print('cryptography' in sys.modules or 'gpulayer.records' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
