@@ -33,18 +33,20 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path / "gpulayer" / "peers.json"
 
 
-def fill_cache(key: str, peer) -> None:
+def cached_peer(peer_factory, name: str) -> tuple[str, PeerProcess]:
+    """A peer without mDNS of a fresh cluster, in the cache after a first submitter used it."""
+    key = new_key()
+    peer = peer_factory(name, "--no-mdns", key=key)
     first = Client(key=key.encode(), peers=peer.address, mdns=False, echo_output=False)
     try:
         assert first.submit(os.getpid, req=ANY).result(30)
     finally:
         first.close()
+    return key, peer
 
 
 def test_a_frozen_peer_served_from_the_cache_gives_peer_lost_within_seconds(peer_factory, cache_dir):
-    key = new_key()
-    peer = peer_factory("frozen", "--no-mdns", key=key)
-    fill_cache(key, peer)
+    key, peer = cached_peer(peer_factory, "frozen")
     assert oct(cache_dir.stat().st_mode & 0o777) == "0o600"
     client = Client(key=key.encode(), mdns=False, echo_output=False, heartbeat=0.5)  # the cache is all it knows
     try:
@@ -61,9 +63,7 @@ def test_a_frozen_peer_served_from_the_cache_gives_peer_lost_within_seconds(peer
 
 
 def test_a_cache_of_stale_peers_falls_back_to_discovery(peer_factory, cache_dir):
-    key = new_key()
-    gone = peer_factory("gone", "--no-mdns", key=key)
-    fill_cache(key, gone)
+    key, gone = cached_peer(peer_factory, "gone")
     gone.stop()
     peer_factory("announced", key=key)  # findable by mDNS on loopback only
     client = Client(key=key.encode(), echo_output=False, discovery_timeout=5)
@@ -74,9 +74,7 @@ def test_a_cache_of_stale_peers_falls_back_to_discovery(peer_factory, cache_dir)
 
 
 def test_the_cache_keeps_only_verified_peers(peer_factory, cache_dir):
-    key = new_key()
-    peer = peer_factory("kept", "--no-mdns", key=key)
-    fill_cache(key, peer)
+    key, peer = cached_peer(peer_factory, "kept")
     cached = json.loads(cache_dir.read_text())
     entries = next(iter(cached.values()))
     assert [e["txt"]["n"] for e in entries] == ["kept"]
