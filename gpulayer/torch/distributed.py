@@ -99,5 +99,8 @@ def _fit_worker(rank, world_size, port, rng, trainer, module, train, val, ckpt_p
         trainer._fit_as_rank(rank, world_size, module, train, val, ckpt_path)
         if rank == 0:
             torch.save(trainer._summary(module), result)
+        # no rank tears gloo down while another still talks to it (that aborts the process); should a rank
+        # fail instead, spawn terminates the others, so this never waits for a rank that is gone
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -447,9 +447,10 @@ def rogue(variant: str, peer_marker: Path, submitter_marker: Path) -> Hook:
         pipe.state["done"] = True
         submit = wire.submit(1, serialization.dumps(touch)[0], serialization.dumps(((str(peer_marker),), {}))[0],
                              {}, None, "pwn")
-        pipe.send("c2p", forged(pipe, submit, "c2p"))
         result = {"t": wire.RESULT, "id": 1, "data": pickle.dumps(Bomb(str(submitter_marker)))}
+        # the submitter's forgery goes first: once the peer refuses its own, the relay's pipe closes
         pipe.send("p2c", forged(pipe, result, "p2c"))
+        pipe.send("c2p", forged(pipe, submit, "c2p"))
 
     return hook
 
