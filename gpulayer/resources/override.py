@@ -15,7 +15,8 @@ given replace the detected ones, the others stay as detected:
         kind         "cuda" or "mps"                 required
         name         non-empty string                required
         memory_gb    number >= 0                     required
-        memory_kind  "dedicated" or "unified"        default: "unified" for mps, "dedicated" for cuda
+        memory_kind  "dedicated" or "unified"        default: "unified" for mps, "dedicated" for cuda;
+                                                     an mps device is always "unified"
         index        integer >= 0                    default: the position in the list
         distributed  "nccl" or "unsupported"         default: "unsupported" for mps, "nccl" for cuda
     frameworks   list of objects; replaces the detected frameworks:
@@ -44,7 +45,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from gpulayer.accelerators import DEDICATED, DISTRIBUTED, GPU_KINDS, MEMORY_KIND, NCCL, UNIFIED, UNSUPPORTED
+from gpulayer.accelerators import DEDICATED, DISTRIBUTED, GPU_KINDS, MEMORY_KIND, MPS, NCCL, UNIFIED, UNSUPPORTED
 from gpulayer.resources.model import Device, Framework, Resources
 
 # the defaults of a device's optional fields, per kind: {"cuda": {"memory_kind": "dedicated", ...}, "mps": ...}
@@ -109,6 +110,9 @@ def _object(value, field: str, schema: dict, required: tuple[str, ...] = ()) -> 
 
 def _device(value, field: str, position: int) -> Device:
     checked = _object(value, field, DEVICE_FIELDS, ("kind", "name", "memory_gb"))
+    if checked["kind"] == MPS and checked.get("memory_kind", UNIFIED) != UNIFIED:
+        raise _Invalid(f"{field}.memory_kind: an mps device shares the Mac's unified memory; "
+                       f"{checked['memory_kind']!r} is only for cuda")
     return Device(**{"index": position, **DEVICE_DEFAULTS[checked["kind"]], **checked, "validation": "override"})
 
 

@@ -86,6 +86,8 @@ def framework(**fields):
         (device(vram=8), "devices[0]: unknown field 'vram'"),
         (device(index=-1), "devices[0].index: expected an integer >= 0, got -1"),
         (device(memory_kind="shared"), "devices[0].memory_kind: expected 'dedicated' or 'unified', got 'shared'"),
+        (device(memory_kind="dedicated"), "devices[0].memory_kind: an mps device shares the Mac's unified memory; "
+                                          "'dedicated' is only for cuda"),
         ({"devices": {"kind": "mps"}}, "devices: expected a list, got"),
         ({"cpu_count": True}, "cpu_count: expected an integer >= 1, got True"),
         ({"cpu_count": 0}, "cpu_count: expected an integer >= 1, got 0"),
