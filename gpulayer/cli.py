@@ -62,11 +62,20 @@ def _bench(args) -> int:
     return run(args)
 
 
+def _version() -> str:
+    from . import __version__
+    from .wire import PROTOCOL_VERSION
+
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"gpulayer {__version__} (protocol v{PROTOCOL_VERSION}, Python {python} at {sys.executable})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .benchmark import add_arguments as add_bench_arguments
     from .peer.__main__ import add_arguments
 
     parser = argparse.ArgumentParser(prog="gpulayer", description="Peer-to-peer scheduler for the GPUs on a LAN.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     resources = sub.add_parser("resources", help="what this machine offers")

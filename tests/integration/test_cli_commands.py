@@ -72,3 +72,19 @@ def test_demo_runs_a_real_round_trip_on_an_embedded_peer():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "gl.run(whoami) ->" in out.stdout and "all correct" in out.stdout
     assert "demo-peer" in out.stdout and "the peer withdrew its mDNS record and stopped" in out.stdout
+
+
+def test_version_and_python_dash_m_gpulayer():
+    import importlib.metadata
+
+    import gpulayer
+
+    installed = importlib.metadata.version("gpulayer")
+    assert installed == gpulayer.__version__
+    for command in ([sys.executable, "-m", "gpulayer", "--version"], [sys.executable, "-m", "gpulayer.cli", "--version"]):
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"gpulayer {installed} (protocol v"), out.stdout
+    out = subprocess.run([sys.executable, "-m", "gpulayer", "resources", "detect", "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "accelerator" in json.loads(out.stdout), out.stderr
