@@ -9,6 +9,7 @@ streams back to the submitter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import socket
@@ -16,6 +17,7 @@ import sys
 import time
 
 from .. import remote_exceptions, serialization, wire
+from . import spawning
 
 _FN_CACHE_SIZE = 128
 
@@ -55,6 +57,21 @@ def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, 
     except Exception as exc:
         return _error(task_id, exc, note=f"the result ({type(result).__name__}) could not be pickled"), []
     return {"t": wire.RESULT, "id": task_id, "data": data}, out
+
+
+@contextlib.contextmanager
+def task_environment(env: dict | None):
+    """Set a task's environment variables (the SUBMIT's "env") while it runs; restore them after."""
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _error(task_id, exc: BaseException, *, skip_frames: int = 0, note: str = "") -> dict:
@@ -145,6 +162,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes())
     reaper = OrphanReaper() if become_subreaper() else None
+    spawning.install()
     loaded = preload([n for n in args.preload.split(",") if n])
     conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded})
     functions = FunctionCache()
@@ -155,7 +173,8 @@ def main(argv=None) -> None:
             return
         if msg["t"] == wire.BYE:
             return
-        reply, out = run_task(msg, buffers, functions)
+        with task_environment(msg.get("env")):
+            reply, out = run_task(msg, buffers, functions)
         del msg, buffers
         conn.send(reply, out)
         if reaper is not None:
