@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import accelerators
 from .client import Client, TaskFuture
 from .options import TaskOptions, split_call
 
@@ -124,11 +122,11 @@ def peers(wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]
 
 
 def device() -> Any:
-    """Inside a task, the torch device the peer gave it; elsewhere, the best local one (cuda, mps, cpu)."""
-    import torch
+    """Inside a task, the torch device the peer gave it; elsewhere, the best local one (cuda, mps, cpu).
 
-    name = os.environ.get(accelerators.ENV_DEVICE)
-    if name:
-        return torch.device(name)
-    present = {accelerators.CUDA: torch.cuda.is_available(), accelerators.MPS: torch.backends.mps.is_available()}
-    return torch.device(accelerators.auto_choice(lambda kind: present.get(kind, False)))
+    Raises `gpulayer.torch.AcceleratorUnavailable`, saying what to install, when the job's torch
+    cannot use the device the peer gave the task.
+    """
+    from .torch.accelerators import resolve
+
+    return resolve().device()

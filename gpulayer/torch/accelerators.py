@@ -6,6 +6,7 @@ replace it to exercise the rules for hardware this machine lacks.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,15 @@ def _env_device() -> torch.device | None:
         raise UnsupportedConfiguration(f"{ENV_DEVICE}={spec!r} is not a torch device name") from e
 
 
+def _missing_backend(kind: str, present: dict[str, int]) -> str:
+    """Why the device a peer gave this task is not usable: the job's torch lacks that backend."""
+    check = "torch.backends.mps.is_available()" if kind == MPS else "torch.cuda.is_available()"
+    return (f"the peer gave this task {ENV_DEVICE}={os.environ[ENV_DEVICE]!r}, but torch {torch.__version__} "
+            f"in this job interpreter ({sys.executable}) cannot use {kind} ({check} is False; present: "
+            f"{_describe(present)}). Install a torch build with {kind} support in the peer's job interpreter "
+            f"(gpulayer join --python ...), or ask for accelerator='cpu'")
+
+
 def resolve(accelerator: str = AUTO, devices: int = 1, num_nodes: int = 1) -> Placement:
     """Pick the device for `Trainer(accelerator, devices, num_nodes)`, enforcing the rules.
 
@@ -91,6 +101,8 @@ def resolve(accelerator: str = AUTO, devices: int = 1, num_nodes: int = 1) -> Pl
     else:
         kind = accelerator
     if kind not in present:
+        if env is not None and env.type == kind:
+            raise AcceleratorUnavailable(_missing_backend(kind, present))
         raise AcceleratorUnavailable(f"accelerator {kind!r} is not present; present: {_describe(present)}")
     index = env.index if env is not None and env.type == kind else None
 

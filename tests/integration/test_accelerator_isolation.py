@@ -16,6 +16,7 @@ import gpulayer as gl
 from gpulayer import serialization, wire
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
+from gpulayer.torch import AcceleratorUnavailable
 from support import new_key, write_override
 
 TORCH_MPS = [{"name": "torch", "version": "2.5.1", "capabilities": ["torch.cpu", "torch.mps"]},
@@ -99,3 +100,19 @@ def test_the_peer_itself_refuses_a_task_it_cannot_run(fleet):
         conn.close()
     assert reply["t"] == wire.REJECT and reply["code"] == "no-match"
     assert "task needs mps; peer offers cuda" in reply["message"]
+
+
+def test_a_device_the_jobs_torch_lacks_is_a_clear_error(fleet):
+    """The mac override claims torch.mps; this box's CPU torch has none, as a Mac with a CPU-only torch."""
+    def on_the_given_device():
+        import torch
+
+        import gpulayer as gl
+        return torch.ones(2, device=gl.device()).sum().item()
+
+    with pytest.raises(AcceleratorUnavailable) as info:
+        fleet.submit(on_the_given_device, req=Requirements.build(accelerator="mps")).result(60)
+    text = str(info.value)
+    assert "the peer gave this task GPULAYER_DEVICE='mps', but torch" in text
+    assert "torch.backends.mps.is_available() is False" in text and "gpulayer join --python" in text
+    assert fleet.submit(on_the_given_device, req=Requirements.build(accelerator="cpu")).result(60) == 2.0
