@@ -20,7 +20,7 @@ from .. import serialization
 
 
 def install() -> None:
-    """Pickle classes and functions that are not importable by value in multiprocessing, from now on."""
+    """From now on, multiprocessing pickles the classes and functions that are not importable by value."""
     from multiprocessing.reduction import ForkingPickler
 
     ForkingPickler.reducer_override = _reducer_override  # type: ignore[method-assign]
@@ -33,6 +33,7 @@ def load_by_value(data: bytes, buffers: list[bytearray]) -> Any:
 
 
 def _reducer_override(pickler: pickle.Pickler, obj: object) -> Any:
+    """ForkingPickler's hook: a class or function that is not importable goes as a gpulayer pickle."""
     if isinstance(obj, (type, types.FunctionType)) and not _importable(obj):
         data, buffers = serialization.dumps(obj)
         return load_by_value, (data, [bytearray(b) for b in buffers])
