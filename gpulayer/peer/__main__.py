@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 from .. import security, wire
@@ -29,11 +30,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON file replacing detected resources (operators and tests; see docs)")
     parser.add_argument("--preload", default=None,
                         help="comma-separated modules each worker imports at start (default: the GPU frameworks)")
+    parser.add_argument("--env", action="append", default=[], type=env_assignment, metavar="NAME=VALUE",
+                        help="a variable in the environment of the peer and so of every worker and task, set "
+                             "before the peer detects its devices and starts its workers; repeatable "
+                             "(e.g. --env PYTORCH_ENABLE_MPS_FALLBACK=1)")
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
     parser.add_argument("--ready-file", default=None, help="write {port, peer_id, name} as JSON here once serving")
     parser.add_argument("--log-level", default="INFO")
+
+
+def env_assignment(text: str) -> tuple[str, str]:
+    """One --env NAME=VALUE. GPUlayer's own GPULAYER_* settings are refused: they have options
+    (--key-file, --interfaces, ...) or are set by the peer for each slot."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    if name.startswith(wire.SLOT_ENV_PREFIX):
+        raise argparse.ArgumentTypeError(f"{name} is a GPUlayer setting, not a variable for tasks: use the "
+                                         "peer's options, or its own environment")
+    return name, value
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
@@ -63,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s gpulayer-peer %(levelname)s %(message)s")
+    os.environ.update(args.env)
     try:
         config = config_from_args(args)
     except (GPULayerError, ValueError) as exc:

@@ -22,7 +22,7 @@ from .. import accelerators, wire
 from ..errors import WorkerDied
 from ..matching import Requirements
 from ..resources.model import Resources
-from .workers import Slot, Worker, describe_exit, job_pythonpath
+from .workers import Slot, Worker, describe_exit, job_pythonpath, read_at_load
 
 log = logging.getLogger("gpulayer.peer")
 
@@ -50,8 +50,10 @@ class ScheduledTask:
     buffers: list[Any] | None
     req: Requirements
     timeout: float | None
+    env: dict[str, str] = field(default_factory=dict)  # its environment variables (the SUBMIT's "env")
     slot: Slot | None = None  # where its worker runs
     group: list[Slot] = field(default_factory=list)  # every slot it holds (devices=N holds N)
+    one_off: bool = False  # it runs in a worker of its own, which a warm one replaces after it
     timer: asyncio.TimerHandle | None = None
     answered: bool = False
 
@@ -111,8 +113,7 @@ class Scheduler:
         """Start one warm worker per slot. Raises WorkerDied when workers cannot start."""
         self._loop = asyncio.get_running_loop()
         for slot in self.slots:
-            slot.worker = Worker(slot, self.python, self.preload, self._on_reply, self._on_output,
-                                 self._on_worker_exit, self._pythonpath)
+            slot.worker = self._new_worker(slot)
         await asyncio.gather(*(self._worker(s).start(self.worker_start_timeout) for s in self.slots))
 
     async def stop(self) -> None:
@@ -148,7 +149,16 @@ class Scheduler:
     # ---- tasks --------------------------------------------------------------------------------
 
     def enqueue(self, task: ScheduledTask) -> bool:
-        """Queue an admitted task and start what can start; True if it started at once."""
+        """Queue an admitted task and start what can start; True if it started at once.
+
+        A task whose env breaks the rules of `wire.check_env` is answered with bad-request instead.
+        """
+        assert task.msg is not None
+        try:
+            task.env = wire.check_env(task.msg.get("env"))
+        except (TypeError, ValueError) as exc:
+            self._answer(task, wire.error("bad-request", str(exc)))
+            return False
         self._queue.append(task)
         self._start_queued()
         return task.slot is not None
@@ -191,18 +201,26 @@ class Scheduler:
         assert task.msg is not None
         msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
         buffers, task.msg, task.buffers = task.buffers or [], None, None
-        if len(group) == 1:
+        env = {**task.env, **_device_env(task.req, lead)}
+        fresh = any(read_at_load(name) for name in task.env)
+        if len(group) == 1 and not fresh:  # the warm worker sets env for this task and restores it after
+            if env:
+                msg["env"] = env
             self._worker(lead).send(msg, buffers)
             self._arm_timeout(task)
             return
-        # several devices: a worker of its own that sees all of them, in place of the lead's warm one
-        visible = ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)
+        # A worker of its own, started with env, in place of the lead's warm one (which is stopped, so
+        # that the task has the device and its memory to itself): for several devices it sees all of
+        # them; for a variable read at load it imports nothing before the task.
+        if len(group) > 1:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)
+        task.one_off = True
         old = self._worker(lead)
-        lead.worker = old.replacement({"CUDA_VISIBLE_DEVICES": visible})
-        self.spawn(self._start_group(task, old, lead.worker, msg, buffers))
+        lead.worker = self._new_worker(lead, env, [] if fresh else None)
+        self.spawn(self._start_one_off(task, old, lead.worker, msg, buffers))
 
-    async def _start_group(self, task: ScheduledTask, old: Worker, worker: Worker, msg: wire.Message,
-                           buffers: list[Any]) -> None:
+    async def _start_one_off(self, task: ScheduledTask, old: Worker, worker: Worker, msg: wire.Message,
+                             buffers: list[Any]) -> None:
         await old.kill()
         try:
             await worker.start(self.worker_start_timeout)
@@ -255,13 +273,18 @@ class Scheduler:
         assert slot.worker is not None
         return slot.worker
 
+    def _new_worker(self, slot: Slot, env: dict[str, str] | None = None, preload: list[str] | None = None) -> Worker:
+        """A worker for `slot`, not started: a warm one, or one with `env` on top of the slot's and other preloads."""
+        return Worker(slot, self.python, self.preload if preload is None else preload, self._on_reply,
+                      self._on_output, self._on_worker_exit, self._pythonpath, env)
+
     def _on_reply(self, worker: Worker, reply: wire.Message, buffers: list[Any]) -> None:
         slot = worker.slot
         task = slot.task
         if not isinstance(task, ScheduledTask) or slot.worker is not worker:
             return
-        if len(task.group) > 1:
-            self._replace_worker(slot)  # back to a warm worker that sees its own device only
+        if task.one_off:
+            self._replace_worker(slot)  # back to a warm worker, of the slot's own device and environment
         else:
             self._release(task)
         self._answer(task, reply, buffers)
@@ -290,7 +313,7 @@ class Scheduler:
         if isinstance(slot.task, ScheduledTask):
             self._release(slot.task)
         old = self._worker(slot)
-        slot.worker = old.replacement()
+        slot.worker = self._new_worker(slot)
         self.spawn(self._restart(old, slot))
 
     async def _restart(self, old: Worker, slot: Slot) -> None:
@@ -304,10 +327,23 @@ class Scheduler:
                 log.error("%s; retrying in %.1f s", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
-                slot.worker = self._worker(slot).replacement()
+                slot.worker = self._new_worker(slot)
                 continue
             self._start_queued()
             return
+
+
+def _device_env(req: Requirements, slot: Slot) -> dict[str, str]:
+    """The task's device variable where it differs from its slot's: a cpu task on a GPU slot gets
+    GPULAYER_DEVICE=cpu, so that gl.device() and Trainer(accelerator="auto") give it the CPU.
+
+    The slot's GPU stays visible to it (CUDA_VISIBLE_DEVICES): hiding it needs a fresh process (CUDA
+    reads the variable once, and a warm worker may have started CUDA for an earlier task), while the
+    task holds that GPU's slot anyway, so no other task's device is in reach.
+    """
+    if req.accelerator == accelerators.CPU and slot.env.get(accelerators.ENV_DEVICE) != accelerators.CPU:
+        return {accelerators.ENV_DEVICE: accelerators.CPU}
+    return {}
 
 
 def _fits(req: Requirements, slot: Slot) -> bool:

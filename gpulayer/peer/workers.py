@@ -42,6 +42,18 @@ class Slot:
         return self.task is None and self.worker is not None and self.worker.ready
 
 
+# Variables that the interpreter reads when it starts, or a library (torch, mlx, Metal, CUDA, the
+# math and thread libraries) when it loads or initialises: setting one in a warm worker, where torch
+# may already be loaded, would come too late. A task whose env sets one runs in a fresh worker.
+READ_AT_LOAD_PREFIXES = ("PYTORCH_", "TORCH_", "CUDA_", "MLX_", "METAL_", "MTL_", "OMP_", "MKL_", "OPENBLAS_",
+                         "KMP_", "VECLIB_", "XLA_", "JAX_", "TF_", "HF_", "PYTHON", "LD_", "DYLD_", "MALLOC_")
+
+
+def read_at_load(name: str) -> bool:
+    """Whether variable `name` takes effect only in a process started with it (READ_AT_LOAD_PREFIXES)."""
+    return name.startswith(READ_AT_LOAD_PREFIXES)
+
+
 def job_pythonpath(python: str) -> str | None:
     """PYTHONPATH that lets another interpreter import gpulayer without the peer's site-packages.
 
@@ -103,11 +115,6 @@ class Worker:
         self._pipes: dict[int, str] = {}
         self._loop = asyncio.get_running_loop()
         self._started: asyncio.Future[wire.Message] = self._loop.create_future()
-
-    def replacement(self, extra_env: dict[str, str] | None = None) -> Worker:
-        """A new (not yet started) worker for the same slot, optionally with extra environment."""
-        return Worker(self.slot, self.python, self.preload, self.on_reply, self.on_output, self.on_exit,
-                      self.pythonpath, extra_env)
 
     async def start(self, timeout: float) -> None:
         """Spawn the process and wait for its ready message (after its preloads)."""
