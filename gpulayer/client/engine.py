@@ -334,12 +334,13 @@ class Client:
         if not self.directory.upsert(fresh):
             conn.fail("the peer belongs to another cluster")
             raise AuthError(f"{conn.address} belongs to another cluster")
-        with self._lock:
+        with self._lock:  # the first live connection to a peer wins: tasks may be running on it
             old = self._connections.get(conn.peer_id)
-            self._connections[conn.peer_id] = conn
-        if old is not None and old is not conn:
-            old.fail("replaced")
-        return conn
+            if old is None or old.closed:
+                self._connections[conn.peer_id] = conn
+                return conn
+        conn.fail("a connection to this peer is already open")  # it holds no task yet
+        return old
 
     def mark_down(self, peer_id: str, reason: str) -> None:
         record = self.directory.get(peer_id)

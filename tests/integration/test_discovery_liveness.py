@@ -101,6 +101,21 @@ def test_static_peers_work_without_multicast(peer_factory):
         client.close()
 
 
+def test_a_second_connection_to_a_peer_does_not_cut_the_tasks_of_the_first(peer_factory):
+    """GPULAYER_PEERS naming a peer that mDNS also finds: the static probe connects while a task runs."""
+    key = new_key()
+    peer = peer_factory("twice", key=key)
+    client = Client(key=key.encode(), peers=peer.address, echo_output=False)
+    try:
+        running = client.submit(time.sleep, (1.0,), req=ANY)
+        host, port = peer.address.rsplit(":", 1)
+        client._probe_static((host, int(port)))  # what start() does for each static peer, now while a task runs
+        assert running.result(30) is None  # the task's connection was not replaced
+        assert client.submit(lambda: "still up", req=ANY).result(30) == "still up"
+    finally:
+        client.close()
+
+
 def test_the_peer_cache_is_used_by_a_fresh_process_and_verified_on_connect(peer_factory, tmp_path, monkeypatch):
     key = new_key()
     peer = peer_factory("cached", "--no-mdns", key=key)
