@@ -29,6 +29,8 @@ Options:
   --system-site-packages  let the venv see the packages of that Python (e.g. its torch)
   --pip-args "ARGS"       more arguments for pip install, split on spaces (e.g. "--no-deps")
   --peer-args "ARGS"      arguments for the peer, split on spaces (e.g. "--port 7340 --concurrency 2")
+  --env NAME=VALUE        a variable in the service's environment, so for the peer, its workers and
+                          its tasks; repeatable (e.g. --env PYTORCH_ENABLE_MPS_FALLBACK=1)
   --key-file PATH         the cluster key (default: ~/.config/gpulayer/key; with --system: /etc/gpulayer/key)
   --no-key                do not create the cluster key when it is missing
   --system                Linux: a system unit in /etc/systemd/system, run as --service-user (needs root)
@@ -49,8 +51,22 @@ say() { printf '%s\n' "$*"; }
 
 PREFIX="" FROM="" PYTHON="python3" SYSTEM_SITE=0 PIP_ARGS="" PEER_ARGS="" KEY_FILE="" NO_KEY=0 SYSTEM=0
 SERVICE_USER="gpulayer" NO_SERVICE=0 NO_START=0 UNIT_DIR="" TARGET_OS="" UNINSTALL=0 PURGE=0 DRY_RUN=0
+SERVICE_ENV=("PYTHONUNBUFFERED=1")  # NAME=VALUE, in order; --env adds to it
 
 need_value() { [ "$#" -ge 2 ] || die "$1 needs a value"; }
+
+add_env() {  # add_env NAME=VALUE (from --env): checked; it replaces an earlier one of the same name
+    local name=${1%%=*} i
+    [[ "$1" == *=* ]] || die "--env needs NAME=VALUE, not '$1'"
+    [[ "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || die "--env: '$name' is not a variable name"
+    case "$name" in GPULAYER_*) die "--env: $name is a GPUlayer setting, not a variable for tasks: use --peer-args or --key-file" ;; esac
+    [[ ! "$1" =~ [[:cntrl:]] ]] || die "--env: the value of $name holds a control character (a line break?)"
+    for i in "${!SERVICE_ENV[@]}"; do
+        if [ "${SERVICE_ENV[$i]%%=*}" = "$name" ]; then SERVICE_ENV[i]=$1; return; fi
+    done
+    SERVICE_ENV+=("$1")
+}
+
 while [ "$#" -gt 0 ]; do
     case "$1" in
         --prefix) need_value "$@"; PREFIX=$2; shift 2 ;;
@@ -59,6 +75,7 @@ while [ "$#" -gt 0 ]; do
         --system-site-packages) SYSTEM_SITE=1; shift ;;
         --pip-args) need_value "$@"; PIP_ARGS=$2; shift 2 ;;
         --peer-args) need_value "$@"; PEER_ARGS=$2; shift 2 ;;
+        --env) need_value "$@"; add_env "$2"; shift 2 ;;
         --key-file) need_value "$@"; KEY_FILE=$2; shift 2 ;;
         --no-key) NO_KEY=1; shift ;;
         --system) SYSTEM=1; shift ;;
@@ -160,13 +177,19 @@ xml_escape() {  # sed, not ${s//</&lt;}: bash 5.2 gives "&" in a replacement a m
     printf '%s' "$1" | sed -e 's/&/\&amp;/g' -e 's/</\&lt;/g' -e 's/>/\&gt;/g' -e 's/"/\&quot;/g'
 }
 
+systemd_escape() {  # for the inside of a double-quoted unit value: backslashes, quotes, % specifiers
+    local s=$1
+    s=${s//\\/\\\\}; s=${s//\"/\\\"}; s=${s//%/%%}
+    printf '%s' "$s"
+}
+
 systemd_quote() {  # one ExecStart word: quoted when it holds anything but safe characters
     local s=$1
     if [[ "$s" =~ ^[A-Za-z0-9_./:=,@+-]+$ ]]; then
         printf '%s' "$s"
     else
-        s=${s//\\/\\\\}; s=${s//\"/\\\"}; s=${s//%/%%}; s=${s//\$/\$\$}
-        printf '"%s"' "$s"
+        s=$(systemd_escape "$s")
+        printf '"%s"' "${s//\$/\$\$}"  # ExecStart expands $NAME; Environment= does not
     fi
 }
 
@@ -176,7 +199,7 @@ peer_command() {  # the peer's argv, one word a line
 }
 
 systemd_unit() {
-    local exec="" word
+    local exec="" word assignment
     while IFS= read -r word; do exec+="${exec:+ }$(systemd_quote "$word")"; done < <(peer_command)
     printf '[Unit]\n'
     printf 'Description=GPUlayer peer (offers this machine'"'"'s GPUs to the cluster)\n'
@@ -184,7 +207,7 @@ systemd_unit() {
         printf 'Wants=network-online.target\nAfter=network-online.target\n'
     fi
     printf '\n[Service]\nType=simple\nExecStart=%s\n' "$exec"
-    printf 'Environment=PYTHONUNBUFFERED=1\n'
+    for assignment in "${SERVICE_ENV[@]}"; do printf 'Environment="%s"\n' "$(systemd_escape "$assignment")"; done
     printf 'Restart=on-failure\nRestartSec=5\n'
     printf '# SIGTERM withdraws the mDNS record, then lets running tasks finish (--drain-timeout, 30 s)\n'
     printf 'KillSignal=SIGTERM\nTimeoutStopSec=45\n'
@@ -196,7 +219,7 @@ systemd_unit() {
 }
 
 launchd_plist() {
-    local word
+    local word assignment
     printf '<?xml version="1.0" encoding="UTF-8"?>\n'
     printf '<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">\n'
     printf '<plist version="1.0">\n<dict>\n'
@@ -208,7 +231,11 @@ launchd_plist() {
     printf '  <key>KeepAlive</key>\n  <true/>\n'
     printf '  <key>ProcessType</key>\n  <string>Interactive</string>\n'
     printf '  <key>ExitTimeOut</key>\n  <integer>45</integer>\n'
-    printf '  <key>EnvironmentVariables</key>\n  <dict>\n    <key>PYTHONUNBUFFERED</key>\n    <string>1</string>\n  </dict>\n'
+    printf '  <key>EnvironmentVariables</key>\n  <dict>\n'
+    for assignment in "${SERVICE_ENV[@]}"; do
+        printf '    <key>%s</key>\n    <string>%s</string>\n' "${assignment%%=*}" "$(xml_escape "${assignment#*=}")"
+    done
+    printf '  </dict>\n'
     printf '  <key>StandardOutPath</key>\n  <string>%s</string>\n' "$(xml_escape "$LOG_DIR/peer.log")"
     printf '  <key>StandardErrorPath</key>\n  <string>%s</string>\n' "$(xml_escape "$LOG_DIR/peer.log")"
     printf '</dict>\n</plist>\n'

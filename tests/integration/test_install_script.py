@@ -48,6 +48,17 @@ def unit_values(unit: str) -> dict[str, list[str]]:
     return values
 
 
+ENV_ARGS = ("--env", "PYTORCH_ENABLE_MPS_FALLBACK=1", "--env", 'ODD=a "b" 100% \\c $HOME <&>',
+            "--env", "PYTHONUNBUFFERED=0")
+ENV_SEEN = {"PYTHONUNBUFFERED": "0", "PYTORCH_ENABLE_MPS_FALLBACK": "1", "ODD": 'a "b" 100% \\c $HOME <&>'}
+
+
+def unit_environment(unit: str) -> dict[str, str]:
+    """The Environment= lines of a unit as systemd reads them: quoted, backslash escapes, %% for %."""
+    pairs = [shlex.split(value)[0].replace("%%", "%").partition("=") for value in unit_values(unit)["Environment"]]
+    return {name: value for name, _, value in pairs}
+
+
 def actions(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("+ ")]
 
@@ -69,6 +80,18 @@ def test_dry_run_linux_user_unit(tmp_path):
     assert steps[-3:] == ["+ systemctl --user daemon-reload", "+ systemctl --user enable gpulayer-peer.service",
                           "+ systemctl --user restart gpulayer-peer.service"]
     assert os.listdir(tmp_path) == []  # a dry run changes nothing
+
+
+def test_env_goes_into_the_unit_and_the_plist(tmp_path):
+    linux = install("--dry-run", "--os", "linux", *ENV_ARGS, home=tmp_path)
+    assert linux.returncode == 0, linux.stderr
+    unit = written(linux.stdout, "/gpulayer-peer.service")
+    assert unit_environment(unit) == ENV_SEEN  # the later PYTHONUNBUFFERED replaced the script's own
+    assert 'Environment="ODD=a \\"b\\" 100%% \\\\c $HOME <&>"' in unit.splitlines()
+    mac = install("--dry-run", "--os", "macos", *ENV_ARGS, home=tmp_path)
+    assert mac.returncode == 0, mac.stderr
+    plist = plistlib.loads(written(mac.stdout, "/dev.gpulayer.peer.plist").encode())
+    assert plist["EnvironmentVariables"] == ENV_SEEN
 
 
 def test_dry_run_linux_system_unit_runs_as_its_own_user(tmp_path):
@@ -113,7 +136,11 @@ def test_bad_options_are_refused(tmp_path):
     for args, message in ((["--os", "windows"], "--os must be linux or macos"),
                           (["--bogus"], "unknown option '--bogus'"),
                           (["--os", "macos", "--system"], "--system is for Linux"),
-                          (["--purge"], "--purge goes with --uninstall")):
+                          (["--purge"], "--purge goes with --uninstall"),
+                          (["--env", "NOVALUE"], "--env needs NAME=VALUE, not 'NOVALUE'"),
+                          (["--env", "1X=a"], "--env: '1X' is not a variable name"),
+                          (["--env", "GPULAYER_KEY=k"], "--env: GPULAYER_KEY is a GPUlayer setting"),
+                          (["--env", "A=two\nlines"], "--env: the value of A holds a control character")):
         out = install("--dry-run", *args, home=tmp_path)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
     assert install("--help", home=tmp_path).stdout.startswith("Usage: install.sh")
@@ -130,7 +157,7 @@ def test_real_install_into_a_temporary_prefix_then_uninstall(tmp_path):
     shutil.copytree(REPO / "gpulayer", src / "gpulayer", ignore=shutil.ignore_patterns("__pycache__"))
     common = ["--os", "linux", "--prefix", str(prefix), "--unit-dir", str(units), "--no-start"]
     env = {"PYTHONPATH": sysconfig.get_paths()["purelib"]}
-    out = install(*common, "--python", sys.executable, "--from", str(src), "--peer-args", "--port 7340",
+    out = install(*common, "--python", sys.executable, "--from", str(src), "--peer-args", "--port 7340", *ENV_ARGS,
                   "--pip-args", "--no-deps --no-build-isolation", home=home, env=env, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "not starting the service (--no-start)" in out.stdout
@@ -145,12 +172,13 @@ def test_real_install_into_a_temporary_prefix_then_uninstall(tmp_path):
     unit = unit_values(unit_file.read_text())
     assert shlex.split(unit["ExecStart"][0]) == [str(prefix / "bin/python"), "-m", "gpulayer.peer", "--key-file",
                                                  str(key), "--port", "7340"]
+    assert unit_environment(unit_file.read_text()) == ENV_SEEN
     if shutil.which("systemd-analyze"):
         verify = subprocess.run(["systemd-analyze", "verify", str(unit_file)], capture_output=True, text=True,
                                 timeout=60)
-        assert verify.returncode == 0, verify.stderr
+        assert verify.returncode == 0 and "ignoring" not in verify.stderr, verify.stderr  # a bad line is ignored
 
-    again = install(*common, "--python", sys.executable, "--from", str(src), "--peer-args", "--port 7340",
+    again = install(*common, "--python", sys.executable, "--from", str(src), "--peer-args", "--port 7340", *ENV_ARGS,
                     "--pip-args", "--no-deps --no-build-isolation", home=home, env=env, timeout=180)
     assert again.returncode == 0, again.stdout + again.stderr  # idempotent: same venv, same key
     assert f"keeping the cluster key {key}" in again.stdout and f"using the venv at {prefix}" in again.stdout
