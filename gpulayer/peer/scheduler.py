@@ -339,7 +339,8 @@ def _device_env(req: Requirements, slot: Slot) -> dict[str, str]:
 
     The slot's GPU stays visible to it (CUDA_VISIBLE_DEVICES): hiding it needs a fresh process (CUDA
     reads the variable once, and a warm worker may have started CUDA for an earlier task), while the
-    task holds that GPU's slot anyway, so no other task's device is in reach.
+    task holds that GPU's slot anyway, so no other task's device is in reach. A task that wants it
+    hidden asks for env={"CUDA_VISIBLE_DEVICES": ""}, and so for a fresh worker.
     """
     if req.accelerator == accelerators.CPU and slot.env.get(accelerators.ENV_DEVICE) != accelerators.CPU:
         return {accelerators.ENV_DEVICE: accelerators.CPU}

@@ -92,7 +92,8 @@ OnExit = Callable[["Worker", "int | None"], None]  # it died unexpectedly, with 
 
 
 class Worker:
-    """One warm worker process bound to a slot.
+    """One worker process bound to a slot: its warm worker, or one started for one task (`extra_env`
+    on top of the slot's environment, its own preloads).
 
     `send` hands it a task; its reply arrives through `on_reply(worker, msg, buffers)`, its
     output through `on_output(worker, stream, data)`, and an unexpected death through
