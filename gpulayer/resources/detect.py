@@ -224,6 +224,7 @@ def parse_facts(facts: dict) -> Resources:
         devices=_cuda_devices(facts, torch) + _mps_devices(facts, torch, mlx),
         frameworks=_frameworks(torch, mlx),
         source="detected",
+        distributions=probe.get("distributions"),
     )
 
 

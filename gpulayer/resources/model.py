@@ -11,6 +11,13 @@ from ..accelerators import DEDICATED, HOST_MEMORY, KINDS, UNIFIED, UNSUPPORTED, 
 from ..wire import PROTOCOL_VERSION as PROTOCOL_VERSION  # re-exported: adverts carry it
 
 TXT_VALUE_MAX = 255  # bytes in one TXT string, key and '=' included
+# The frameworks that the probe examines (version and capabilities) and every advert lists.
+PROBED_FRAMEWORKS = frozenset({"torch", "mlx"})
+
+
+def distribution_key(name: str) -> str:
+    """A distribution's name as PEP 503 compares names: "Scikit_Learn" -> "scikit-learn"."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class Resources:
     devices: list[Device] = field(default_factory=list)
     frameworks: list[Framework] = field(default_factory=list)
     source: str = "detected"
+    distributions: dict[str, str] | None = None  # every installed one, name -> version; None: not probed
 
     @property
     def accelerator(self) -> str:
@@ -89,7 +97,11 @@ class Resources:
 class Advert:
     """A peer as the submitter sees it: identity, resources summary and capacity.
 
-    This is what the TXT record carries; matching works on it alone.
+    This is what the TXT record carries; matching works on it alone. `frameworks` lists the
+    probed ones (torch, mlx) and those an override declares. Every other installed distribution
+    is in `distributions`, which only the peer's own advert holds (the TXT record has no room for
+    them): an advert from TXT has None there, and the peer answers for those names when it admits
+    a task.
     """
 
     peer_id: str
@@ -108,6 +120,8 @@ class Advert:
     python: str
     version: int = PROTOCOL_VERSION
     validation: str = "detected"
+    # (distribution_key(name), version) pairs; not part of the advert's identity, which is its TXT form
+    distributions: frozenset[tuple[str, str]] | None = field(default=None, compare=False)
 
     @property
     def device_count(self) -> int:
@@ -117,8 +131,17 @@ class Advert:
     def has_gpu(self) -> bool:
         return is_gpu(self.accelerator)
 
+    def knows(self, name: str) -> bool:
+        """Whether this advert can tell if `name` is installed: always on the peer itself, else
+        only for the frameworks it lists and the probed ones."""
+        return self.distributions is not None or name in PROBED_FRAMEWORKS or name in dict(self.frameworks)
+
     def framework_version(self, name: str) -> str | None:
-        return dict(self.frameworks).get(name)
+        """The installed version of a framework or any distribution, None when unknown or absent."""
+        version = dict(self.frameworks).get(name)
+        if version is None and self.distributions is not None and name not in PROBED_FRAMEWORKS:
+            version = dict(self.distributions).get(distribution_key(name))
+        return version
 
     @classmethod
     def from_resources(cls, res: Resources, *, peer_id: str, name: str, cluster: str, slots: int) -> Advert:
@@ -139,6 +162,8 @@ class Advert:
             slots=slots,
             python=res.python,
             validation=gpus[0].validation if gpus else "detected",
+            distributions=None if res.distributions is None else
+            frozenset((distribution_key(n), v) for n, v in res.distributions.items()),
         )
 
     def to_txt(self) -> dict[str, str]:

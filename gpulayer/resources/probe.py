@@ -1,4 +1,5 @@
-"""Probe the job interpreter: Python, torch and mlx, with a tiny validation op on each device.
+"""Probe the job interpreter: Python, torch and mlx, with a tiny validation op on each device, and
+the versions of all its installed distributions (importlib.metadata).
 
 Runs INSIDE the job interpreter, which may lack GPUlayer and every third-party package, so only
 the standard library is imported at module level and it is run by file path:
@@ -17,9 +18,11 @@ section that raised has an "error" string; "ok" is null when no op was tried):
      "mlx": {"version": "0.32.4",
              "backends": {"cpu": {"available": true, "ok": true, "error": null},
                           "metal": {"available": false, "ok": null, "error": null},
-                          "cuda": {"available": false, "ok": null, "error": null}}}}
+                          "cuda": {"available": false, "ok": null, "error": null}}},
+     "distributions": {"msgpack": "1.1.0", "torch": "2.4.1+cu121", ...}}
 """
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -123,12 +126,26 @@ def _mlx():
     }
 
 
+def _distributions() -> dict:
+    """{name: version} of the installed distributions; the first on sys.path wins, as for imports."""
+    found = {}
+    for dist in importlib.metadata.distributions():
+        try:
+            name, version = dist.metadata["Name"], dist.version
+        except Exception:  # unreadable metadata of a broken install
+            continue
+        if name and version:
+            found.setdefault(name, version)
+    return found
+
+
 def probe() -> dict:
     """What this interpreter offers; never raises for a missing or broken framework."""
     return {
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "torch": _torch(),
         "mlx": _mlx(),
+        "distributions": _distributions(),
     }
 
 

@@ -19,11 +19,12 @@ from gpulayer.resources.model import PROTOCOL_VERSION, Advert, Device, Framework
 
 def make_advert(accelerator: str = "cpu", *, memory=(), frameworks=(), distributed: str | None = None,
                 slots: int = 1, name: str = "box", peer_id: str | None = None, version: int = PROTOCOL_VERSION,
-                ram_gb: float = 64.0) -> Advert:
+                ram_gb: float = 64.0, python: str = "3.11.7", distributions: dict | None = None) -> Advert:
     """An Advert built the way a peer builds it: Resources -> Advert.from_resources.
 
     `memory` is one entry per GPU (GB); on "mps" it is the unified memory size of the Mac.
-    `frameworks` is a sequence of (name, version, capabilities).
+    `frameworks` is a sequence of (name, version, capabilities). `distributions` makes it the
+    peer's own advert, which knows every installed distribution.
     """
     devices = []
     if accelerator == "cuda":
@@ -35,8 +36,8 @@ def make_advert(accelerator: str = "cpu", *, memory=(), frameworks=(), distribut
     res = Resources(
         host=name, system="Darwin" if accelerator == "mps" else "Linux",
         machine="arm64" if accelerator == "mps" else "x86_64", cpu_name="Test CPU", cpu_count=16,
-        memory_gb=ram_gb, python="3.11.7", devices=devices,
-        frameworks=[Framework(n, v, tuple(caps)) for n, v, caps in frameworks],
+        memory_gb=ram_gb, python=python, devices=devices,
+        frameworks=[Framework(n, v, tuple(caps)) for n, v, caps in frameworks], distributions=distributions,
     )
     advert = Advert.from_resources(res, peer_id=peer_id or f"id-{name}", name=name, cluster="c0ffee", slots=slots)
     if version != PROTOCOL_VERSION:
@@ -158,6 +159,7 @@ def test_requirements_are_hashable_and_equal_when_built_alike():
     {"accelerator": "cuda", "gpu_memory_gb": 40, "devices": 2},
     {"accelerator": "mps", "frameworks": {"torch": ">=2.4", "mlx": ""}, "capabilities": {"x.y", "a.b"}},
     {"gpu_memory_gb": 0.5, "frameworks": ["numpy"]},
+    {"python": ">=3.11,<3.12", "code_python": "3.11", "uses": ("torch", "mlx")},
 ])
 def test_wire_round_trip(kwargs):
     r = Requirements.build(**kwargs)
@@ -185,6 +187,8 @@ def test_from_wire_of_an_empty_map_is_the_default():
     {"acc": "tpu"}, {"acc": 3},
     {"mem": "8"}, {"mem": -1}, {"mem": True}, {"acc": "cpu", "mem": 4},
     {"dev": 0}, {"dev": "2"}, {"dev": True}, {"dev": None}, {"dev": 1.0},
+    {"py": 3.11}, {"py": "3.11"}, {"py": [">=3"]}, {"pc": 3.11}, {"pc": "3"}, {"pc": ">=3.11"}, {"pc": "3.11.7"},
+    {"use": "torch"}, {"use": [1]}, {"use": {"torch": 1}},
 ])
 def test_from_wire_rejects_malformed_maps(data):
     with pytest.raises(ValueError):
@@ -495,3 +499,86 @@ def test_cpu_task_on_gpu_peers_ranks_by_cpu_rules_not_memory():
     r = req(accelerator="cpu")
     key = rank_key(r, make_advert("cuda", memory=(80.0,), slots=2), 1, 0.2)
     assert key == (False, True, 0.5, False, 0.2)
+
+
+# ---- the job interpreter's Python (issue 10, item 1) --------------------------------------------------
+
+@pytest.mark.parametrize("python", [3.11, "3.11", ">=three", "python>=3", ["3.11"], b">=3"])
+def test_build_rejects_a_bad_python_specifier(python):
+    with pytest.raises(ValueError, match="python must be a PEP 440 specifier"):
+        Requirements.build(python=python)
+
+
+@pytest.mark.parametrize("code_python", ["3", "3.11.7", ">=3.11", 3.11, ""])
+def test_build_rejects_a_bad_code_python(code_python):
+    with pytest.raises(ValueError, match="code_python"):
+        Requirements.build(code_python=code_python)
+
+
+def test_python_requirements_are_shown():
+    r = req(python=">=3.11,<3.12", code_python="3.11", uses=["torch"])
+    assert str(r) == "{accelerator=any, python>=3.11,<3.12, code pickled by Python 3.11, uses torch}"
+    assert req(python="") == req()
+
+
+@pytest.mark.parametrize("spec, ok", [(">=3.11", True), ("==3.11.*", True), (">=3.12", False), ("<3.11", False)])
+def test_python_specifier_against_the_job_interpreter(spec, ok):
+    reasons = match(req(python=spec), make_advert(python="3.11.7"))
+    assert (reasons == ()) is ok, reasons
+    if not ok:
+        assert reasons == (f"its job interpreter runs Python 3.11.7, not python{spec}",)
+
+
+@pytest.mark.parametrize("python, ok", [("3.11.7", True), ("3.11.0rc1", True), ("3.12.1", False), ("3.9.18", False),
+                                        ("", False)])
+def test_code_shipped_by_value_needs_the_same_minor_version(python, ok):
+    reasons = match(req(code_python="3.11"), make_advert(python=python))
+    assert (reasons == ()) is ok, reasons
+    if not ok:
+        (reason,) = reasons
+        assert reason.startswith(f"its job interpreter runs Python {python or '(unknown)'}, but the task ships "
+                                 "functions by value as Python 3.11 code")
+        assert "start the peer with --python pointing to a Python 3.11 interpreter, or a matching venv" in reason
+
+
+# ---- frameworks the function uses (issue 10, item 2) -------------------------------------------------
+
+@pytest.mark.parametrize("accelerator, peer_kind, framework, needed", [
+    ("mps", "mps", "torch", "torch.mps"), ("gpu", "mps", "torch", "torch.mps"), ("cuda", "cuda", "torch", "torch.cuda"),
+    ("gpu", "cuda", "torch", "torch.cuda"), ("mps", "mps", "mlx", "mlx.metal"),
+])
+def test_a_framework_the_function_uses_needs_its_gpu_backend(accelerator, peer_kind, framework, needed):
+    r = req(accelerator=accelerator, uses=[framework])
+    without = make_advert(peer_kind, frameworks=[(framework, "1.0", (f"{framework}.cpu",))])
+    assert match(r, without) == (f"lacks capability {needed} (the function uses {framework})",)
+    assert match(r, make_advert(peer_kind, frameworks=[(framework, "1.0", (needed,))])) == ()
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", None])
+def test_a_framework_the_function_uses_needs_nothing_off_a_gpu(accelerator):
+    assert match(req(accelerator=accelerator, uses=["torch", "mlx"]), MAC_PEER) == ()
+
+
+# ---- frameworks= of any installed distribution (issue 10, item 7) -------------------------------------
+
+def test_an_advert_from_txt_leaves_other_distributions_to_the_peer():
+    own = make_advert("cpu", frameworks=[TORCH_CPU], distributions={"msgpack": "1.1.0", "Scikit_Learn": "1.5.2"})
+    heard = Advert.from_txt(own.to_txt())
+    assert heard == own and heard.distributions is None
+    r = req(frameworks={"msgpack": ">=2", "coremltools": ""})
+    assert match(r, heard) == ()  # the peer answers when it admits the task
+    assert match(r, own) == ("coremltools is not installed in the job interpreter", "msgpack 1.1.0 does not satisfy >=2")
+    assert match(req(frameworks=["mlx"]), heard) == ("mlx is not installed in the job interpreter",)  # probed
+
+
+@pytest.mark.parametrize("name", ["scikit-learn", "scikit_learn", "Scikit.Learn", "SCIKIT-LEARN"])
+def test_distribution_names_compare_as_pep_503_says(name):
+    own = make_advert("cpu", distributions={"Scikit_Learn": "1.5.2"})
+    assert match(req(frameworks={name: ">=1.5"}), own) == ()
+
+
+def test_the_probed_frameworks_come_from_the_probe_or_the_override_only():
+    """An override that hides torch hides it, whatever the distributions say."""
+    own = make_advert("cpu", frameworks=[MLX_CPU], distributions={"torch": "2.13.0", "mlx": "0.32.4"})
+    assert match(req(frameworks=["torch"]), own) == ("torch is not installed in the job interpreter",)
+    assert match(req(frameworks={"mlx": ">=0.32"}), own) == ()
