@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .matching import Requirements
+from .wire import check_env
 
 # The requirements a peer must meet (checked together by Requirements.build), with defaults.
 REQUIREMENTS: dict[str, Any] = {"accelerator": None, "gpu_memory_gb": None, "frameworks": None,
-                                "capabilities": None, "peer": None, "devices": 1}
+                                "capabilities": None, "peer": None, "devices": 1, "python": None}
 # How the submitter runs the task, with defaults.
-EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0}
+EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0, "env": None}
 NAMES = frozenset(REQUIREMENTS) | frozenset(EXECUTION)
 
 
@@ -40,11 +41,12 @@ def check_retries(retries: Any) -> int:
 
 @dataclass(frozen=True)
 class TaskOptions:
-    """Validated task options: what a peer must offer, and how long and how often to try."""
+    """Validated task options: what a peer must offer, how long and how often to try, and the task's env."""
 
     requirements: Requirements
     timeout: float | None = None
     retries: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # variables the task runs with (wire.check_env)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> TaskOptions:
@@ -54,7 +56,8 @@ class TaskOptions:
             raise TypeError(f"unknown remote option(s): {', '.join(sorted(unknown))}; "
                             f"the options are {', '.join(sorted(NAMES))}")
         req = Requirements.build(**{name: options.get(name, default) for name, default in REQUIREMENTS.items()})
-        return cls(req, check_timeout(options.get("timeout")), check_retries(options.get("retries", 0)))
+        return cls(req, check_timeout(options.get("timeout")), check_retries(options.get("retries", 0)),
+                   check_env(options.get("env")))
 
 
 def split_call(kwargs: dict[str, Any]) -> tuple[TaskOptions, dict[str, Any]]:

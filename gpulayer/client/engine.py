@@ -28,6 +28,7 @@ from ..matching import Requirements, match
 from ..options import check_retries, check_timeout
 from ..progress import MapProgressBar
 from ..security import cluster_id, load_key
+from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection
 from .placement import Placement
 
@@ -79,6 +80,7 @@ class SubmittedTask:
     retries: int
     name: str
     echo_output: bool
+    env: dict[str, str] = field(default_factory=dict)
     future: TaskFuture = field(init=False)
     conn: PeerConnection | None = None
     task_id: int = 0
@@ -98,7 +100,8 @@ class SubmittedTask:
 
     def message(self) -> tuple[wire.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None
-        return wire.submit(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name), \
+        return wire.submit(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
+                           self.env), \
             self.buffers or []
 
     def complete(self, result: Any = None, exc: BaseException | None = None) -> None:
@@ -212,22 +215,23 @@ class Client:
 
     def submit(self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict[str, Any] | None = None, *,
                req: Requirements, timeout: float | None = None, retries: int = 0,
-               fn_bytes: bytes | None = None) -> TaskFuture:
+               env: dict[str, str] | None = None, fn_bytes: bytes | None = None) -> TaskFuture:
         """Send one call to a matching peer; returns its future at once when a peer took it."""
-        timeout, retries = check_timeout(timeout), check_retries(retries)
+        timeout, retries, env = check_timeout(timeout), check_retries(retries), wire.check_env(env)
         data, buffers = serialization.dumps((tuple(args), kwargs or {}))
         fn_bytes = fn_bytes or serialization.dumps(fn)[0]
+        req = inference.with_inferred(req, fn, fn_bytes, data)  # after pickling: it reads the pickles
         size = len(data) + len(fn_bytes) + sum(b.nbytes for b in buffers)
         if size > wire.max_message_bytes():
             raise ValueError(f"the task's function and arguments take {size / 2**20:.0f} MiB, over the "
                              f"{wire.max_message_bytes() >> 20} MiB message limit (GPULAYER_MAX_MESSAGE_MB)")
         task = SubmittedTask(fn_bytes, data, buffers, req, timeout, retries,
-                             getattr(fn, "__qualname__", type(fn).__name__), self.echo_output)
+                             getattr(fn, "__qualname__", type(fn).__name__), self.echo_output, env)
         self._place(task)
         return task.future
 
     def map(self, fn: Callable[[Any], Any], items: list[Any], *, req: Requirements, timeout: float | None = None,
-            retries: int = 0, progress: bool | None = None) -> list[Any]:
+            retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
         """fn(item) for every item, spread over all matching peers; results in input order.
 
         At most two tasks per slot of the matching peers are in flight at once, so that faster
@@ -241,7 +245,8 @@ class Client:
             for item in items:
                 if window is not None:
                     window.acquire()
-                future = self.submit(fn, (item,), req=req, timeout=timeout, retries=retries, fn_bytes=fn_bytes)
+                future = self.submit(fn, (item,), req=req, timeout=timeout, retries=retries, env=env,
+                                     fn_bytes=fn_bytes)
                 if window is None:
                     window = threading.BoundedSemaphore(max(4, 2 * self.total_slots(req)))
                     window.acquire()
@@ -411,8 +416,9 @@ class Client:
             if task.busy_rejections <= MAX_BUSY_REJECTIONS:
                 self._helpers.submit(self._place_again, task, cause, task.busy_delay)
                 return
-        elif code == "no-match":  # its advert was stale: try the others
+        elif code == "no-match":  # its advert was stale, or only the peer knew: try the others
             task.excluded.add(conn.peer_id)
+            self.placement.refused(conn.peer_id, task.req, message)
             self._helpers.submit(self._place_again, task, cause)
             return
         task.complete(exc=cause)

@@ -1,7 +1,8 @@
 """Placement: which known peers can run a task, why the others cannot, and which to try first.
 
-Pure reads of the Directory and of the live connections' load; opening connections and
-retrying belong to the engine.
+Reads of the Directory and of the live connections' load, and the peers' own refusals (a
+peer answers for what its advert cannot carry, such as its other installed distributions);
+opening connections and retrying belong to the engine.
 """
 
 from __future__ import annotations
@@ -23,11 +24,21 @@ class Placement:
         self.directory = directory
         self.static_errors = static_errors
         self._load_of = load_of
+        self._refusals: dict[tuple[str, Requirements], str] = {}
+
+    def refused(self, peer_id: str, req: Requirements, reason: str) -> None:
+        """A peer refused a task as not matching: it will refuse these requirements again."""
+        self._refusals[peer_id, req] = reason
+
+    def _why_not(self, req: Requirements, record: PeerRecord) -> list[str]:
+        """Why the peer does not fit: its advert says so, or the peer itself said so."""
+        refusal = self._refusals.get((record.advert.peer_id, req))
+        return [f"refused the task: {refusal}"] if refusal is not None else list(match(req, record.advert))
 
     def candidates(self, req: Requirements, excluded: Collection[str] = ()) -> list[PeerRecord]:
         """The matching peers that are up."""
         return [r for r in self.directory.records()
-                if r.up and r.advert.peer_id not in excluded and not match(req, r.advert)]
+                if r.up and r.advert.peer_id not in excluded and not self._why_not(req, r)]
 
     def ranked(self, req: Requirements, excluded: Collection[str] = ()) -> list[PeerRecord]:
         """The candidates, best first."""
@@ -42,7 +53,7 @@ class Placement:
         """Why each known peer is not a candidate, for NoMatchingPeer."""
         reasons = {}
         for record in self.directory.records():
-            why = list(match(req, record.advert))
+            why = self._why_not(req, record)
             if not why and record.advert.peer_id in excluded:
                 why = ["already failed this task"]
             elif not why and not record.up:
