@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpulayer.matching import Requirements, match, needed_capabilities, rank_key
 from gpulayer.resources.model import PROTOCOL_VERSION, Advert, Device, Framework, Resources
@@ -199,6 +201,21 @@ def test_from_wire_rejects_malformed_maps(data):
 def test_from_wire_rejects_unhashable_framework_names_with_value_error(data):
     with pytest.raises(ValueError):
         Requirements.from_wire(data)
+
+
+_WIRE_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+                            | st.sampled_from(["3.11", ">=3.11", "torch", ""]),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                        max_size=3), max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.dictionaries(st.sampled_from(["py", "pc", "use"]), _WIRE_VALUES, max_size=3))
+def test_the_python_and_uses_fields_from_the_wire_are_built_or_refused_with_value_error(data):
+    try:
+        Requirements.from_wire(data)
+    except ValueError:
+        pass
 
 
 # ---- match(): accelerator isolation -------------------------------------------------------------------
