@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..accelerators import AUTO
-from . import accelerators, checkpoint, distributed, optim, precision as precision_rules, randomness
+from . import accelerators, checkpoint, compiled, distributed, optim, precision as precision_rules, randomness
 from .callbacks import Callback, ModelCheckpoint
 from .metrics import MetricStore
 from .module import Module
@@ -81,7 +81,7 @@ class Trainer:
                  val_check_interval: int | float = 1.0, log_every_n_steps: int = 50,
                  limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
                  callbacks: list[Callback] | None = None, default_root_dir: str | None = None,
-                 deterministic: bool = False, enable_progress_bar: bool = True):
+                 deterministic: bool = False, enable_progress_bar: bool = True, compile: bool | str | dict = False):
         self.placement = accelerators.resolve(accelerator, devices, num_nodes)
         name = precision_rules.normalize(precision)
         precision_rules.check(name, self.placement.kind)
@@ -107,6 +107,8 @@ class Trainer:
         self.default_root_dir = default_root_dir or os.getcwd()
         self.deterministic = deterministic
         self.enable_progress_bar = enable_progress_bar
+        self._compile = compiled.parse(compile, self.placement.kind, self.placement.devices, num_nodes, name,
+                                       accumulate_grad_batches)
 
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
@@ -128,11 +130,12 @@ class Trainer:
         self._epoch_val: dict[str, float] = {}  # this epoch's latest validation means
         self._prog_bar: set[str] = set()  # validation metrics logged with prog_bar=True
         self._clip_params: list[Tensor] = []
+        self._compiled_step = None  # compile=: this fit's step function (compiled.py)
 
     def __getstate__(self):
         """Picklable for DDP workers: configuration and callbacks, not the state of a run."""
         return {**self.__dict__, "module": None, "optimizer": None, "lr_scheduler": None, "_progress": TrainerProgress(),
-                "_store": None, "_train_store": None, "_ddp": None, "_clip_params": []}
+                "_store": None, "_train_store": None, "_ddp": None, "_clip_params": [], "_compiled_step": None}
 
     @property
     def accelerator(self) -> str:
@@ -240,11 +243,12 @@ class Trainer:
             if ckpt_path:
                 self._restore(model, checkpoint.load(checkpoint.resolve(ckpt_path, self.callbacks)))
             self._ddp = distributed.wrap(model, self.device) if self._all_reduce else None
+            self._compiled_step = compiled.build(self._compile, self, model)
             while not self._finished():
                 self._train_epoch(model, train, val)
             self._call("on_fit_end", model)
         finally:
-            self._store = self._ddp = None
+            self._store = self._ddp = self._compiled_step = None
             self._progress.close()
 
     def _restore(self, model: Module, ckpt: dict) -> None:
@@ -287,7 +291,8 @@ class Trainer:
 
         # the hot path: no host syncs, no per-step dispatch to callbacks that don't listen
         ddp = self._ddp
-        step_fn = ddp if ddp is not None else model.training_step
+        step_fn = ddp if ddp is not None else self._compiled_step or model.training_step
+        whole_step = isinstance(step_fn, compiled.CudaGraphStep)  # it runs backward and the optimizer step too
         batch_end = [cb for cb in self.callbacks if _overrides(cb, Callback, "on_train_batch_end")]
         accumulate, device, float_dtype = self.accumulate_grad_batches, self.device, self.precision.param_dtype
         autocast, backward = self.precision.autocast, self.precision.backward
@@ -300,19 +305,22 @@ class Trainer:
             store.weight = _batch_size(batch)
             pending += 1
             step_now = pending == accumulate or batch_idx + 1 == n_batches
-            with ddp.no_sync() if ddp is not None and not step_now else _NO_SYNC_NEEDED:
-                with autocast:
-                    output = step_fn(batch, batch_idx)
-                loss = output["loss"] if isinstance(output, dict) else output
-                if loss is None:
-                    raise ValueError("training_step must return the loss tensor (or a dict with 'loss')")
-                backward(loss / accumulate if accumulate > 1 else loss)
+            if whole_step:  # compile="cudagraphs": one graph replay per step
+                output = step_fn(batch, batch_idx)
+            else:
+                with ddp.no_sync() if ddp is not None and not step_now else _NO_SYNC_NEEDED:
+                    with autocast:
+                        output = step_fn(batch, batch_idx)
+                    loss = output["loss"] if isinstance(output, dict) else output
+                    if loss is None:
+                        raise ValueError("training_step must return the loss tensor (or a dict with 'loss')")
+                    backward(loss / accumulate if accumulate > 1 else loss)
             for cb in batch_end:
                 cb.on_train_batch_end(self, model, output, batch, batch_idx)
             batches_done = batch_idx + 1
             if step_now:
                 pending = 0
-                stop = self._optimizer_step(batches_done)
+                stop = self._optimizer_step(batches_done, stepped=whole_step)
             if stop:
                 break
             if val_every is not None and batches_done % val_every == 0 and batches_done != n_batches:
@@ -333,15 +341,16 @@ class Trainer:
         self._call("on_train_epoch_end", model)
         self.current_epoch = epoch + 1
 
-    def _optimizer_step(self, batches_done: int) -> bool:
-        """Clip, step, zero the gradients, and publish metrics every `log_every_n_steps`.
-        Returns whether `max_steps` is reached."""
+    def _optimizer_step(self, batches_done: int, stepped: bool = False) -> bool:
+        """Clip, step, zero the gradients (unless `stepped`: done in a CUDA graph), and publish
+        metrics every `log_every_n_steps`. Returns whether `max_steps` is reached."""
         optimizer = self.optimizer
-        if self.gradient_clip_val:
-            self.precision.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(self._clip_params, self.gradient_clip_val)
-        self.precision.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        if not stepped:
+            if self.gradient_clip_val:
+                self.precision.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(self._clip_params, self.gradient_clip_val)
+            self.precision.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         if self.lr_scheduler is not None and self.lr_scheduler.interval == "step":
             self._step_scheduler()
