@@ -3,7 +3,7 @@
 Every function uses one process-wide Client, made on first use from the environment
 (GPULAYER_KEY or the key file, GPULAYER_INTERFACES, GPULAYER_PEERS); `configure()` replaces it.
 Task options (accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, timeout,
-retries) are defined and checked in one table, `gpulayer.options`.
+retries, env) are defined and checked in one table, `gpulayer.options`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def shutdown() -> None:
 
 def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> TaskFuture:
     return default_client().submit(fn, args, kwargs, req=options.requirements, timeout=options.timeout,
-                                   retries=options.retries)
+                                   retries=options.retries, env=options.env)
 
 
 def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TaskFuture:
@@ -79,7 +79,7 @@ def map(fn: Callable[[Any], Any], iterable: Iterable[Any], *, progress: bool | N
     """
     parsed = TaskOptions.parse(options)
     return default_client().map(fn, list(iterable), req=parsed.requirements, timeout=parsed.timeout,
-                                retries=parsed.retries, progress=progress)
+                                retries=parsed.retries, env=parsed.env, progress=progress)
 
 
 class RemoteFunction:
