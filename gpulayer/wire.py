@@ -18,7 +18,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 import msgpack
 
@@ -93,8 +93,9 @@ class HelloMessage(Envelope):
     advert: dict[str, str]
 
 
-Outgoing = Message | Envelope  # what the senders take: a typed message or a plain map
-Buffers = list[Any] | tuple[Any, ...]  # out-of-band buffers: anything with the buffer protocol
+# Union, not "|": a job interpreter may be a Python older than 3.10 (see docs/apple-silicon.md)
+Outgoing = Union[Message, Envelope]  # what the senders take: a typed message or a plain map
+Buffers = Union[list[Any], tuple[Any, ...]]  # out-of-band buffers: anything with the buffer protocol
 
 
 def submit(task_id: int, fn: bytes, args: bytes, req: dict[str, Any], timeout: float | None,

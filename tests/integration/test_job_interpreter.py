@@ -43,23 +43,32 @@ def _find_python(minor: str) -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
-def other_python(tmp_path_factory) -> tuple[str, str]:
-    """(the venv's python, its full version): a venv of another Python minor version with the
-    msgpack and cloudpickle versions that this submitter uses."""
-    found = next(((minor, path) for minor in OTHER_MINORS if (path := _find_python(minor))), None)
+def job_venv(minor: str, tmp_path_factory) -> tuple[str, str]:
+    """(the venv's python, its full version): a venv of Python `minor` with this submitter's
+    cloudpickle version and a msgpack (its format is stable; new releases drop old Pythons);
+    skips the test where that cannot be built."""
+    found = _find_python(minor)
     if found is None:
-        pytest.skip(f"no Python {' or '.join(OTHER_MINORS)} interpreter here (pyenv or PATH)")
-    venv = tmp_path_factory.mktemp("job-venv") / found[0]
-    subprocess.run([found[1], "-m", "venv", str(venv)], check=True, capture_output=True)
+        pytest.skip(f"no Python {minor} interpreter here (pyenv or PATH)")
+    venv = tmp_path_factory.mktemp("job-venv") / minor
+    subprocess.run([found, "-m", "venv", str(venv)], check=True, capture_output=True)
     python = str(venv / "bin" / "python")
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in ("msgpack", "cloudpickle")]
+    pins = [f"cloudpickle=={importlib.metadata.version('cloudpickle')}", "msgpack>=1.0"]
     pip = subprocess.run([python, "-m", "pip", "install", "-q", *pins], capture_output=True, text=True)
     if pip.returncode != 0:
-        pytest.skip(f"cannot install {' '.join(pins)} into a Python {found[0]} venv: {pip.stderr[-500:]}")
+        pytest.skip(f"cannot install {' '.join(pins)} into a Python {minor} venv: {pip.stderr[-500:]}")
     version = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
                              capture_output=True, text=True, check=True).stdout.strip()
     return python, version
+
+
+@pytest.fixture(scope="session")
+def other_python(tmp_path_factory) -> tuple[str, str]:
+    """The job venv of the first other minor version found."""
+    minor = next((minor for minor in OTHER_MINORS if _find_python(minor)), None)
+    if minor is None:
+        pytest.skip(f"no Python {' or '.join(OTHER_MINORS)} interpreter here (pyenv or PATH)")
+    return job_venv(minor, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +133,15 @@ def test_the_peer_itself_refuses_code_of_another_python(peers):
     assert reply["t"] == wire.REJECT and reply["code"] == "no-match"
     assert f"start the peer with --python pointing to a Python {HERE} interpreter" in reply["message"]
 
+
+
+def test_the_system_python_of_a_mac_runs_functions_pickled_by_reference(peers, peer_factory, cluster_key,
+                                                                         tmp_path_factory):
+    """macOS's own Python is 3.9: the worker must start there, and code shipped by value must not go."""
+    python, version = job_venv("3.9", tmp_path_factory)
+    peer_factory("py39", "--concurrency", "1", "--python", python, key=cluster_key)
+    assert peers.directory.wait_for(lambda records: any(r.advert.name == "py39" for r in records), 30)
+    assert gl.run(platform.python_version, peer="py39") == version
+    assert gl.run(math.sqrt, 2.25, peer="py39") == 1.5
+    with pytest.raises(gl.NoMatchingPeer, match=f"its job interpreter runs Python {version}, but the task ships"):
+        gl.run(job_python, peer="py39")
