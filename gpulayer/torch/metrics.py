@@ -72,77 +72,165 @@ def gather(values: Sequence[Tensor | float], device: torch.device,
     return [next(from_device) if d else next(from_host) for d in on_device]
 
 
+REDUCE_FX = ("mean", "sum", "max", "min")
+
+
+def reduce_name(reduce_fx) -> str:
+    """'mean', 'sum', 'max' or 'min', also for torch.mean/sum/max/min as Lightning accepts them."""
+    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", repr(reduce_fx))
+    if name not in REDUCE_FX:
+        raise ValueError(f"reduce_fx={reduce_fx!r}; use one of {', '.join(REDUCE_FX)} (or torch.mean/sum/max/min)")
+    return name
+
+
 class _Series:
-    """One metric name: its latest value and a weighted running sum, kept on the device."""
+    """One metric name: how it was logged, its latest value, and its epoch reduction, kept on the device."""
 
-    __slots__ = ("last", "pending", "weights", "total", "count")
+    __slots__ = ("on_step", "on_epoch", "reduce", "prog_bar", "logger", "last", "pending", "weights", "total", "count")
 
-    def __init__(self):
+    def __init__(self, on_step: bool, on_epoch: bool, reduce: str, prog_bar: bool, logger: bool):
+        self.on_step, self.on_epoch, self.reduce, self.prog_bar, self.logger = on_step, on_epoch, reduce, prog_bar, logger
         self.last: Tensor | float = 0.0
         self.pending: list[Tensor | float] = []
         self.weights: list[float] = []
-        self.total: Tensor | float = 0.0
+        self.total: Tensor | float | None = None
         self.count = 0.0
 
     def fold(self, dtype: torch.dtype) -> None:
-        """Add the pending values into `total` with a few device kernels (no sync)."""
-        by_weight: dict[float, list[Tensor]] = {}
-        for value, weight in zip(self.pending, self.weights):
-            if isinstance(value, Tensor):
-                by_weight.setdefault(weight, []).append(value)
-            else:
-                self.total = self.total + value * weight
-        for weight, values in by_weight.items():
-            part = torch.stack(values).sum(dtype=dtype)
-            self.total = self.total + (part if weight == 1.0 else part * weight)
-        self.count += sum(self.weights)
+        """Reduce the pending values into `total` with a few device kernels (no sync)."""
+        if not self.pending:
+            return
+        if self.reduce in ("max", "min"):
+            values = [v if isinstance(v, Tensor) else torch.tensor(v) for v in self.pending]
+            device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
+            stacked = torch.stack([v.to(device, dtype) for v in values])
+            part = stacked.amax() if self.reduce == "max" else stacked.amin()
+            if self.total is not None:
+                part = torch.maximum(part, self.total) if self.reduce == "max" else torch.minimum(part, self.total)
+            self.total, self.count = part, 1.0
+        else:
+            weighted = self.reduce == "mean"
+            total = 0.0 if self.total is None else self.total
+            by_weight: dict[float, list[Tensor]] = {}
+            for value, weight in zip(self.pending, self.weights):
+                if isinstance(value, Tensor):
+                    by_weight.setdefault(weight if weighted else 1.0, []).append(value)
+                else:
+                    total = total + value * (weight if weighted else 1.0)
+            for weight, values in by_weight.items():
+                part = torch.stack(values).sum(dtype=dtype)
+                total = total + (part if weight == 1.0 else part * weight)
+            self.total = total
+            self.count = self.count + sum(self.weights) if weighted else 1.0
         self.pending.clear()
         self.weights.clear()
 
 
+class Published(dict):
+    """Metric values copied to the host at a sync point, by key, with where each goes."""
+
+    def __init__(self):
+        super().__init__()
+        self.logger: set[str] = set()  # keys for the loggers
+        self.prog_bar: set[str] = set()  # keys for the progress bar
+        self.plain: dict[str, float] = {}  # the name as logged, for callback_metrics ("loss" beside "loss_step")
+
+    def add(self, key: str, name: str, value: float, series: _Series, to_logger: bool = True) -> None:
+        self[key] = value
+        self.plain[name] = value
+        if series.logger and to_logger:
+            self.logger.add(key)
+        if series.prog_bar:
+            self.prog_bar.add(key)
+
+
 class MetricStore:
-    """The values logged during one stage run (a training epoch, a validation or test loop)."""
+    """The values logged during one stage run (a training epoch, a validation or test loop).
 
-    def __init__(self, device: torch.device):
+    `on_step` values are published at log points (their latest value), `on_epoch` values at the
+    end of the stage (reduced with `reduce_fx`, batch-size weighted for "mean"). Logged with
+    both, a metric is published as `<name>_step` and `<name>_epoch`, as in Lightning.
+    """
+
+    def __init__(self, device: torch.device, training: bool = False):
         self.device = device
+        self.training = training
+        self.epoch_hook = False  # True while an epoch-level hook runs: the defaults become on_epoch
         self.series: dict[str, _Series] = {}
-        self.prog_bar: set[str] = set()
         self.weight = 1.0  # the current batch's size, set by the Trainer
+        self.dirty = False  # something was logged since the last `means`
 
-    def log(self, name: str, value: Tensor | float, prog_bar: bool = False) -> None:
+    def defaults(self) -> tuple[bool, bool]:
+        """Lightning's (on_step, on_epoch) when the caller gives none."""
+        return (True, False) if self.training and not self.epoch_hook else (False, True)
+
+    def log(self, name: str, value: Tensor | float, prog_bar: bool = False, logger: bool = True,
+            on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx="mean",
+            batch_size: int | None = None) -> None:
         series = self.series.get(name)
         if series is None:
-            series = self.series[name] = _Series()
-            if prog_bar:
-                self.prog_bar.add(name)
+            default_step, default_epoch = self.defaults()
+            on_step = default_step if on_step is None else on_step
+            on_epoch = default_epoch if on_epoch is None else on_epoch
+            if not (on_step or on_epoch):
+                raise ValueError(f"log({name!r}, on_step=False, on_epoch=False) records nothing")
+            if on_step and self.epoch_hook:
+                raise ValueError(f"log({name!r}, on_step=True) in an epoch-level hook; an epoch hook logs "
+                                 f"on_epoch values only")
+            series = self.series[name] = _Series(on_step, on_epoch, reduce_name(reduce_fx), prog_bar, logger)
         if isinstance(value, Tensor):
             if value.dim():
                 if value.numel() != 1:
                     raise ValueError(f"log({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}")
                 value = value.reshape(())
             value = value.detach()
-        else:
+        elif isinstance(value, (int, float)):
             value = float(value)
+        else:
+            raise TypeError(f"log({name!r}) takes a tensor or a number; got {type(value).__name__}")
         series.last = value
-        series.pending.append(value)
-        series.weights.append(self.weight)
+        self.dirty = True
+        if series.on_epoch:
+            series.pending.append(value)
+            series.weights.append(self.weight if batch_size is None else float(batch_size))
 
     def _fold(self) -> None:
         dtype = accumulation_dtype(self.device)
         for series in self.series.values():
             series.fold(dtype)
 
-    def latest(self, all_reduce=None, world_size: int = 1) -> dict[str, float]:
-        """The most recent value of each metric (averaged over processes)."""
-        self._fold()  # keeps `pending` short without a sync
-        values = gather([s.last for s in self.series.values()], self.device, all_reduce)
-        return {name: v / world_size for name, v in zip(self.series, values)}
+    def _check_reducible(self, all_reduce) -> None:
+        if all_reduce is not None:
+            bad = [n for n, s in self.series.items() if s.on_epoch and s.reduce in ("max", "min")]
+            if bad:
+                raise ValueError(f"reduce_fx max/min of {bad} across DDP processes is not supported; "
+                                 f"use 'mean' or 'sum'")
 
-    def means(self, all_reduce=None) -> dict[str, float]:
-        """The batch-size-weighted mean of each metric over the stage (and over processes)."""
+    def latest(self, all_reduce=None, world_size: int = 1) -> Published:
+        """The most recent value of each `on_step` metric (averaged over processes)."""
+        self._fold()  # keeps `pending` short without a sync
+        step = [(n, s) for n, s in self.series.items() if s.on_step]
+        values = gather([s.last for _, s in step], self.device, all_reduce)
+        out = Published()
+        for (name, series), value in zip(step, values):
+            out.add(f"{name}_step" if series.on_epoch else name, name, value / world_size, series)
+        return out
+
+    def means(self, all_reduce=None, world_size: int = 1) -> Published:
+        """Each `on_epoch` metric reduced over the stage (and over processes), and the latest
+        value of each `on_step` metric: one transfer."""
         self._fold()
-        totals = [s.total for s in self.series.values()]
-        counts = [s.count for s in self.series.values()]
-        values = gather(totals + counts, self.device, all_reduce)
-        n = len(totals)
-        return {name: values[i] / values[n + i] for i, name in enumerate(self.series)}
+        self._check_reducible(all_reduce)
+        self.dirty = False
+        epoch = [(n, s) for n, s in self.series.items() if s.on_epoch]
+        step = [(n, s) for n, s in self.series.items() if s.on_step]
+        values = gather([s.total for _, s in epoch] + [s.count for _, s in epoch] + [s.last for _, s in step],
+                        self.device, all_reduce)
+        n = len(epoch)
+        out = Published()
+        for (name, series), value in zip(step, values[2 * n:]):  # for callback_metrics, logged at log points
+            out.add(f"{name}_step" if series.on_epoch else name, name, value / world_size, series, to_logger=False)
+        for i, (name, series) in enumerate(epoch):
+            value = values[i] / values[n + i] if series.reduce == "mean" else values[i] / (values[n + i] / world_size)
+            out.add(f"{name}_epoch" if series.on_step else name, name, value, series)
+        return out

@@ -7,7 +7,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-_SCHEDULER_KEYS = {"scheduler", "interval", "monitor"}
+_SCHEDULER_KEYS = {"scheduler", "interval", "monitor", "frequency", "strict", "name"}
 
 
 @dataclass
@@ -15,8 +15,13 @@ class SchedulerConfig:
     scheduler: Any
     interval: str = "epoch"  # "epoch" | "step"
     monitor: str | None = None  # the metric ReduceLROnPlateau reads
+    frequency: int = 1  # step every `frequency` epochs or batches
+    strict: bool = True  # a monitor that was not logged raises (False: warns and skips the step)
+    name: str | None = None
 
     def __post_init__(self):
+        if isinstance(self.frequency, bool) or not isinstance(self.frequency, int) or self.frequency < 1:
+            raise ValueError(f"lr_scheduler frequency={self.frequency!r}; use a positive int")
         if self.interval not in ("epoch", "step"):
             raise ValueError(f"lr_scheduler interval={self.interval!r}; use 'epoch' or 'step'")
         if isinstance(self.scheduler, ReduceLROnPlateau) and self.monitor is None:
@@ -49,7 +54,8 @@ def _scheduler(value: Any, monitor: str | None) -> SchedulerConfig | None:
 
 def parse(config: Any) -> tuple[Optimizer, SchedulerConfig | None]:
     """Accepts: opt; [opt]; (opt, sched); ([opt], [sched]);
-    {"optimizer": opt, "lr_scheduler": sched | {"scheduler": sched, "interval": ..., "monitor": ...}, "monitor": ...}.
+    {"optimizer": opt, "lr_scheduler": sched | {"scheduler": sched, "interval": ..., "frequency": ..., "monitor": ...,
+    "strict": ..., "name": ...}, "monitor": ...}.
     """
     if isinstance(config, dict):
         optimizer, scheduler = config.get("optimizer"), _scheduler(config.get("lr_scheduler"), config.get("monitor"))

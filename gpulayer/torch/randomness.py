@@ -14,8 +14,17 @@ except ImportError:  # numpy is optional
     np = None
 
 
-def seed_everything(seed: int) -> int:
-    """Seed python, numpy (if installed) and torch (all devices)."""
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+    """Seed python, numpy (if installed) and torch (all devices); returns the seed.
+
+    As Lightning's: without `seed`, PL_GLOBAL_SEED or 0; `workers=True` sets PL_SEED_WORKERS=1, which
+    Lightning's DataLoader worker_init_fn reads (glt's loaders are yours: seed workers in worker_init_fn)."""
+    if seed is None:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    os.environ["PL_SEED_WORKERS"] = str(int(workers))
     random.seed(seed)
     if np is not None:
         np.random.seed(seed)

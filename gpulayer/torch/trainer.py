@@ -1,47 +1,36 @@
-"""`glt.Trainer`: the training loop for a `glt.Module` on cpu, cuda or mps."""
+"""`glt.Trainer`: the training loop for a `glt.Module` (a LightningModule) on cpu, cuda or mps.
+
+The hooks run in Lightning's order (see hooks.py and docs/trainer.md); the hot path calls only
+the hooks somebody overrides, and metrics reach the host only at the sync points (metrics.py).
+"""
 from __future__ import annotations
 
 import contextlib
 import os
+import time
+import warnings
 from typing import Any, Iterable
 
 import torch
 from torch import Tensor
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from ..accelerators import AUTO
-from . import accelerators, checkpoint, compiled, distributed, optim, precision as precision_rules, randomness
-from .callbacks import Callback, ModelCheckpoint
-from .metrics import MetricStore
+from . import (accelerators, checkpoint, compiled, datamodule as datamodules, distributed, loggers as loggers_, optim,
+               options, precision as precision_rules, profilers, randomness)
+from .batches import batch_size as _batch_size, to_device as _to_device
+from .callbacks import Callback, EarlyStopping, ModelCheckpoint
+from .hooks import TRANSFER_HOOKS, Dispatch, ModelHooks, overrides as _overrides, warn_unsupported
+from .metrics import MetricStore, Published
 from .module import Module
 from .precision import Precision
 from .progress import TrainerProgress, make_progress
+from .summary import summarize
 
 _NO_SYNC_NEEDED = contextlib.nullcontext()
-
-
-def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
-    """Move the tensors of a batch (nested tuples, lists, dicts) to `device`."""
-    if isinstance(obj, Tensor):
-        if float_dtype is not None and obj.is_floating_point():
-            return obj.to(device, float_dtype, non_blocking=True)
-        return obj if obj.device == device else obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        moved = [_to_device(o, device, float_dtype) for o in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device, float_dtype)) for k, v in obj.items())
-    return obj
-
-
-def _batch_size(obj: Any) -> int:
-    """The leading dimension of the batch's first tensor (1 when there is none)."""
-    if isinstance(obj, Tensor):
-        return obj.shape[0] if obj.dim() else 1
-    if isinstance(obj, (list, tuple)) and obj:
-        return _batch_size(obj[0])
-    if isinstance(obj, dict) and obj:
-        return _batch_size(next(iter(obj.values())))
-    return 1
+_STAGE_STEP = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}
+_STAGE_HOOK = {"validate": "validation", "test": "test", "predict": "predict"}
+_STAGE_LOADER = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
 
 
 def _limit(length: int | None, limit: int | float | None) -> int | None:
@@ -62,80 +51,157 @@ def _length(loader: Iterable) -> int | None:
         return None
 
 
-def _overrides(obj: Any, base: type, name: str) -> bool:
-    return getattr(type(obj), name) is not getattr(base, name)
+def _tensors(values: dict[str, float]) -> dict[str, Tensor]:
+    """Host values as the 0-dim tensors Lightning keeps in callback_metrics (no device sync)."""
+    return {k: torch.tensor(v) for k, v in values.items()}
+
+
+class _Source:
+    """A stage's loader, asked of the DataModule or the module when the loop first needs it (as Lightning)."""
+
+    def __init__(self, source, name: str):
+        self.source, self.name = source, name
+
+    def get(self):
+        return datamodules.check_single(datamodules.loader(self.source, self.name), self.name)
+
+
+def _resolve(loader):
+    return loader.get() if isinstance(loader, _Source) else loader
 
 
 class Trainer:
-    """Trains a `glt.Module`.
+    """Trains a `glt.Module` (alias `LightningModule`), with Lightning's arguments and meaning.
 
     The accelerator and precision rules are checked here, before any device work:
     "auto" honours GPULAYER_DEVICE, else picks cuda > mps > cpu; MPS takes one device and
     '32-true' only; '16-mixed' needs CUDA. `devices > 1` trains with DDP in spawned processes.
-    `callback_metrics` and `logged_metrics` hold python floats (see docs/trainer.md).
+    `callback_metrics` and `logged_metrics` hold 0-dim CPU tensors, `progress_bar_metrics`
+    python floats (see docs/trainer.md). Unknown arguments raise TypeError; Lightning arguments
+    glt does not implement are accepted only at their default.
     """
 
-    def __init__(self, max_epochs: int | None = None, max_steps: int = -1, accelerator: str = AUTO,
-                 devices: int = 1, num_nodes: int = 1, precision: str | int = "32-true",
-                 gradient_clip_val: float | None = None, accumulate_grad_batches: int = 1,
-                 val_check_interval: int | float = 1.0, log_every_n_steps: int = 50,
-                 limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
-                 callbacks: list[Callback] | None = None, default_root_dir: str | None = None,
-                 deterministic: bool = False, enable_progress_bar: bool = True, compile: bool | str | dict = False):
-        self.placement = accelerators.resolve(accelerator, devices, num_nodes)
+    def __init__(self, accelerator: str = AUTO, strategy: str = "auto", devices: int | str = 1, num_nodes: int = 1,
+                 precision: str | int = "32-true", logger: Any = True, callbacks: list[Callback] | None = None,
+                 fast_dev_run: bool | int = False, max_epochs: int | None = None, min_epochs: int | None = None,
+                 max_steps: int = -1, max_time: Any = None, limit_train_batches: int | float | None = None,
+                 limit_val_batches: int | float | None = None, limit_test_batches: int | float | None = None,
+                 limit_predict_batches: int | float | None = None, val_check_interval: int | float = 1.0,
+                 check_val_every_n_epoch: int = 1, num_sanity_val_steps: int = 2, log_every_n_steps: int = 50,
+                 enable_checkpointing: bool = True, enable_progress_bar: bool = True,
+                 enable_model_summary: bool = True, accumulate_grad_batches: int = 1,
+                 gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None,
+                 deterministic: bool = False, benchmark: bool | None = None, inference_mode: bool = True,
+                 profiler: str | None = None, default_root_dir: str | None = None,
+                 enable_autolog_hparams: bool = True, compile: bool | str | dict = False, **lightning_options):
+        options.check_default_only(lightning_options)
+        if devices == AUTO or devices == -1:
+            devices = options.auto_devices(accelerators.resolve(accelerator, 1, num_nodes).kind)
+        self.placement = accelerators.resolve(accelerator, options.devices_count(devices), num_nodes)
+        options.check_strategy(strategy, self.placement.devices)
         name = precision_rules.normalize(precision)
         precision_rules.check(name, self.placement.kind)
         self.precision = Precision(name, self.placement.kind)
+        self.fast_dev_run = fast_dev_run
+        fast = options.fast_dev_batches(fast_dev_run)
+        if fast:  # Lightning's meaning: n batches of each stage, one epoch, no sanity check, loggers or checkpoints
+            max_epochs, max_steps, num_sanity_val_steps, val_check_interval, log_every_n_steps = 1, fast, 0, 1.0, 1
+            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = fast
+            check_val_every_n_epoch, logger = 1, False
         for option, value in (("accumulate_grad_batches", accumulate_grad_batches),
-                              ("log_every_n_steps", log_every_n_steps)):
-            if not isinstance(value, int) or value < 1:
+                              ("log_every_n_steps", log_every_n_steps),
+                              ("check_val_every_n_epoch", check_val_every_n_epoch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{option} must be a positive int, got {value!r}")
         if not (isinstance(val_check_interval, int) and val_check_interval >= 1 or
                 isinstance(val_check_interval, float) and 0.0 < val_check_interval <= 1.0):
             raise ValueError(f"val_check_interval must be a batch count >= 1 or a fraction in (0, 1], "
                              f"got {val_check_interval!r}")
+        if not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
+            raise ValueError(f"num_sanity_val_steps must be a batch count, or -1 for all, got {num_sanity_val_steps!r}")
+        if gradient_clip_algorithm not in (None, "norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; use 'norm' or 'value'")
+        if min_epochs is not None and (not isinstance(min_epochs, int) or min_epochs < 0):
+            raise ValueError(f"min_epochs must be a count >= 0, got {min_epochs!r}")
         self.max_epochs = 1000 if max_epochs is None and max_steps == -1 else max_epochs
+        self.min_epochs = min_epochs
         self.max_steps = max_steps
+        self.max_time = max_time
+        self._max_seconds = options.max_time_seconds(max_time)
         self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
         self.accumulate_grad_batches = accumulate_grad_batches
         self.val_check_interval = val_check_interval
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.num_sanity_val_steps = num_sanity_val_steps
         self.log_every_n_steps = log_every_n_steps
         self.limit_train_batches = limit_train_batches
         self.limit_val_batches = limit_val_batches
-        # checkpointing runs last at an epoch end, so a checkpoint holds the other callbacks' new state
-        self.callbacks = sorted(callbacks or [], key=lambda cb: isinstance(cb, ModelCheckpoint))
-        self.default_root_dir = default_root_dir or os.getcwd()
+        self.limit_test_batches = limit_test_batches
+        self.limit_predict_batches = limit_predict_batches
+        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir else os.getcwd()
+        self.loggers = loggers_.resolve(logger, self.default_root_dir)
+        self.callbacks = self._checked_callbacks(callbacks, enable_checkpointing)
+        self.enable_checkpointing = enable_checkpointing
         self.deterministic = deterministic
+        self.benchmark = benchmark
+        self.inference_mode = inference_mode
         self.enable_progress_bar = enable_progress_bar
+        self.enable_model_summary = enable_model_summary
+        self.enable_autolog_hparams = enable_autolog_hparams
+        self.profiler = profilers.resolve(profiler)
         self._compile = compiled.parse(compile, self.placement.kind, self.placement.devices, num_nodes, name,
                                        accumulate_grad_batches)
 
-        self.callback_metrics: dict[str, float] = {}
-        self.logged_metrics: dict[str, float] = {}
+        self.callback_metrics: dict[str, Tensor] = {}
+        self.logged_metrics: dict[str, Tensor] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
         self.current_epoch = 0
         self.global_step = 0
         self.should_stop = False
+        self.sanity_checking = False
+        self.state = "initializing"  # "fit", "validate", "test", "predict" while one runs, then "finished"
         self.global_rank = 0
         self.world_size = 1
         self.device: torch.device | None = None  # set when a run starts
         self.module: Module | None = None
+        self.datamodule: datamodules.LightningDataModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: optim.SchedulerConfig | None = None
+        self.num_training_batches: int | float = float("inf")
+        self.num_val_batches: list[int | float] = []
         self._all_reduce = None  # set in DDP worker processes
         self._ddp = None
         self._resume_epoch = 0  # the epoch a checkpoint saved now resumes at
         self._progress: TrainerProgress = TrainerProgress()
+        self._hooks: Dispatch | None = None  # this run's bound hooks
         self._store: MetricStore | None = None  # where Module.log writes now
         self._train_store: MetricStore | None = None
-        self._epoch_val: dict[str, float] = {}  # this epoch's latest validation means
-        self._prog_bar: set[str] = set()  # validation metrics logged with prog_bar=True
         self._clip_params: list[Tensor] = []
         self._compiled_step = None  # compile=: this fit's step function (compiled.py)
+        self._deadline: float | None = None  # max_time, on time.monotonic()
+        self._train_started = False
 
     def __getstate__(self):
         """Picklable for DDP workers: configuration and callbacks, not the state of a run."""
         return {**self.__dict__, "module": None, "optimizer": None, "lr_scheduler": None, "_progress": TrainerProgress(),
-                "_store": None, "_train_store": None, "_ddp": None, "_clip_params": [], "_compiled_step": None}
+                "_store": None, "_train_store": None, "_ddp": None, "_clip_params": [], "_compiled_step": None,
+                "_hooks": None, "datamodule": None}
+
+    @staticmethod
+    def _checked_callbacks(callbacks, enable_checkpointing: bool) -> list[Callback]:
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [] if callbacks is None else [callbacks]
+        for cb in callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks must be glt.Callback instances; got {type(cb).__name__}")
+        has_checkpoint = any(isinstance(cb, ModelCheckpoint) for cb in callbacks)
+        if has_checkpoint and not enable_checkpointing:
+            raise ValueError("a ModelCheckpoint callback was given with enable_checkpointing=False")
+        if enable_checkpointing and not has_checkpoint:
+            callbacks.append(ModelCheckpoint())
+        return _checkpoints_last(callbacks)
+
+    # ---------------------------------------------------------------- what hooks and users read
 
     @property
     def accelerator(self) -> str:
@@ -143,63 +209,207 @@ class Trainer:
         return self.placement.kind
 
     @property
+    def num_devices(self) -> int:
+        return self.placement.devices
+
+    @property
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
+    @property
+    def local_rank(self) -> int:
+        return self.global_rank
+
+    node_rank = 0
+
+    @property
+    def logger(self):
+        """The first logger (None without one)."""
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> str:
+        """The first logger's version folder, else `default_root_dir`."""
+        return self.loggers[0].log_dir if self.loggers else self.default_root_dir
+
+    @property
+    def lightning_module(self) -> Module | None:
+        return self.module
+
+    @property
+    def model(self) -> Module | None:
+        return self.module
+
+    @property
+    def optimizers(self) -> list:
+        return [self.optimizer] if self.optimizer is not None else []
+
+    @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        return next(iter(self.checkpoint_callbacks), None)
+
+    @property
+    def early_stopping_callback(self) -> EarlyStopping | None:
+        return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
+
+    training = property(lambda self: self.state == "fit" and not self.sanity_checking and self._store is self._train_store)
+    validating = property(lambda self: self.state == "validate" or self.sanity_checking)
+    testing = property(lambda self: self.state == "test")
+    predicting = property(lambda self: self.state == "predict")
+
     # ---------------------------------------------------------------- entry points
 
-    def fit(self, model: Module, train_dataloaders: Iterable, val_dataloaders: Iterable | None = None,
-            ckpt_path: str | None = None) -> None:
-        """Train `model`. With `devices > 1`, trains in spawned DDP processes and loads the
-        trained weights into `model` (which stays on its device) when they finish."""
-        if self.placement.devices > 1:
-            self._apply_summary(model, distributed.spawn_fit(self, model, train_dataloaders, val_dataloaders,
-                                                             ckpt_path))
-        else:
-            self._fit(model, train_dataloaders, val_dataloaders, ckpt_path)
+    def fit(self, model: Module, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: datamodules.LightningDataModule | None = None, ckpt_path: str | None = None) -> None:
+        """Train `model` on the given loaders, a DataModule's, or the module's own `*_dataloader`s.
+        With `devices > 1`, trains in spawned DDP processes and loads the trained weights into `model`
+        (which stays on its device) when they finish."""
+        if isinstance(train_dataloaders, datamodules.LightningDataModule):
+            train_dataloaders, datamodule = None, train_dataloaders
+        self._begin(model, "fit", datamodule, train_dataloaders is not None or val_dataloaders is not None)
+        source = self.datamodule or model
+        train = datamodules.check_single(train_dataloaders, "train_dataloaders") if train_dataloaders is not None \
+            else _Source(source, "train_dataloader")
+        val = datamodules.check_single(val_dataloaders, "val_dataloaders") if val_dataloaders is not None \
+            else None if train_dataloaders is not None else _Source(source, "val_dataloader")
+        try:
+            if self.placement.devices > 1:
+                for lg in self.loggers:
+                    lg.log_dir  # noqa: B018 - the version folder is chosen here, once, not in each process
+                train = _resolve(train)
+                if train is None:
+                    raise ValueError("fit needs train_dataloaders, a datamodule or the module's train_dataloader()")
+                self._apply_summary(model, distributed.spawn_fit(self, model, train, _resolve(val), ckpt_path))
+            else:
+                self._fit(model, train, val, ckpt_path)
+        finally:
+            self._end(model, "fit")
 
-    def validate(self, model: Module, dataloaders: Iterable, ckpt_path: str | None = None) -> dict[str, float]:
-        """Run `validation_step` over `dataloaders`; returns the metric means (single process)."""
-        return self._evaluate_entry(model, dataloaders, "validation", ckpt_path)
+    def validate(self, model: Module | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
+                 verbose: bool = True, datamodule: datamodules.LightningDataModule | None = None) -> list[dict[str, float]]:
+        """Run `validation_step` over the loader; returns `[{metric: mean}]` (single process)."""
+        return self._evaluate_entry(model, dataloaders, datamodule, "validate", ckpt_path, verbose)
 
-    def test(self, model: Module, dataloaders: Iterable, ckpt_path: str | None = None) -> dict[str, float]:
-        """Run `test_step` over `dataloaders`; returns the metric means (single process)."""
-        return self._evaluate_entry(model, dataloaders, "test", ckpt_path)
+    def test(self, model: Module | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
+             verbose: bool = True, datamodule: datamodules.LightningDataModule | None = None) -> list[dict[str, float]]:
+        """Run `test_step` over the loader; returns `[{metric: mean}]` (single process)."""
+        return self._evaluate_entry(model, dataloaders, datamodule, "test", ckpt_path, verbose)
 
-    def save_checkpoint(self, path: str) -> None:
-        """Write model, optimizer, scheduler, loop position and RNG state (rank 0 only)."""
+    def predict(self, model: Module | None = None, dataloaders: Any = None,
+                datamodule: datamodules.LightningDataModule | None = None, return_predictions: bool | None = None,
+                ckpt_path: str | None = None) -> list | None:
+        """Run `predict_step` over the loader; returns its outputs, one per batch (single process)."""
+        outputs = self._evaluate_entry(model, dataloaders, datamodule, "predict", ckpt_path, False)
+        return outputs if return_predictions is None or return_predictions else None
+
+    def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        """Write model, optimizer, scheduler, loop position, RNG state, callback and DataModule states and
+        the hyperparameters (rank 0 only); `weights_only`: the model and hyperparameters only."""
         if not self.is_global_zero:
             return
         model = self.module
-        checkpoint.save({
-            "epoch": self._resume_epoch,
-            "global_step": self.global_step,
-            "state_dict": model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.scheduler.state_dict() if self.lr_scheduler else None,
-            "precision": self.precision.state_dict(),
-            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-            "rng": randomness.capture(self.device),
-        }, path)
+        state: dict[str, Any] = {"epoch": self._resume_epoch, "global_step": self.global_step,
+                                 "state_dict": model.state_dict()}
+        if model.hparams:
+            state["hyper_parameters"] = dict(model.hparams)
+        if not weights_only:
+            state.update({
+                "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.scheduler.state_dict() if self.lr_scheduler else None,
+                "precision": self.precision.state_dict(),
+                "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+                "rng": randomness.capture(self.device),
+            })
+            if self.datamodule is not None:
+                state["datamodule"] = self.datamodule.state_dict()
+                if self.datamodule.hparams:
+                    state["datamodule_hyper_parameters"] = dict(self.datamodule.hparams)
+            if self._hooks is not None:
+                self._hooks("on_save_checkpoint", state)
+        checkpoint.save(state, path)
 
-    # ---------------------------------------------------------------- setup
+    def print(self, *args, **kwargs) -> None:
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    # ---------------------------------------------------------------- setup and teardown
+
+    def _begin(self, model: Module | None, stage: str, datamodule, loaders_given: bool) -> None:
+        """Lightning's start of a run: configure_callbacks, prepare_data, setup(stage), configure_model."""
+        if not isinstance(model, Module):
+            raise TypeError(f"glt.Trainer runs a glt.Module (gpulayer.torch.LightningModule); got "
+                            f"{type(model).__name__}. Subclass gpulayer.torch.LightningModule and define "
+                            f"training_step and configure_optimizers (and validation_step/test_step/predict_step "
+                            f"for those stages)")
+        if datamodule is not None and loaders_given:
+            raise ValueError("pass either dataloaders or a datamodule, not both")
+        if datamodule is not None and not isinstance(datamodule, datamodules.LightningDataModule):
+            raise TypeError(f"datamodule must be a glt.LightningDataModule; got {type(datamodule).__name__}")
+        if model.automatic_optimization is not True:
+            raise NotImplementedError("manual optimization (automatic_optimization = False) is not supported by "
+                                      "glt.Trainer: return the loss from training_step")
+        warn_unsupported(model)
+        self.state, self.module, self.datamodule = stage, model, datamodule
+        model._trainer = self
+        if datamodule is not None:
+            datamodule.trainer = self
+        self._merge_model_callbacks(model)
+        self._hooks = Dispatch(self, model, self.callbacks)
+        if self.is_global_zero:
+            if datamodule is not None:
+                datamodule.prepare_data()
+            model.prepare_data()
+        if datamodule is not None:
+            datamodule.setup(stage)
+        self._hooks("setup", stage)
+        model.configure_model()
+
+    def _merge_model_callbacks(self, model: Module) -> None:
+        """configure_callbacks' callbacks replace the Trainer's of the same type, as in Lightning."""
+        extra = model.configure_callbacks()
+        extra = list(extra) if isinstance(extra, (list, tuple)) else [extra] if extra else []
+        for cb in extra:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"configure_callbacks must return glt.Callback instances; got {type(cb).__name__}")
+        types = {type(cb) for cb in extra}
+        self.callbacks = _checkpoints_last([cb for cb in self.callbacks if type(cb) not in types] + extra)
+
+    def _end(self, model: Module, stage: str) -> None:
+        self._hooks("teardown", stage)
+        if self.datamodule is not None:
+            self.datamodule.teardown(stage)
+        if self.is_global_zero:
+            for lg in self.loggers:
+                lg.finalize("success")
+            summary = self.profiler.summary()
+            if summary:
+                print(summary)
+        self.state = "finished"
 
     def _setup(self, model: Module) -> None:
-        if not isinstance(model, Module):
-            raise TypeError(f"glt.Trainer trains a glt.Module; got {type(model).__name__}")
         if self.deterministic:
             randomness.use_deterministic_algorithms()
+        if self.benchmark is not None:
+            torch.backends.cudnn.benchmark = self.benchmark
         self.device = self.placement.device(self.global_rank)
         self.precision.setup()
         model.to(device=self.device, dtype=self.precision.param_dtype)
         model._trainer = self
         self.module = model
         self._progress = make_progress(self.enable_progress_bar and self.is_global_zero)
+        if self._hooks is None:  # a DDP worker: the parent ran the start of the run
+            self._hooks = Dispatch(self, model, self.callbacks)
 
     def _fit_as_rank(self, rank: int, world_size: int, model, train, val, ckpt_path) -> None:
         """Called in each DDP worker process."""
         self.global_rank, self.world_size = rank, world_size
         self._all_reduce = distributed.all_reduce_sum
+        if rank:
+            self.loggers = []
         self._fit(model, distributed.shard(train, rank, world_size),
                   None if val is None else distributed.shard(val, rank, world_size, shuffle=False), ckpt_path)
 
@@ -208,6 +418,7 @@ class Trainer:
         return {"state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
                 "current_epoch": self.current_epoch, "global_step": self.global_step,
                 "callback_metrics": self.callback_metrics, "logged_metrics": self.logged_metrics,
+                "progress_bar_metrics": self.progress_bar_metrics,
                 "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks}}
 
     def _apply_summary(self, model: Module, summary: dict) -> None:
@@ -216,6 +427,7 @@ class Trainer:
         self.module = model
         self.current_epoch, self.global_step = summary["current_epoch"], summary["global_step"]
         self.callback_metrics, self.logged_metrics = summary["callback_metrics"], summary["logged_metrics"]
+        self.progress_bar_metrics = summary["progress_bar_metrics"]
         self._load_callback_states(summary["callbacks"])
 
     def _load_callback_states(self, states: dict) -> None:
@@ -223,48 +435,142 @@ class Trainer:
             if cb.state_key in states:
                 cb.load_state_dict(states[cb.state_key])
 
-    def _call(self, hook: str, model: Module) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, model)
+    def _batch_mover(self, model: Module):
+        """The batch transfer: the Trainer's own, or the module's transfer hooks where it overrides one."""
+        device, float_dtype = self.device, self.precision.param_dtype
+        if not any(_overrides(model, ModelHooks, name) for name in TRANSFER_HOOKS):
+            return lambda batch: _to_device(batch, device, float_dtype)
+
+        def move(batch):
+            batch = model.on_before_batch_transfer(batch, 0)
+            batch = model.transfer_batch_to_device(batch, device, 0)
+            return model.on_after_batch_transfer(batch, 0)
+        return move
+
+    # ---------------------------------------------------------------- publishing metrics
+
+    def _logger_step(self) -> int:
+        """Lightning's logging step: the optimizer steps done before this one (global_step - 1) in fit."""
+        return max(self.global_step - 1, 0) if self.state == "fit" else self.global_step
+
+    def _publish(self, values: Published) -> None:
+        """Hand one sync point's host values to callback_metrics, the progress bar and the loggers."""
+        self.callback_metrics.update(_tensors({**values.plain, **values}))
+        logged = {k: values[k] for k in values.logger}
+        self.logged_metrics.update(_tensors(logged))
+        self.progress_bar_metrics.update({k: values[k] for k in values.prog_bar})
+        if logged and self.loggers and self.is_global_zero:
+            row = {**logged, "epoch": self.current_epoch}
+            for lg in self.loggers:
+                lg.log_metrics(row, self._logger_step())
+
+    def _log_hyperparams(self, model: Module) -> None:
+        if not (self.enable_autolog_hparams and self.loggers and self.is_global_zero):
+            return
+        params = dict(self.datamodule.hparams_initial) if self.datamodule is not None and \
+            self.datamodule._log_hyperparams else {}
+        if model._log_hyperparams:
+            params.update(model.hparams_initial)
+        for lg in self.loggers:
+            lg.log_hyperparams(params)
+            lg.save()
+
+    def _epoch_hook(self, name: str) -> None:
+        """An epoch-level training hook: what it logs defaults to on_epoch (Lightning's rule)."""
+        store = self._train_store
+        store.epoch_hook = True
+        try:
+            self._hooks(name)
+        finally:
+            store.epoch_hook = False
 
     # ---------------------------------------------------------------- fit
 
-    def _fit(self, model: Module, train: Iterable, val: Iterable | None, ckpt_path: str | None) -> None:
+    def _fit(self, model: Module, train: Any, val: Any, ckpt_path: str | None) -> None:
         self._setup(model)
-        if val is not None and self.limit_val_batches != 0 and not _overrides(model, Module, "validation_step"):
-            raise ValueError(f"val_dataloaders given but {type(model).__name__} has no validation_step")
+        hooks = self._hooks
         self.optimizer, self.lr_scheduler = optim.parse(model.configure_optimizers())
         self._clip_params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.current_epoch = self.global_step = self._resume_epoch = 0
-        self.should_stop = False
-        self.callback_metrics, self.logged_metrics = {}, {}
+        self.should_stop = self._train_started = False
+        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
+        self._deadline = None if self._max_seconds is None else time.monotonic() + self._max_seconds
         try:
-            self._call("on_fit_start", model)  # first: a ModelCheckpoint learns its dirpath, for ckpt_path="last"
+            hooks("on_fit_start")
+            if self.enable_model_summary and self.is_global_zero:
+                print(summarize(model))
+            self._log_hyperparams(model)
+            rng = None
             if ckpt_path:
-                self._restore(model, checkpoint.load(checkpoint.resolve(ckpt_path, self.callbacks)))
+                rng = self._restore(model, checkpoint.load(checkpoint.resolve(ckpt_path, self.callbacks)))
             self._ddp = distributed.wrap(model, self.device) if self._all_reduce else None
             self._compiled_step = compiled.build(self._compile, self, model)
+            val = _resolve(val)
+            if val is not None and not _overrides(model, Module, "validation_step"):
+                if self.limit_val_batches != 0:
+                    warnings.warn(f"validation data given but {type(model).__name__} has no validation_step: "
+                                  f"validation is skipped", stacklevel=3)
+                val = None
+            self._sanity_check(model, val)
+            if rng is not None:  # after the sanity check, so the next epoch draws what the interrupted run drew
+                randomness.restore(rng, self.device)
+            train = _resolve(train)
+            if train is None:
+                raise ValueError("fit needs train_dataloaders, a datamodule or the module's train_dataloader()")
+            self.num_training_batches = _limit(_length(train), self.limit_train_batches) or float("inf")
             while not self._finished():
                 self._train_epoch(model, train, val)
-            self._call("on_fit_end", model)
+            if self._train_started:
+                hooks("on_train_end")
+            hooks("on_fit_end")
+        except BaseException as e:
+            hooks("on_exception", e)
+            raise
         finally:
             self._store = self._ddp = self._compiled_step = None
             self._progress.close()
 
-    def _restore(self, model: Module, ckpt: dict) -> None:
+    def _restore(self, model: Module, ckpt: dict) -> dict:
+        """Load a checkpoint's states; returns its RNG state, restored after the sanity check."""
+        if "optimizer" not in ckpt:
+            raise ValueError("this checkpoint holds the weights only (save_weights_only=True): it cannot resume "
+                             "training; load it with Module.load_from_checkpoint")
+        model.on_load_checkpoint(ckpt)  # Lightning: the module's first, then the callbacks'
+        for cb in self.callbacks:
+            if _overrides(cb, Callback, "on_load_checkpoint"):
+                cb.on_load_checkpoint(self, model, ckpt)
         model.load_state_dict(ckpt["state_dict"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         if self.lr_scheduler is not None and ckpt["lr_scheduler"] is not None:
             self.lr_scheduler.scheduler.load_state_dict(ckpt["lr_scheduler"])
         self.precision.load_state_dict(ckpt["precision"])
         self._load_callback_states(ckpt["callbacks"])
+        if self.datamodule is not None and "datamodule" in ckpt:
+            self.datamodule.load_state_dict(ckpt["datamodule"])
         self.current_epoch = self._resume_epoch = ckpt["epoch"]
         self.global_step = ckpt["global_step"]
-        # last, so the next epoch draws the same random numbers as in the interrupted run
-        randomness.restore(ckpt["rng"], self.device)
+        return ckpt["rng"]
+
+    def _sanity_check(self, model: Module, val: Any) -> None:
+        """Lightning's sanity check: `num_sanity_val_steps` validation batches before training; what they
+        log is dropped (and never copied to the host)."""
+        if val is None or self.num_sanity_val_steps == 0 or self.limit_val_batches == 0:
+            return
+        steps = None if self.num_sanity_val_steps == -1 else self.num_sanity_val_steps
+        self.sanity_checking = True
+        try:
+            self._hooks("on_sanity_check_start")
+            self._run_eval(model, val, "validation", limit=steps, publish=False)
+            self._hooks("on_sanity_check_end")
+        finally:
+            self.sanity_checking = False
+
+    def _can_stop(self, epochs_done: int) -> bool:
+        return self.min_epochs is None or epochs_done >= self.min_epochs
 
     def _finished(self) -> bool:
-        return (self.should_stop or (self.max_epochs is not None and self.current_epoch >= self.max_epochs)
+        return ((self.should_stop and self._can_stop(self.current_epoch))
+                or (self.max_epochs is not None and self.current_epoch >= self.max_epochs)
                 or 0 <= self.max_steps <= self.global_step)
 
     def _val_every(self, n_batches: int | None) -> int | None:
@@ -280,146 +586,250 @@ class Trainer:
         epoch = self.current_epoch
         self._resume_epoch = epoch
         distributed.set_epoch(loader, epoch)
-        store = self._store = self._train_store = MetricStore(self.device)
-        self._epoch_val, self._prog_bar = {}, set()
+        store = self._store = self._train_store = MetricStore(self.device, training=True)
         n_batches = _limit(_length(loader), self.limit_train_batches)
-        validating = val is not None and self.limit_val_batches != 0
+        validating = (val is not None and self.limit_val_batches != 0
+                      and (epoch + 1) % self.check_val_every_n_epoch == 0)
         val_every = self._val_every(n_batches) if validating else None
         model.train()
-        self._call("on_train_epoch_start", model)
+        hooks = self._hooks
+        if not self._train_started:
+            self._train_started = True
+            self._epoch_hook("on_train_start")
+        self._epoch_hook("on_train_epoch_start")
         self._progress.start_epoch(epoch, n_batches)
 
-        # the hot path: no host syncs, no per-step dispatch to callbacks that don't listen
+        # the hot path: no host syncs, no per-step dispatch to hooks that nobody overrides
         ddp = self._ddp
         step_fn = ddp if ddp is not None else self._compiled_step or model.training_step
         whole_step = isinstance(step_fn, compiled.CudaGraphStep)  # it runs backward and the optimizer step too
-        batch_end = [cb for cb in self.callbacks if _overrides(cb, Callback, "on_train_batch_end")]
-        accumulate, device, float_dtype = self.accumulate_grad_batches, self.device, self.precision.param_dtype
+        batch_start, batch_end = hooks.calls("on_train_batch_start"), hooks.calls("on_train_batch_end")
+        before_zero_grad = hooks.calls("on_before_zero_grad")
+        before_backward, after_backward = hooks.calls("on_before_backward"), hooks.calls("on_after_backward")
+        move, profile = self._batch_mover(model), self.profiler.profile
+        accumulate, optimizer = self.accumulate_grad_batches, self.optimizer
         autocast, backward = self.precision.autocast, self.precision.backward
+        log_every, deadline = self.log_every_n_steps, self._deadline
         pending = batches_done = 0
-        stop = False
+        stop = skipped = False
         for batch_idx, batch in enumerate(loader):
             if batch_idx == n_batches:
                 break
-            batch = _to_device(batch, device, float_dtype)
-            store.weight = _batch_size(batch)
-            pending += 1
-            step_now = pending == accumulate or batch_idx + 1 == n_batches
-            if whole_step:  # compile="cudagraphs": one graph replay per step
-                output = step_fn(batch, batch_idx)
-            else:
-                with ddp.no_sync() if ddp is not None and not step_now else _NO_SYNC_NEEDED:
-                    with autocast:
-                        output = step_fn(batch, batch_idx)
-                    loss = output["loss"] if isinstance(output, dict) else output
-                    if loss is None:
-                        raise ValueError("training_step must return the loss tensor (or a dict with 'loss')")
-                    backward(loss / accumulate if accumulate > 1 else loss)
-            for cb in batch_end:
-                cb.on_train_batch_end(self, model, output, batch, batch_idx)
-            batches_done = batch_idx + 1
-            if step_now:
-                pending = 0
-                stop = self._optimizer_step(batches_done, stepped=whole_step)
-            if stop:
+            with profile("run_training_batch"):
+                batch = move(batch)
+                store.weight = _batch_size(batch)
+                if batch_start and any(r == -1 for r in [fn(batch, batch_idx) for fn in batch_start]
+                                       if isinstance(r, int)):
+                    skipped = True  # Lightning: on_train_batch_start returning -1 ends the epoch
+                    break
+                pending += 1
+                step_now = pending == accumulate or batch_idx + 1 == n_batches
+                if whole_step:  # compile="cudagraphs": one graph replay per step
+                    output = step_fn(batch, batch_idx)
+                else:
+                    with ddp.no_sync() if ddp is not None and not step_now else _NO_SYNC_NEEDED:
+                        with autocast:
+                            output = step_fn(batch, batch_idx)
+                        loss = output["loss"] if isinstance(output, dict) else output
+                        if loss is None:
+                            raise ValueError("training_step must return the loss tensor (or a dict with 'loss')")
+                        for fn in before_zero_grad if pending == 1 else ():
+                            fn(optimizer)  # Lightning's place; the gradients were zeroed after the last step
+                        for fn in before_backward:
+                            fn(loss)
+                        backward(loss / accumulate if accumulate > 1 else loss)
+                        for fn in after_backward:
+                            fn()
+                batches_done = batch_idx + 1
+                if step_now:
+                    pending = 0
+                    stop = self._optimizer_step(batches_done, stepped=whole_step)
+                    self._step_scheduler("step", batch_idx)
+                for fn in batch_end:
+                    fn(output, batch, batch_idx)
+                if step_now and self.global_step % log_every == 0:
+                    self._publish_step(batches_done)
+            if deadline is not None and time.monotonic() >= deadline:
+                self.should_stop = True
+            if stop or (self.should_stop and self._can_stop(epoch)):
                 break
             if val_every is not None and batches_done % val_every == 0 and batches_done != n_batches:
                 self._validate_in_fit(model, val)
-        if pending and not stop:  # a loader without a length ended mid-accumulation
+        if pending and not stop and not skipped:  # a loader without a length ended mid-accumulation
             self._optimizer_step(batches_done)
+        if batches_done == n_batches if n_batches is not None else not (stop or skipped or self.should_stop):
+            self._step_scheduler("epoch", epoch, plateau=False)  # Lightning: after the epoch's last batch
 
         if validating:
             self._validate_in_fit(model, val)
-        means = store.means(self._all_reduce)
-        self._store = None
         self._resume_epoch = epoch + 1
-        self.callback_metrics.update(means)
-        self.logged_metrics = {**means, **self._epoch_val}
-        self._progress.end_epoch(batches_done, self.global_step, self._shown(self.logged_metrics))
-        if self.lr_scheduler is not None and self.lr_scheduler.interval == "epoch":
-            self._step_scheduler()
-        self._call("on_train_epoch_end", model)
+        self._publish_epoch(store)
+        self._progress.end_epoch(batches_done, self.global_step, self.progress_bar_metrics)
+        store.epoch_hook = True
+        self._store = store  # the module's on_train_epoch_end logs into this epoch, before the monitors read
+        for fn in hooks.calls("on_train_epoch_end"):
+            fn()
+            if store.dirty:
+                self._publish_epoch(store)
+        self._store = None
+        self._step_scheduler("epoch", epoch, plateau=True)
         self.current_epoch = epoch + 1
 
+    def _publish_epoch(self, store: MetricStore) -> None:
+        self._publish(store.means(self._all_reduce, self.world_size))
+
     def _optimizer_step(self, batches_done: int, stepped: bool = False) -> bool:
-        """Clip, step, zero the gradients (unless `stepped`: done in a CUDA graph), and publish
-        metrics every `log_every_n_steps`. Returns whether `max_steps` is reached."""
+        """Unscale, clip, step, zero the gradients (unless `stepped`: done in a CUDA graph).
+        Returns whether `max_steps` is reached."""
         optimizer = self.optimizer
         if not stepped:
+            before_step = self._hooks.calls("on_before_optimizer_step")
+            if self.gradient_clip_val or before_step:
+                self.precision.unscale_(optimizer)  # the hooks and clipping see the true gradients
+            for fn in before_step:
+                fn(optimizer)
             if self.gradient_clip_val:
-                self.precision.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(self._clip_params, self.gradient_clip_val)
+                if self.gradient_clip_algorithm == "value":
+                    torch.nn.utils.clip_grad_value_(self._clip_params, self.gradient_clip_val)
+                else:
+                    torch.nn.utils.clip_grad_norm_(self._clip_params, self.gradient_clip_val)
             self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        if self.lr_scheduler is not None and self.lr_scheduler.interval == "step":
-            self._step_scheduler()
-        if self.global_step % self.log_every_n_steps == 0:
-            self._publish_step(batches_done)
         return self.global_step == self.max_steps
 
-    def _step_scheduler(self) -> None:
+    def _step_scheduler(self, interval: str, index: int, plateau: bool | None = None) -> None:
+        """Step the scheduler if it runs at this `interval`, every `frequency` batches or epochs
+        (`index` counts from 0); `plateau` picks ReduceLROnPlateau or the others (None: either)."""
         config = self.lr_scheduler
-        if config.monitor is None:
+        if config is None or config.interval != interval or (index + 1) % config.frequency:
+            return
+        if plateau is not None and plateau != isinstance(config.scheduler, ReduceLROnPlateau):
+            return
+        if not isinstance(config.scheduler, ReduceLROnPlateau):
             config.scheduler.step()
         elif config.monitor in self.callback_metrics:
-            config.scheduler.step(self.callback_metrics[config.monitor])
-        else:
+            config.scheduler.step(float(self.callback_metrics[config.monitor]))
+        elif config.strict:
             raise KeyError(f"lr_scheduler monitors {config.monitor!r}, which was not logged; "
                            f"logged: {sorted(self.callback_metrics)}")
+        else:
+            warnings.warn(f"lr_scheduler monitors {config.monitor!r}, which was not logged: not stepped "
+                          f"(strict=False)", stacklevel=2)
 
     def _publish_step(self, batches_done: int) -> None:
         """A log point: one transfer of the latest training values."""
-        values = self._train_store.latest(self._all_reduce, self.world_size)
-        self.callback_metrics.update(values)
-        self.logged_metrics = values
-        self._progress.update(batches_done, self.global_step, self._shown(values))
-
-    def _shown(self, metrics: dict[str, float]) -> dict[str, float]:
-        prog_bar = self._prog_bar | self._train_store.prog_bar
-        return {k: v for k, v in metrics.items() if k in prog_bar}
+        self._publish(self._train_store.latest(self._all_reduce, self.world_size))
+        self._progress.update(batches_done, self.global_step, self.progress_bar_metrics)
 
     def _validate_in_fit(self, model: Module, val: Iterable) -> None:
-        self._epoch_val, prog_bar = self._run_eval(model, val, "validation")
-        self._prog_bar |= prog_bar
+        self._run_eval(model, val, "validation")
         self._store = self._train_store
-        model.train()
 
-    # ---------------------------------------------------------------- validate / test
+    # ---------------------------------------------------------------- validate / test / predict
 
-    def _run_eval(self, model: Module, loader: Iterable, stage: str) -> tuple[dict[str, float], set[str]]:
-        """One pass of validation_step/test_step; one transfer of the metric means at the end."""
+    def _no_grad(self):
+        return torch.inference_mode() if self.inference_mode else torch.no_grad()
+
+    def _run_eval(self, model: Module, loader: Iterable, stage: str, limit: int | None = None,
+                  publish: bool = True) -> Published:
+        """One pass of validation_step/test_step with its hooks; one transfer of the metric means at the
+        end (none when `publish` is False: the sanity check)."""
         step_fn = model.validation_step if stage == "validation" else model.test_step
-        n_batches = _limit(_length(loader), self.limit_val_batches if stage == "validation" else None)
+        n_batches = _limit(_length(loader), self.limit_val_batches if stage == "validation" else self.limit_test_batches)
+        if limit is not None:
+            n_batches = limit if n_batches is None else min(n_batches, limit)
+        if publish:
+            self.num_val_batches = [n_batches if n_batches is not None else float("inf")]
         store = self._store = MetricStore(self.device)
-        device, float_dtype, autocast = self.device, self.precision.param_dtype, self.precision.autocast
-        model.eval()
-        self._call(f"on_{stage}_start", model)
-        with torch.no_grad():
+        hooks, move, autocast = self._hooks, self._batch_mover(model), self.precision.autocast
+        batch_start, batch_end = hooks.calls(f"on_{stage}_batch_start"), hooks.calls(f"on_{stage}_batch_end")
+        getattr(model, f"on_{stage}_model_eval")()
+        hooks(f"on_{stage}_start")
+        hooks(f"on_{stage}_epoch_start")
+        with self._no_grad(), self.profiler.profile(f"run_{stage}_loop"):
             for batch_idx, batch in enumerate(loader):
                 if batch_idx == n_batches:
                     break
-                batch = _to_device(batch, device, float_dtype)
+                batch = move(batch)
                 store.weight = _batch_size(batch)
+                for fn in batch_start:
+                    fn(batch, batch_idx, 0)
                 with autocast:
-                    step_fn(batch, batch_idx)
-        means = store.means(self._all_reduce)
-        self.callback_metrics.update(means)
-        self.logged_metrics = means
-        self._call(f"on_{stage}_end", model)
-        return means, store.prog_bar
+                    output = step_fn(batch, batch_idx)
+                for fn in batch_end:
+                    fn(output, batch, batch_idx, 0)
+            hooks(f"on_{stage}_epoch_end")
+        values = store.means(self._all_reduce, self.world_size) if publish else Published()
+        self._store = None  # Lightning: no logging in on_validation_end
+        if publish:
+            self._publish(values)
+        hooks(f"on_{stage}_end")
+        getattr(model, f"on_{stage}_model_train")()
+        return values
 
-    def _evaluate_entry(self, model: Module, loader: Iterable, stage: str, ckpt_path: str | None) -> dict[str, float]:
-        step = "validation_step" if stage == "validation" else "test_step"
-        if not _overrides(model, Module, step):
+    def _run_predict(self, model: Module, loader: Iterable) -> list:
+        n_batches = _limit(_length(loader), self.limit_predict_batches)
+        hooks, move, autocast = self._hooks, self._batch_mover(model), self.precision.autocast
+        batch_start, batch_end = hooks.calls("on_predict_batch_start"), hooks.calls("on_predict_batch_end")
+        outputs = []
+        model.on_predict_model_eval()
+        hooks("on_predict_start")
+        hooks("on_predict_epoch_start")
+        with self._no_grad(), self.profiler.profile("run_predict_loop"):
+            for batch_idx, batch in enumerate(loader):
+                if batch_idx == n_batches:
+                    break
+                batch = move(batch)
+                for fn in batch_start:
+                    fn(batch, batch_idx, 0)
+                with autocast:
+                    output = model.predict_step(batch, batch_idx)
+                for fn in batch_end:
+                    fn(output, batch, batch_idx, 0)
+                outputs.append(output)
+        hooks("on_predict_epoch_end")
+        hooks("on_predict_end")
+        return outputs
+
+    def _evaluate_entry(self, model: Module | None, dataloaders: Any, datamodule, stage: str,
+                        ckpt_path: str | None, verbose: bool):
+        if isinstance(dataloaders, datamodules.LightningDataModule):
+            dataloaders, datamodule = None, dataloaders
+        if model is None:  # Lightning: the model of the last fit, from its best checkpoint when there is one
+            model = self.module
+            if model is None:
+                raise ValueError(f"trainer.{stage}() needs a model (no fit ran before)")
+            if ckpt_path is None and self.checkpoint_callback is not None and self.checkpoint_callback.best_model_path:
+                ckpt_path = "best"
+        step = _STAGE_STEP[stage]
+        if stage != "predict" and not _overrides(model, Module, step):
             raise ValueError(f"{type(model).__name__} has no {step}")
-        self._setup(model)
+        self._begin(model, stage, datamodule, dataloaders is not None)
         try:
+            loader = datamodules.check_single(dataloaders, "dataloaders") if dataloaders is not None \
+                else datamodules.loader(self.datamodule or model, _STAGE_LOADER[stage])
+            if loader is None:
+                raise ValueError(f"trainer.{stage} needs dataloaders, a datamodule or the module's "
+                                 f"{_STAGE_LOADER[stage]}()")
+            self._setup(model)
             if ckpt_path:
-                model.load_state_dict(checkpoint.load(checkpoint.resolve(ckpt_path, self.callbacks))["state_dict"])
-            means, _ = self._run_eval(model, loader, stage)
-            self._progress.report(stage, means)
-            return means
+                ckpt = checkpoint.load(checkpoint.resolve(ckpt_path, self.callbacks))
+                model.on_load_checkpoint(ckpt)
+                model.load_state_dict(ckpt["state_dict"])
+            if stage == "predict":
+                return self._run_predict(model, loader)
+            values = self._run_eval(model, loader, _STAGE_HOOK[stage])
+            results = {k: v for k, v in values.items() if k in values.logger}
+            if verbose:
+                self._progress.report(stage, results)
+            return [results]
         finally:
             self._store = None
             self._progress.close()
+            self._end(model, stage)
+
+
+def _checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
+    """ModelCheckpoints run last (Lightning's order), so a checkpoint holds the other callbacks' new state."""
+    return sorted(callbacks, key=lambda cb: isinstance(cb, ModelCheckpoint))

@@ -9,9 +9,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)
-def _isolate(monkeypatch):
-    """Each test starts without GPULAYER_DEVICE and leaves the global determinism settings as it found them."""
+def _isolate(monkeypatch, tmp_path):
+    """Each test starts without GPULAYER_DEVICE, in its own temporary working directory (where a Trainer's
+    default lightning_logs/ and checkpoints go), and leaves the global determinism settings as it found them."""
     monkeypatch.delenv("GPULAYER_DEVICE", raising=False)
+    monkeypatch.chdir(tmp_path)
     # registered with monkeypatch so that Trainer(deterministic=True)'s setdefault is undone afterwards
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
     deterministic = torch.are_deterministic_algorithms_enabled()

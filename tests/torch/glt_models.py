@@ -62,5 +62,7 @@ class Regressor(glt.Module):
 
 
 def trainer(**kwargs) -> glt.Trainer:
-    """A quiet CPU Trainer."""
-    return glt.Trainer(**{"accelerator": "cpu", "enable_progress_bar": False, **kwargs})
+    """A quiet CPU Trainer without loggers, default checkpoint or model summary."""
+    checkpointing = any(isinstance(cb, glt.ModelCheckpoint) for cb in kwargs.get("callbacks") or [])
+    return glt.Trainer(**{"accelerator": "cpu", "enable_progress_bar": False, "logger": False,
+                          "enable_checkpointing": checkpointing, "enable_model_summary": False, **kwargs})

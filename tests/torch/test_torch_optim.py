@@ -35,7 +35,9 @@ def test_accepted_forms():
 @pytest.mark.parametrize("config, error, match", [
     (lambda: [opt(), opt()], ValueError, "2 optimizers"),
     (lambda: "adam", TypeError, "must return a torch.optim.Optimizer"),
-    (lambda: {"optimizer": opt(), "lr_scheduler": {"scheduler": None, "frequency": 2}}, ValueError, "frequency"),
+    (lambda: {"optimizer": opt(), "lr_scheduler": {"scheduler": None, "frequency": 0}}, ValueError, "frequency=0"),
+    (lambda: {"optimizer": opt(), "lr_scheduler": {"scheduler": None, "reduce_on_plateau": True}}, ValueError,
+     "unsupported lr_scheduler keys"),
     (lambda: {"optimizer": (o := opt()), "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1),
                                                           "interval": "batch"}}, ValueError, "interval='batch'"),
     (lambda: (o := opt(), torch.optim.lr_scheduler.ReduceLROnPlateau(o)), ValueError, "needs a metric"),

@@ -25,23 +25,36 @@ def test_loss_falls_on_a_learnable_problem():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_metrics_are_python_floats_and_epoch_means_weighted_by_batch_size():
+def test_metrics_are_tensors_and_epoch_means_weighted_by_batch_size():
     glt.seed_everything(0)
     model = Regressor()
     val = loader(100, batch_size=32, seed=1)  # last batch holds 4 samples
     t = trainer(max_epochs=2)
     t.fit(model, loader(), val)
-    assert set(t.callback_metrics) == set(t.logged_metrics) == {"train_loss", "val_loss"}
-    assert all(type(v) is float for v in [*t.callback_metrics.values(), *t.logged_metrics.values()])
+    # train_loss is on_step only (Lightning's training default): 32 steps never reach a log point
+    # (every 50), so it is the last step's value in callback_metrics and was never sent to a logger
+    assert set(t.callback_metrics) == {"train_loss", "val_loss"} and set(t.logged_metrics) == {"val_loss"}
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"
+               for v in [*t.callback_metrics.values(), *t.logged_metrics.values()])
+    assert t.progress_bar_metrics.keys() == {"train_loss", "val_loss"}
+    assert all(type(v) is float for v in t.progress_bar_metrics.values())
     x, y = regression_data(100, seed=1).tensors
     with torch.no_grad():
         full = F.mse_loss(model(x), y).item()
-    assert t.callback_metrics["val_loss"] == pytest.approx(full, rel=1e-6)
-    assert t.validate(model, val) == pytest.approx({"val_loss": full}, rel=1e-6)
-    assert t.test(model, val) == pytest.approx({"test_loss": full}, rel=1e-6)
+    assert t.callback_metrics["val_loss"].item() == pytest.approx(full, rel=1e-6)
+    assert t.validate(model, val) == [pytest.approx({"val_loss": full}, rel=1e-6)]
+    assert t.test(model, val) == [pytest.approx({"test_loss": full}, rel=1e-6)]
     assert t.callback_metrics["test_loss"] == t.logged_metrics["test_loss"]
     assert (t.current_epoch, t.global_step) == (2, 32)
     assert model.trainer is t and model.current_epoch == 2 and model.global_step == 32
+
+
+class StepAndEpoch(Regressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        return loss
 
 
 def test_step_values_at_log_points_and_epoch_means_at_epoch_end():
@@ -50,17 +63,21 @@ def test_step_values_at_log_points_and_epoch_means_at_epoch_end():
     class Spy(glt.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             losses.append(outputs.item())
-            seen[batch_idx] = trainer.logged_metrics.get("train_loss")
+            seen[batch_idx] = trainer.logged_metrics.get("train_loss_step")
 
     t = trainer(max_epochs=1, log_every_n_steps=4, callbacks=[Spy()])
-    t.fit(Regressor(), loader(128))  # 8 batches of 16: log points after batches 3 and 7
+    t.fit(StepAndEpoch(), loader(128))  # 8 batches of 16: log points after batches 3 and 7
     assert seen[3] is None and seen[4] == losses[3] and seen[7] == losses[3]
-    assert t.logged_metrics["train_loss"] == pytest.approx(sum(losses) / 8, rel=1e-6)
+    assert t.logged_metrics["train_loss_step"] == losses[7]
+    assert t.logged_metrics["train_loss_epoch"].item() == pytest.approx(sum(losses) / 8, rel=1e-6)
+    # the plain name holds the epoch value once the epoch ended, as in Lightning
+    assert t.callback_metrics["train_loss"] == t.callback_metrics["train_loss_epoch"]
 
 
 def test_plain_log_lines_when_not_a_terminal(capsys):
     glt.seed_everything(0)
-    glt.Trainer(accelerator="cpu", max_epochs=2, log_every_n_steps=8).fit(Regressor(), loader(), loader(64))
+    glt.Trainer(accelerator="cpu", max_epochs=2, log_every_n_steps=8, enable_model_summary=False).fit(
+        Regressor(), loader(), loader(64))
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0].startswith("epoch 0 step 8 train_loss=")
     assert lines[2].startswith("epoch 0 step 16 train_loss=") and " val_loss=" in lines[2]
@@ -187,7 +204,7 @@ def test_any_iterable_of_batches_is_accepted():
 
 
 def test_clear_errors():
-    with pytest.raises(TypeError, match="glt.Module"):
+    with pytest.raises(TypeError, match="glt.Module .*got Linear. Subclass gpulayer.torch.LightningModule"):
         trainer().fit(torch.nn.Linear(2, 1), loader())
 
     class NoVal(glt.Module):
@@ -195,8 +212,14 @@ def test_clear_errors():
             super().__init__()
             self.w = torch.nn.Linear(2, 1)
 
-    with pytest.raises(ValueError, match="no validation_step"):
-        trainer().fit(NoVal(), loader(), loader())
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self.w(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.warns(UserWarning, match="has no validation_step: validation is skipped"):
+        trainer(max_steps=1).fit(NoVal(), loader(), loader())
     with pytest.raises(ValueError, match="no test_step"):
         trainer().test(NoVal(), loader())
 
@@ -216,11 +239,12 @@ def test_clear_errors():
         trainer(max_steps=1).fit(VectorLog(), loader())
 
 
-def test_log_outside_a_loop_does_nothing():
+def test_log_outside_a_loop_warns_or_raises():
     model = Regressor()
-    model.log("x", 1.0)  # no trainer
+    with pytest.warns(UserWarning, match="outside a glt.Trainer run records nothing"):
+        model.log("x", 1.0)  # no trainer, as when a step is called by hand
     t = trainer(max_steps=1)
     t.fit(model, loader(16))
-    model.log("x", 1.0)  # after fit
+    with pytest.raises(RuntimeError, match="where nothing is collected"):
+        model.log("x", 1.0)  # after fit
     assert "x" not in t.callback_metrics
-
