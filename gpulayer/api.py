@@ -3,7 +3,7 @@
 Every function uses one process-wide Client, made on first use from the environment
 (GPULAYER_KEY or the key file, GPULAYER_INTERFACES, GPULAYER_PEERS); `configure()` replaces it.
 Task options (accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, timeout,
-retries, env) are defined and checked in one table, `gpulayer.options`.
+retries, python, env) are defined and checked in one table, `gpulayer.options`.
 """
 
 from __future__ import annotations
