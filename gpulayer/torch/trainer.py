@@ -500,9 +500,8 @@ class Trainer:
             if self.enable_model_summary and self.is_global_zero:
                 print(summarize(model))
             self._log_hyperparams(model)
-            rng = None
             if ckpt_path:
-                rng = self._restore(model, checkpoint.load(checkpoint.resolve(ckpt_path, self.callbacks)))
+                self._restore(model, checkpoint.load(checkpoint.resolve(ckpt_path, self.callbacks)))
             self._ddp = distributed.wrap(model, self.device) if self._all_reduce else None
             self._compiled_step = compiled.build(self._compile, self, model)
             val = _resolve(val)
@@ -512,14 +511,16 @@ class Trainer:
                                   f"validation is skipped", stacklevel=3)
                 val = None
             self._sanity_check(model, val)
-            if rng is not None:  # after the sanity check, so the next epoch draws what the interrupted run drew
-                randomness.restore(rng, self.device)
             train = _resolve(train)
             if train is None:
                 raise ValueError("fit needs train_dataloaders, a datamodule or the module's train_dataloader()")
             self.num_training_batches = _limit(_length(train), self.limit_train_batches) or float("inf")
+            # Lightning makes the first epoch's iterator here, before on_train_start (a DataLoader draws its
+            # base seed then): the same seed gives the same batches
+            batches = iter(train) if not self._finished() else None
             while not self._finished():
-                self._train_epoch(model, train, val)
+                self._train_epoch(model, train, val, batches)
+                batches = None
             if self._train_started:
                 hooks("on_train_end")
             hooks("on_fit_end")
@@ -530,8 +531,7 @@ class Trainer:
             self._store = self._ddp = self._compiled_step = None
             self._progress.close()
 
-    def _restore(self, model: Module, ckpt: dict) -> dict:
-        """Load a checkpoint's states; returns its RNG state, restored after the sanity check."""
+    def _restore(self, model: Module, ckpt: dict) -> None:
         if "optimizer" not in ckpt:
             raise ValueError("this checkpoint holds the weights only (save_weights_only=True): it cannot resume "
                              "training; load it with Module.load_from_checkpoint")
@@ -549,21 +549,24 @@ class Trainer:
             self.datamodule.load_state_dict(ckpt["datamodule"])
         self.current_epoch = self._resume_epoch = ckpt["epoch"]
         self.global_step = ckpt["global_step"]
-        return ckpt["rng"]
+        # last, so the next epoch draws the same random numbers as in the interrupted run
+        randomness.restore(ckpt["rng"], self.device)
 
     def _sanity_check(self, model: Module, val: Any) -> None:
         """Lightning's sanity check: `num_sanity_val_steps` validation batches before training; what they
-        log is dropped (and never copied to the host)."""
+        log is dropped (and never copied to the host), and the RNG states are restored after it."""
         if val is None or self.num_sanity_val_steps == 0 or self.limit_val_batches == 0:
             return
         steps = None if self.num_sanity_val_steps == -1 else self.num_sanity_val_steps
         self.sanity_checking = True
+        rng = randomness.capture(self.device)
         try:
             self._hooks("on_sanity_check_start")
             self._run_eval(model, val, "validation", limit=steps, publish=False)
             self._hooks("on_sanity_check_end")
         finally:
             self.sanity_checking = False
+            randomness.restore(rng, self.device)
 
     def _can_stop(self, epochs_done: int) -> bool:
         return self.min_epochs is None or epochs_done >= self.min_epochs
@@ -582,7 +585,7 @@ class Trainer:
             return None
         return max(1, int(n_batches * interval))
 
-    def _train_epoch(self, model: Module, loader: Iterable, val: Iterable | None) -> None:
+    def _train_epoch(self, model: Module, loader: Iterable, val: Iterable | None, batches=None) -> None:
         epoch = self.current_epoch
         self._resume_epoch = epoch
         distributed.set_epoch(loader, epoch)
@@ -612,7 +615,7 @@ class Trainer:
         log_every, deadline = self.log_every_n_steps, self._deadline
         pending = batches_done = 0
         stop = skipped = False
-        for batch_idx, batch in enumerate(loader):
+        for batch_idx, batch in enumerate(loader if batches is None else batches):
             if batch_idx == n_batches:
                 break
             with profile("run_training_batch"):
