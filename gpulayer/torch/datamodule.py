@@ -5,10 +5,6 @@ from typing import Any, Iterable
 
 from .hparams import HyperparametersMixin
 
-_LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
-            "predict": "predict_dataloader"}
-
-
 class LightningDataModule(HyperparametersMixin):
     """Data for the Trainer, as in Lightning: `prepare_data` (once, on the first process), then
     `setup(stage)` ("fit", "validate", "test", "predict"), the `*_dataloader` methods, `teardown(stage)`."""
@@ -27,14 +23,15 @@ class LightningDataModule(HyperparametersMixin):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-def _defined(source: Any, name: str) -> bool:
+def loader_defined(source: Any, name: str) -> bool:
+    """Whether `source` (a DataModule or a module) defines the `*_dataloader` method `name`."""
     method = getattr(type(source), name, None)
-    return method is not None and method is not getattr(LightningDataModule, name, None)
+    return source is not None and method is not None and method is not getattr(LightningDataModule, name, None)
 
 
 def loader(source: Any, name: str) -> Iterable | None:
     """`source.<name>()` (a DataModule's or a module's `*_dataloader`), or None when it has none."""
-    return getattr(source, name)() if source is not None and _defined(source, name) else None
+    return getattr(source, name)() if loader_defined(source, name) else None
 
 
 def check_single(loaders: Any, what: str) -> Any:

@@ -62,6 +62,9 @@ class _Source:
     def __init__(self, source, name: str):
         self.source, self.name = source, name
 
+    def defined(self) -> bool:
+        return datamodules.loader_defined(self.source, self.name)
+
     def get(self):
         return datamodules.check_single(datamodules.loader(self.source, self.name), self.name)
 
@@ -180,6 +183,7 @@ class Trainer:
         self._clip_params: list[Tensor] = []
         self._compiled_step = None  # compile=: this fit's step function (compiled.py)
         self._deadline: float | None = None  # max_time, on time.monotonic()
+        self._val: Any = None  # this fit's validation loader (or its _Source until first needed)
         self._train_started = False
 
     def __getstate__(self):
@@ -504,12 +508,14 @@ class Trainer:
                 self._restore(model, checkpoint.load(checkpoint.resolve(ckpt_path, self.callbacks)))
             self._ddp = distributed.wrap(model, self.device) if self._all_reduce else None
             self._compiled_step = compiled.build(self._compile, self, model)
-            val = _resolve(val)
+            if isinstance(val, _Source) and not val.defined():
+                val = None
             if val is not None and not _overrides(model, Module, "validation_step"):
                 if self.limit_val_batches != 0:
                     warnings.warn(f"validation data given but {type(model).__name__} has no validation_step: "
                                   f"validation is skipped", stacklevel=3)
                 val = None
+            self._val = val  # a loader, or where to ask for it when validation first runs (as Lightning)
             self._sanity_check(model, val)
             train = _resolve(train)
             if train is None:
@@ -562,7 +568,7 @@ class Trainer:
         rng = randomness.capture(self.device)
         try:
             self._hooks("on_sanity_check_start")
-            self._run_eval(model, val, "validation", limit=steps, publish=False)
+            self._run_eval(model, self._val_loader(), "validation", limit=steps, publish=False)
             self._hooks("on_sanity_check_end")
         finally:
             self.sanity_checking = False
@@ -725,8 +731,12 @@ class Trainer:
         self._publish(self._train_store.latest(self._all_reduce, self.world_size))
         self._progress.update(batches_done, self.global_step, self.progress_bar_metrics)
 
+    def _val_loader(self) -> Iterable:
+        self._val = _resolve(self._val)
+        return self._val
+
     def _validate_in_fit(self, model: Module, val: Iterable) -> None:
-        self._run_eval(model, val, "validation")
+        self._run_eval(model, self._val_loader(), "validation")
         self._store = self._train_store
 
     # ---------------------------------------------------------------- validate / test / predict
