@@ -17,8 +17,9 @@ except ImportError:  # numpy is optional
 def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed python, numpy (if installed) and torch (all devices); returns the seed.
 
-    As Lightning's: without `seed`, PL_GLOBAL_SEED or 0; `workers=True` sets PL_SEED_WORKERS=1, which
-    Lightning's DataLoader worker_init_fn reads (glt's loaders are yours: seed workers in worker_init_fn)."""
+    As Lightning's: without `seed`, PL_GLOBAL_SEED or 0; `workers=True` sets PL_SEED_WORKERS=1, and the
+    Trainer then gives DataLoaders with workers and no worker_init_fn one that seeds python and numpy
+    in each worker (torch seeds its own generator per worker)."""
     if seed is None:
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -30,6 +31,23 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
         np.random.seed(seed)
     torch.manual_seed(seed)
     return seed
+
+
+def seed_worker(worker_id: int) -> None:
+    """A DataLoader worker's python and numpy seeds, from the torch seed torch gave that worker."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    if np is not None:
+        np.random.seed(seed)
+
+
+def seed_workers(loader) -> None:
+    """After seed_everything(workers=True): `seed_worker` for a DataLoader with workers and no worker_init_fn."""
+    from torch.utils.data import DataLoader
+
+    if (os.environ.get("PL_SEED_WORKERS") == "1" and isinstance(loader, DataLoader) and loader.num_workers > 0
+            and loader.worker_init_fn is None):
+        loader.worker_init_fn = seed_worker
 
 
 def use_deterministic_algorithms() -> None:

@@ -70,7 +70,10 @@ class _Source:
 
 
 def _resolve(loader):
-    return loader.get() if isinstance(loader, _Source) else loader
+    """The loader itself (asked of its source if need be), with seeded workers after seed_everything(workers=True)."""
+    loader = loader.get() if isinstance(loader, _Source) else loader
+    randomness.seed_workers(loader)
+    return loader
 
 
 class Trainer:
@@ -820,8 +823,8 @@ class Trainer:
             raise ValueError(f"{type(model).__name__} has no {step}")
         self._begin(model, stage, datamodule, dataloaders is not None)
         try:
-            loader = datamodules.check_single(dataloaders, "dataloaders") if dataloaders is not None \
-                else datamodules.loader(self.datamodule or model, _STAGE_LOADER[stage])
+            loader = _resolve(datamodules.check_single(dataloaders, "dataloaders") if dataloaders is not None
+                              else datamodules.loader(self.datamodule or model, _STAGE_LOADER[stage]))
             if loader is None:
                 raise ValueError(f"trainer.{stage} needs dataloaders, a datamodule or the module's "
                                  f"{_STAGE_LOADER[stage]}()")
