@@ -36,6 +36,13 @@ def write_hparams(path: str, hparams: dict[str, Any]) -> None:
         f.write(text)
 
 
+def _ensure_hparams_file(log_dir: str) -> None:
+    """Lightning leaves an hparams.yaml in every version folder, `{}` when nothing was saved."""
+    path = os.path.join(log_dir, "hparams.yaml")
+    if not os.path.exists(path):
+        write_hparams(path, {})
+
+
 class Logger:
     """The interface the Trainer calls. `log_dir` is `<save_dir>/<name>/version_<version>`."""
 
@@ -126,8 +133,7 @@ class CSVLogger(Logger):
             writer.writerows(rows)
 
     def finalize(self, status: str) -> None:
-        if not self.hparams:
-            write_hparams(os.path.join(self.log_dir, "hparams.yaml"), {})
+        _ensure_hparams_file(self.log_dir)
         self.save()
 
 
@@ -176,8 +182,7 @@ class TensorBoardLogger(Logger):
             self._writer.flush()
 
     def finalize(self, status: str) -> None:
-        if not self.hparams:
-            write_hparams(os.path.join(self.log_dir, "hparams.yaml"), {})
+        _ensure_hparams_file(self.log_dir)
         if self._writer is not None:
             self._writer.close()
             self._writer = None

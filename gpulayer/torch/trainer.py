@@ -419,6 +419,8 @@ class Trainer:
             self.loggers = []
         self._fit(model, distributed.shard(train, rank, world_size),
                   None if val is None else distributed.shard(val, rank, world_size, shuffle=False), ckpt_path)
+        for lg in self.loggers:  # rank 0's: its rows are in this process
+            lg.finalize("success")
 
     def _summary(self, model: Module) -> dict:
         """What the parent of DDP workers takes back from rank 0."""

@@ -16,7 +16,8 @@ def test_two_process_ddp_matches_one_process_with_twice_the_batch(tmp_path):
     single_model.load_state_dict(ddp_model.state_dict())
 
     saver = glt.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
-    t = trainer(max_epochs=2, devices=2, callbacks=[saver])
+    logger = glt.CSVLogger(tmp_path / "logs")
+    t = trainer(max_epochs=2, devices=2, callbacks=[saver], logger=logger, log_every_n_steps=2)
     t.fit(ddp_model, loader(64, batch_size=8), loader(32, batch_size=8))
     trainer(max_epochs=2).fit(single_model, loader(64, batch_size=16))
 
@@ -24,5 +25,8 @@ def test_two_process_ddp_matches_one_process_with_twice_the_batch(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert (t.current_epoch, t.global_step) == (2, 8)
     assert set(t.callback_metrics) == {"train_loss", "val_loss"}
-    assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=8.ckpt", "last.ckpt"]  # written once, by rank 0
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=8.ckpt", "last.ckpt", "logs"]  # written once, by rank 0
     assert saver.best_model_path.endswith("epoch=1-step=8.ckpt")  # the parent's callback got rank 0's state
+    with open(logger.metrics_file_path) as f:  # rank 0 logged, in the version folder the parent chose
+        assert f.readline().strip() == "epoch,step,train_loss,val_loss" and len(f.readlines()) == 4 + 2
+    assert sorted(os.listdir(tmp_path / "logs")) == ["lightning_logs"]
