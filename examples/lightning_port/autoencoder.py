@@ -62,7 +62,7 @@ class LitAutoEncoder(L.LightningModule):
         return optimizer
 
 
-def main(root: str, max_epochs: int = 2) -> dict:
+def main(root: str, max_epochs: int = 2, accelerator: str = "cpu") -> dict:
     L.seed_everything(42)
     dataset = fake_mnist()
     train_set, val_set, test_set = random_split(dataset, [1024, 256, 256], generator=torch.Generator().manual_seed(42))
@@ -74,7 +74,7 @@ def main(root: str, max_epochs: int = 2) -> dict:
     autoencoder = LitAutoEncoder()
 
     # train the model (hint: here are some helpful Trainer arguments for rapid idea iteration)
-    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, default_root_dir=root,
+    trainer = L.Trainer(max_epochs=max_epochs, accelerator=accelerator, devices=1, default_root_dir=root,
                         log_every_n_steps=4, enable_progress_bar=False)
     trainer.fit(model=autoencoder, train_dataloaders=train_loader, val_dataloaders=val_loader)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -83,7 +83,8 @@ def main(root: str, max_epochs: int = 2) -> dict:
     # load checkpoint
     checkpoint = trainer.checkpoint_callback.best_model_path
     restored = LitAutoEncoder.load_from_checkpoint(checkpoint)
-    same = all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), autoencoder.state_dict().values()))
+    same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(restored.state_dict().values(),
+                                                         autoencoder.state_dict().values()))
 
     # embed 4 fake images
     with torch.no_grad():
@@ -96,6 +97,7 @@ def main(root: str, max_epochs: int = 2) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default="lightning_port_runs")
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
-    print(main(args.root, args.epochs))
+    print(main(args.root, args.epochs, args.accelerator))

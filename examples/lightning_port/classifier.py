@@ -118,13 +118,13 @@ class PrintingCallback(Callback):
         print("Training is ending")
 
 
-def main(root: str, max_epochs: int = 4) -> dict:
+def main(root: str, max_epochs: int = 4, accelerator: str = "cpu") -> dict:
     L.seed_everything(7, workers=True)
     dm = MNISTDataModule(data_dir=os.path.join(root, "data"), batch_size=64)
     model = LitClassifier()
     printing = PrintingCallback()
     checkpoint = ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=2, filename="{epoch}-{val_loss:.3f}")
-    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, default_root_dir=root,
+    trainer = L.Trainer(max_epochs=max_epochs, accelerator=accelerator, devices=1, default_root_dir=root,
                         logger=[CSVLogger(save_dir=root, name="csv")], log_every_n_steps=5,
                         callbacks=[printing, EarlyStopping(monitor="val_loss", mode="min", patience=3, verbose=True),
                                    checkpoint], enable_progress_bar=False)
@@ -143,6 +143,7 @@ def main(root: str, max_epochs: int = 4) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default="lightning_port_runs")
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--epochs", type=int, default=4)
     args = parser.parse_args()
-    print(main(args.root, args.epochs))
+    print(main(args.root, args.epochs, args.accelerator))
