@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a variable in the environment of the peer and so of every worker and task, set "
                              "before the peer detects its devices and starts its workers; repeatable "
                              "(e.g. --env PYTORCH_ENABLE_MPS_FALLBACK=1)")
+    parser.add_argument("--workdir", default=None, type=_workdir, metavar="DIR",
+                        help="the folder tasks start in, kept (default: a scratch folder removed when the peer stops)")
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
@@ -51,6 +53,14 @@ def env_assignment(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"{name} is a GPUlayer setting, not a variable for tasks: use the "
                                          "peer's options, or its own environment")
     return name, value
+
+
+def _workdir(text: str) -> str:
+    """An existing, writable folder, made absolute."""
+    path = os.path.abspath(os.path.expanduser(text))
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a writable folder")
+    return path
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
@@ -74,6 +84,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         preload=args.preload.split(",") if args.preload is not None else None,
         advertise=not args.no_mdns,
         drain_timeout=args.drain_timeout,
+        workdir=args.workdir,
     )
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -95,11 +96,14 @@ class Scheduler:
     """Runs admitted tasks in warm workers, first come first served, honouring device memory."""
 
     def __init__(self, slots: list[Slot], python: str = sys.executable, preload: list[str] | None = None,
-                 worker_start_timeout: float = 120.0):
+                 worker_start_timeout: float = 120.0, workdir: str | None = None):
         self.slots = slots
         self.python = python
         self.preload = preload or []
         self.worker_start_timeout = worker_start_timeout
+        # where tasks start: the operator's folder, or a scratch folder of this peer's, removed at stop
+        self.workdir = workdir or tempfile.mkdtemp(prefix="gpulayer-work-")
+        self._own_workdir = workdir is None
         self.tasks_done = 0
         self.stopping = False
         self._queue: deque[ScheduledTask] = deque()
@@ -124,6 +128,8 @@ class Scheduler:
             job.cancel()
         if self._pythonpath:
             shutil.rmtree(self._pythonpath, ignore_errors=True)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run a coroutine in the background; it is cancelled at stop."""
@@ -276,7 +282,7 @@ class Scheduler:
     def _new_worker(self, slot: Slot, env: dict[str, str] | None = None, preload: list[str] | None = None) -> Worker:
         """A worker for `slot`, not started: a warm one, or one with `env` on top of the slot's and other preloads."""
         return Worker(slot, self.python, self.preload if preload is None else preload, self._on_reply,
-                      self._on_output, self._on_worker_exit, self._pythonpath, env)
+                      self._on_output, self._on_worker_exit, self._pythonpath, env, self.workdir)
 
     def _on_reply(self, worker: Worker, reply: wire.Message, buffers: list[Any]) -> None:
         slot = worker.slot

@@ -50,6 +50,7 @@ class PeerConfig:
     max_unauthenticated: int = 256
     client_silence: float = 15.0
     worker_start_timeout: float = 120.0
+    workdir: str | None = None  # where tasks start; None: a scratch folder removed at stop
 
 
 class Connection:
@@ -105,7 +106,7 @@ class Peer:
         self.advert = Advert.from_resources(config.resources, peer_id=self.peer_id, name=self.name,
                                             cluster=security.cluster_id(config.key), slots=len(self.slots))
         preload = config.preload if config.preload is not None else default_preload(config.resources)
-        self.scheduler = Scheduler(self.slots, config.python, preload, config.worker_start_timeout)
+        self.scheduler = Scheduler(self.slots, config.python, preload, config.worker_start_timeout, config.workdir)
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline

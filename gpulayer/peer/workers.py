@@ -101,13 +101,15 @@ class Worker:
     """
 
     def __init__(self, slot: Slot, python: str, preload: list[str], on_reply: OnReply, on_output: OnOutput,
-                 on_exit: OnExit, pythonpath: str | None = None, extra_env: dict[str, str] | None = None):
+                 on_exit: OnExit, pythonpath: str | None = None, extra_env: dict[str, str] | None = None,
+                 cwd: str | None = None):
         self.slot = slot
         self.python = python
         self.preload = preload
         self.on_reply, self.on_output, self.on_exit = on_reply, on_output, on_exit
         self.pythonpath = pythonpath
         self.extra_env = extra_env or {}
+        self.cwd = cwd
         self.ready = False
         self.pid: int | None = None
         self._retired = False
@@ -129,7 +131,7 @@ class Worker:
             self._proc = await asyncio.create_subprocess_exec(
                 self.python, "-m", "gpulayer.peer.worker", str(child.fileno()), "--preload", ",".join(self.preload),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(child.fileno(),),
-                env=env, start_new_session=True,
+                env=env, cwd=self.cwd, start_new_session=True,
             )
         except OSError:
             for fd in (out_r, err_r):
