@@ -26,7 +26,6 @@ from torch import Tensor
 
 from ..accelerators import CUDA
 from .accelerators import UnsupportedConfiguration
-from .callbacks import Callback
 from .module import Module
 
 TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -35,8 +34,7 @@ _TORCH_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's own 
 _COMPILE_KEYS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
 _LOG_METHODS = ("log", "log_dict")  # recorded inside the step, replayed after it
 # hooks that run inside a step: a CUDA graph replays the device work without running them again
-_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-               "optimizer_step", "optimizer_zero_grad", "backward", "manual_backward")
+_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
 
 @dataclass(frozen=True)
@@ -200,9 +198,7 @@ class CudaGraphStep:
     MAX_GRAPHS = 8
 
     def __init__(self, trainer, module: Module, step_fn: Callable, recorder: _LogRecorder):
-        overridden = [f"{type(obj).__name__}.{name}" for obj, base in ((module, Module), *(
-            (cb, Callback) for cb in trainer.callbacks)) for name in _STEP_HOOKS
-            if getattr(type(obj), name, None) is not getattr(base, name, None)]
+        overridden = [getattr(fn, "func", fn).__qualname__ for name in _STEP_HOOKS for fn in trainer._hooks.calls(name)]
         if overridden:
             raise UnsupportedConfiguration(
                 f"compile='cudagraphs' replays the step's device work without running Python: "
@@ -251,8 +247,10 @@ class CudaGraphStep:
         if loss is None:
             raise ValueError("training_step must return the loss tensor (or a dict with 'loss')")
         loss.backward()
-        if self.trainer.gradient_clip_val:
-            torch.nn.utils.clip_grad_norm_(self.trainer._clip_params, self.trainer.gradient_clip_val)
+        clip = self.trainer.gradient_clip_val
+        if clip:
+            by_value = self.trainer.gradient_clip_algorithm == "value"
+            (torch.nn.utils.clip_grad_value_ if by_value else torch.nn.utils.clip_grad_norm_)(self.trainer._clip_params, clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return output
