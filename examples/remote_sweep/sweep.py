@@ -58,9 +58,10 @@ def train_config(config: dict) -> dict:
     """Runs on a peer: train one config; "auto" is the device the peer gave this task."""
     glt.seed_everything(config["seed"])
     train, val = make_loaders(config["seed"])
-    trainer = glt.Trainer(max_epochs=config["epochs"], accelerator="auto", enable_progress_bar=False)
+    trainer = glt.Trainer(max_epochs=config["epochs"], accelerator="auto", enable_progress_bar=False,
+                          enable_model_summary=False, logger=False, enable_checkpointing=False)
     trainer.fit(MLP(config["hidden"], config["lr"]), train, val)
-    return {**config, "val_loss": trainer.callback_metrics["val_loss"], "epochs_run": trainer.current_epoch,
+    return {**config, "val_loss": float(trainer.callback_metrics["val_loss"]), "epochs_run": trainer.current_epoch,
             "device": str(trainer.device), "peer": os.environ.get("GPULAYER_PEER_NAME", "local")}
 
 
