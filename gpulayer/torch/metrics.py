@@ -83,10 +83,17 @@ def reduce_name(reduce_fx) -> str:
     return name
 
 
+def _is_metric(value) -> bool:
+    """A torchmetrics Metric (or anything with its update/compute/reset), without importing torchmetrics."""
+    return all(callable(getattr(value, name, None)) for name in ("update", "compute", "reset")) \
+        and not isinstance(value, Tensor)
+
+
 class _Series:
     """One metric name: how it was logged, its latest value, and its epoch reduction, kept on the device."""
 
-    __slots__ = ("on_step", "on_epoch", "reduce", "prog_bar", "logger", "last", "pending", "weights", "total", "count")
+    __slots__ = ("on_step", "on_epoch", "reduce", "prog_bar", "logger", "last", "pending", "weights", "total", "count",
+                 "metric")
 
     def __init__(self, on_step: bool, on_epoch: bool, reduce: str, prog_bar: bool, logger: bool):
         self.on_step, self.on_epoch, self.reduce, self.prog_bar, self.logger = on_step, on_epoch, reduce, prog_bar, logger
@@ -95,6 +102,13 @@ class _Series:
         self.weights: list[float] = []
         self.total: Tensor | float | None = None
         self.count = 0.0
+        self.metric = None  # a torchmetrics Metric logged on_epoch: computed (and reset) at the stage's end
+
+    def compute_metric(self, dtype: torch.dtype) -> None:
+        """The epoch value of a logged Metric object, as Lightning takes it: compute(), then reset()."""
+        if self.metric is not None and self.total is None:
+            self.total, self.count = self.metric.compute().detach().reshape(()).to(dtype), 1.0
+            self.metric.reset()
 
     def fold(self, dtype: torch.dtype) -> None:
         """Reduce the pending values into `total` with a few device kernels (no sync)."""
@@ -177,7 +191,13 @@ class MetricStore:
             if on_step and self.epoch_hook:
                 raise ValueError(f"log({name!r}, on_step=True) in an epoch-level hook; an epoch hook logs "
                                  f"on_epoch values only")
-            series = self.series[name] = _Series(on_step, on_epoch, reduce_name(reduce_fx), prog_bar, logger)
+            reduce = "metric" if _is_metric(value) else reduce_name(reduce_fx)
+            series = self.series[name] = _Series(on_step, on_epoch, reduce, prog_bar, logger)
+        if _is_metric(value):
+            self._log_metric(name, series, value)
+            return
+        if series.reduce == "metric":
+            raise TypeError(f"log({name!r}) was given a Metric object before; log the same kind of value each time")
         if isinstance(value, Tensor):
             if value.dim():
                 if value.numel() != 1:
@@ -187,12 +207,33 @@ class MetricStore:
         elif isinstance(value, (int, float)):
             value = float(value)
         else:
-            raise TypeError(f"log({name!r}) takes a tensor or a number; got {type(value).__name__}")
+            raise TypeError(f"log({name!r}) takes a tensor, a number or a torchmetrics Metric; got "
+                            f"{type(value).__name__}")
         series.last = value
         self.dirty = True
         if series.on_epoch:
             series.pending.append(value)
             series.weights.append(self.weight if batch_size is None else float(batch_size))
+
+    def _log_metric(self, name: str, series: _Series, metric) -> None:
+        """A torchmetrics Metric: its value of this batch (what calling it returned) on_step, its
+        compute() over the stage on_epoch, as in Lightning."""
+        if series.reduce != "metric":
+            raise TypeError(f"log({name!r}) was given tensors or numbers before, now a Metric object")
+        if series.on_step:
+            batch_value = getattr(metric, "_forward_cache", None)
+            if batch_value is None:
+                raise ValueError(f"log({name!r}, <Metric>, on_step=True) needs the metric called on this batch "
+                                 f"(metric(preds, target)), not only updated")
+            series.last = batch_value.detach().reshape(())
+        series.metric = metric
+        self.dirty = True
+
+    def reset_metrics(self) -> None:
+        """Drop what logged Metric objects accumulated (after the sanity check, as Lightning does)."""
+        for series in self.series.values():
+            if series.metric is not None:
+                series.metric.reset()
 
     def _fold(self) -> None:
         dtype = accumulation_dtype(self.device)
@@ -221,6 +262,9 @@ class MetricStore:
         value of each `on_step` metric: one transfer."""
         self._fold()
         self._check_reducible(all_reduce)
+        for series in self.series.values():
+            if series.on_epoch:
+                series.compute_metric(accumulation_dtype(self.device))
         self.dirty = False
         epoch = [(n, s) for n, s in self.series.items() if s.on_epoch]
         step = [(n, s) for n, s in self.series.items() if s.on_step]
@@ -231,6 +275,7 @@ class MetricStore:
         for (name, series), value in zip(step, values[2 * n:]):  # for callback_metrics, logged at log points
             out.add(f"{name}_step" if series.on_epoch else name, name, value / world_size, series, to_logger=False)
         for i, (name, series) in enumerate(epoch):
-            value = values[i] / values[n + i] if series.reduce == "mean" else values[i] / (values[n + i] / world_size)
+            mean = series.reduce in ("mean", "metric")  # a Metric is synced by torchmetrics: each rank holds it
+            value = values[i] / values[n + i] if mean else values[i] / (values[n + i] / world_size)
             out.add(f"{name}_epoch" if series.on_step else name, name, value, series)
         return out

@@ -47,14 +47,13 @@ class Module(HyperparametersMixin, ModelHooks, nn.Module):
             batch_size: int | None = None, metric_attribute: str | None = None, rank_zero_only: bool = False) -> None:
         """Record a scalar, as Lightning's `self.log`. It stays on the device; the Trainer reduces it
         (`reduce_fx`, batch-size weighted means) and copies it to the host only at its sync points.
+        `value` may be a torchmetrics Metric: its batch value on_step, compute() (then reset()) on_epoch.
         Defaults: on_step=True, on_epoch=False in training_step and the training batch hooks;
         on_step=False, on_epoch=True in validation, test and the epoch hooks. Under DDP every value
         is reduced across processes (`sync_dist` is accepted; glt always syncs, in its one packed
         all-reduce per sync point)."""
         if sync_dist_group is not None:
             raise ValueError("log(sync_dist_group=...) is not supported: values are reduced over all processes")
-        if metric_attribute is not None:
-            raise ValueError("log(metric_attribute=...) is not supported: log metric.compute() in an epoch hook")
         trainer = self._trainer
         if trainer is None:
             warnings.warn(f"self.log({name!r}) outside a glt.Trainer run records nothing", stacklevel=2)

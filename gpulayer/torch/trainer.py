@@ -778,6 +778,8 @@ class Trainer:
                 for fn in batch_end:
                     fn(output, batch, batch_idx, 0)
             hooks(f"on_{stage}_epoch_end")
+        if not publish:
+            store.reset_metrics()
         values = store.means(self._all_reduce, self.world_size) if publish else Published()
         self._store = None  # Lightning: no logging in on_validation_end
         if publish:

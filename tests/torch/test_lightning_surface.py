@@ -69,8 +69,7 @@ def test_log_errors_name_the_problem():
 
     for kwargs, error, match in [({"on_step": False, "on_epoch": False}, ValueError, "records nothing"),
                                  ({"reduce_fx": "median"}, ValueError, "reduce_fx='median'"),
-                                 ({"sync_dist_group": object()}, ValueError, "sync_dist_group"),
-                                 ({"metric_attribute": "acc"}, ValueError, "metric_attribute")]:
+                                 ({"sync_dist_group": object()}, ValueError, "sync_dist_group")]:
         with pytest.raises(error, match=match):
             trainer(max_steps=1).fit(Bad(**kwargs), loader(16))
 
@@ -376,3 +375,55 @@ def test_seed_everything_workers_seeds_python_and_numpy_in_workers():
     assert draws()[0] == first and init_fn is L.randomness.seed_worker
     L.seed_everything(3)
     assert draws()[1] is None
+
+
+def classifier_with_metrics(framework, torchmetrics):
+    class Classifier(framework.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+            self.train_acc = torchmetrics.classification.BinaryAccuracy()
+            self.val_acc = torchmetrics.classification.BinaryAccuracy()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            logits = self.layer(x)
+            self.train_acc(logits.argmax(1), y)  # called: its batch value is what on_step logs
+            self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+            return F.cross_entropy(logits, y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.val_acc.update(self.layer(x).argmax(1), y)
+            self.log("val_acc", self.val_acc)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Classifier
+
+
+def fit_with_metrics(framework, torchmetrics):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 2, generator=g)
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+    framework.seed_everything(0)
+    model = classifier_with_metrics(framework, torchmetrics)()
+    t = framework.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    t.fit(model, torch.utils.data.DataLoader(data, batch_size=16), torch.utils.data.DataLoader(data, batch_size=25))
+    return {k: float(v) for k, v in t.callback_metrics.items()}, model, data
+
+
+def test_torchmetrics_objects_are_logged_as_in_lightning():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    ours, model, data = fit_with_metrics(L, torchmetrics)
+    assert set(ours) == {"train_acc", "train_acc_step", "train_acc_epoch", "val_acc"}
+    with torch.no_grad():
+        assert ours["val_acc"] == pytest.approx((model.layer(data.tensors[0]).argmax(1) == data.tensors[1]).float()
+                                                .mean().item())  # compute() over the loop, reset each epoch
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        return
+    assert ours == pytest.approx(fit_with_metrics(pl, torchmetrics)[0], rel=1e-6)
