@@ -243,9 +243,11 @@ def run_glt(w: Workload, net, epochs, log_every, timer, device, compile) -> None
         def on_train_epoch_end(self, trainer, module):
             timer.stop()
 
+    # as Lightning's below: no logger, checkpoint or summary (their file writes are not the loop's cost)
     trainer = glt.Trainer(max_epochs=epochs, accelerator=device.type, precision=w.precision,
                           log_every_n_steps=log_every, enable_progress_bar=False, callbacks=[Timing()],
-                          compile=compile)
+                          compile=compile, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                          num_sanity_val_steps=0)
     trainer.fit(GltModel(w, net), w.batches)
 
 
