@@ -7,14 +7,15 @@ The API is loaded on first use, so that workers and `gpulayer.torch` import this
 without the discovery stack.
 """
 
-from .errors import (AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
-                     TaskRejected, TaskTimeout, WorkerDied)
+from .errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError,
+                     RemoteError, TaskRejected, TaskTimeout, WorkerDied)
 
 __version__ = "0.1.0"
-_API = ("run", "submit", "map", "remote", "peers", "device", "configure", "default_client", "RemoteFunction")
+_API = ("run", "submit", "map", "remote", "peers", "device", "actors", "configure", "default_client",
+        "RemoteFunction", "ActorClass")
 
-__all__ = [*_API, "AuthError", "ConfigError", "GPULayerError", "NoMatchingPeer", "PeerLost", "ProtocolError",
-           "RemoteError", "TaskRejected", "TaskTimeout", "WorkerDied"]
+__all__ = [*_API, "ActorDied", "AuthError", "ConfigError", "GPULayerError", "NoMatchingPeer", "PeerLost",
+           "ProtocolError", "RemoteError", "TaskRejected", "TaskTimeout", "WorkerDied"]
 
 
 def __getattr__(name: str):

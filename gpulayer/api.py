@@ -1,4 +1,4 @@
-"""The submitter's API: run, submit, map, remote, peers, device.
+"""The submitter's API: run, submit, map, remote, peers, device, actors.
 
 Every function uses one process-wide Client, made on first use from the environment
 (GPULAYER_KEY or the key file, GPULAYER_INTERFACES, GPULAYER_PEERS); `configure()` replaces it.
@@ -14,7 +14,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .actor_class import ActorClass
 from .client import Client, TaskFuture
+from .client.actors import lan_client, live_actors
 from .options import TaskOptions, split_call
 
 _client: Client | None = None
@@ -110,10 +112,22 @@ class RemoteFunction:
 
 
 def remote(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
-    """Decorator: `@gl.remote` or `@gl.remote(accelerator="mps", frameworks={"mlx": ">=0.10"})`."""
+    """Decorator: `@gl.remote` or `@gl.remote(accelerator="mps", frameworks={"mlx": ">=0.10"})`.
+
+    On a class it makes an actor class (`gpulayer.actor_class`: also `max_concurrency=` and `restarts=`).
+    """
     if fn is None:
-        return lambda f: RemoteFunction(f, options)
-    return RemoteFunction(fn, options)
+        return lambda f: _remote(f, options)
+    return _remote(fn, options)
+
+
+def _remote(obj: Any, options: dict[str, Any]) -> RemoteFunction | ActorClass:
+    return ActorClass(obj, options) if isinstance(obj, type) else RemoteFunction(obj, options)
+
+
+def actors() -> list[dict[str, Any]]:
+    """This submitter's live actors (actor id, class, peer, address, slot, calls served, calls pending)."""
+    return live_actors(lan_client())
 
 
 def peers(wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]:

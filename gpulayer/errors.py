@@ -66,6 +66,12 @@ class WorkerDied(GPULayerError):
     """The worker process running the task died (a crash, a kill, out of memory)."""
 
 
+class ActorDied(GPULayerError):
+    """The actor is gone (closed, its worker died, its peer was lost or its submitter went away);
+    the message says why. Every call in flight and every later call raises it, unless the actor
+    was created with `restarts=N` (then a later call re-creates it)."""
+
+
 class RemoteError(GPULayerError):
     """A remote exception that could not be rebuilt here; carries its type name and traceback."""
 

@@ -34,8 +34,9 @@ HELLO, AUTH, AUTH_OK = "hello", "auth", "auth_ok"
 SUBMIT, ACCEPT, REJECT = "submit", "accept", "reject"
 LOG, RESULT, ERROR, CANCEL = "log", "result", "error", "cancel"
 PING, PONG, STATUS, BYE = "ping", "pong", "status", "bye"
+ACTOR, CALL, CLOSE, ACTOR_END = "actor", "call", "close", "actor_end"  # actors (docs/actors.md)
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
-                           CANCEL, PING, PONG, STATUS, BYE})
+                           CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) rides on the peer's replies.
@@ -135,6 +136,55 @@ def check_env(env: Any) -> dict[str, str]:
             raise ValueError(f"env[{name!r}]: the peer sets {name} for the task's slot (device isolation); "
                              "a task may not change it (CUDA_VISIBLE_DEVICES='' to hide every GPU is allowed)")
     return dict(env)
+
+
+MAX_CONCURRENCY = 64  # the most calls one actor may run at once (threads in its worker)
+ACTOR_ID_HEX = 32  # an actor id: 16 random bytes in hex, unguessable
+
+
+def actor(task_id: int, cls: bytes, args: bytes, req: dict[str, Any], timeout: float | None, name: str,
+          concurrency: int, env: Mapping[str, str] | None = None) -> Message:
+    """Create an actor: like SUBMIT, with the pickled class in "cls" and its max_concurrency in "conc"."""
+    msg: Message = {"t": ACTOR, "id": task_id, "cls": cls, "args": args, "req": req, "timeout": timeout,
+                    "name": name, "conc": concurrency}
+    if env:
+        msg["env"] = dict(env)
+    return msg
+
+
+def call(call_id: int, actor_id: str, method: str, args: bytes, timeout: float | None) -> Message:
+    """Call a method of a live actor; answered like a task (LOG, RESULT, ERROR), matched by "id"."""
+    return {"t": CALL, "id": call_id, "actor": actor_id, "method": method, "args": args, "timeout": timeout}
+
+
+def close(request_id: int, actor_id: str) -> Message:
+    return {"t": CLOSE, "id": request_id, "actor": actor_id}
+
+
+def actor_end(actor_id: str, code: str, reason: str, served: int, request_id: int | None = None) -> Message:
+    """The peer's word that an actor ended: code "closed" or "died", with the calls it answered."""
+    return {"t": ACTOR_END, "id": request_id, "actor": actor_id, "code": code, "message": reason, "served": served}
+
+
+def check_actor_id(value: Any) -> str | None:
+    """Why `value` is not an actor id (ACTOR_ID_HEX lowercase hex digits), or None."""
+    if not isinstance(value, str) or len(value) != ACTOR_ID_HEX or value.strip("0123456789abcdef"):
+        return f"an actor id is {ACTOR_ID_HEX} lowercase hex digits, not {printable(repr(value), 60)}"
+    return None
+
+
+def check_method(value: Any) -> str | None:
+    """Why `value` may not be called as an actor's method (an identifier, not a dunder), or None."""
+    if not isinstance(value, str) or not value.isidentifier() or value.startswith("__"):
+        return f"an actor method is an identifier not starting with '__', not {printable(repr(value), 60)}"
+    return None
+
+
+def check_concurrency(value: Any) -> int:
+    """max_concurrency: an integer from 1 to MAX_CONCURRENCY; ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONCURRENCY:
+        raise ValueError(f"max_concurrency must be an integer from 1 to {MAX_CONCURRENCY}, not {value!r}")
+    return value
 
 
 def reject(task_id: int | None, code: str, message: str, load: list[int]) -> RejectMessage:

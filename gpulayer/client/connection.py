@@ -37,6 +37,9 @@ class ConnectionListener(Protocol):
     def on_outcome(self, conn: PeerConnection, task: Any, msg: dict[str, Any], buffers: list[Any]) -> None:
         """A task's RESULT, REJECT or ERROR arrived (once per task)."""
 
+    def on_actor_end(self, conn: PeerConnection, msg: dict[str, Any]) -> None:
+        """The peer said that an actor ended (ACTOR_END)."""
+
     def on_leaving(self, conn: PeerConnection) -> None:
         """The peer said BYE: it is shutting down."""
 
@@ -49,6 +52,7 @@ class PeerConnection:
 
     def __init__(self, listener: ConnectionListener, addresses: list[tuple[str, int]], key: bytes, client_id: str):
         self.listener = listener
+        self.addresses = addresses  # where it was opened (an actor's handle passes them on)
         self.pending: dict[int, Any] = {}
         self.closed = False
         self.silent = False  # lost because it stopped answering (not reset or closed)
@@ -171,6 +175,8 @@ class PeerConnection:
         if kind == wire.BYE:
             self.listener.on_leaving(self)
             return
+        if kind == wire.ACTOR_END:
+            self.listener.on_actor_end(self, msg)
         if kind == wire.ERROR and msg.get("id") is None:  # the peer is about to close this connection
             self.refusal = f"{msg.get('code')}: {msg.get('message')}"
             return

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import discovery, remote_exceptions, serialization, wire
-from ..errors import (AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
+from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match
 from ..options import check_retries, check_timeout
@@ -104,6 +104,10 @@ class SubmittedTask:
                            self.env), \
             self.buffers or []
 
+    def result_from(self, msg: dict[str, Any], buffers: list[Any]) -> Any:
+        """The result that a RESULT carries: the task's return value."""
+        return serialization.loads(msg["data"], buffers)
+
     def complete(self, result: Any = None, exc: BaseException | None = None) -> None:
         """Resolve the future exactly once; later outcomes are dropped."""
         with self._lock:
@@ -166,6 +170,7 @@ class Client:
         self._browser: discovery.Browser | None = None
         self._mdns = mdns
         self._helpers = ThreadPoolExecutor(16, thread_name_prefix="gpulayer-retry")
+        self.actors: dict[str, Any] = {}  # the live actors this submitter created: id -> ActorHandle
         self._closed = threading.Event()
         self._started = False
 
@@ -284,6 +289,8 @@ class Client:
                 break
         raise NoMatchingPeer(task.req, {**self.placement.reasons(task.req, task.excluded), **failures})
 
+    place = _place  # for actors (client/actors.py), placed like tasks
+
     def _usable_connection(self, req: Requirements, record: discovery.PeerRecord,
                            failures: dict[str, list[str]]) -> PeerConnection | None:
         """The connection to a candidate if it is up and its verified advert still fits; else note why not."""
@@ -332,6 +339,25 @@ class Client:
                 self.directory.remove(peer_id)
             return conn
 
+    def pooled(self, peer_id: str) -> PeerConnection | None:
+        """The open connection to a peer, if there is one."""
+        conn = self._connections.get(peer_id)
+        return None if conn is None or conn.closed else conn
+
+    def connection_to(self, peer_id: str, addresses: list[tuple[str, int]]) -> PeerConnection:
+        """The connection to one known peer (an actor's), opened at `addresses` when there is none.
+
+        Raises ConnectionError when another peer answers there (the actor's peer is gone).
+        """
+        conn = self.pooled(peer_id)
+        if conn is not None:
+            return conn
+        self.start()  # the heartbeat keeps the connection alive while calls run
+        conn = self._open(addresses, "mdns")
+        if conn.peer_id != peer_id:
+            raise ConnectionError(f"peer {conn.name} ({conn.peer_id}) answers at {conn.address} now")
+        return conn
+
     def _open(self, addresses: list[tuple[str, int]], source: str) -> PeerConnection:
         """Connect and authenticate; the peer's HELLO refreshes (or creates) its directory record."""
         conn = PeerConnection(self, addresses, self.key, self.client_id)
@@ -357,9 +383,11 @@ class Client:
 
     def on_outcome(self, conn: PeerConnection, task: SubmittedTask, msg: dict[str, Any], buffers: list[Any]) -> None:
         kind = msg["t"]
-        if kind == wire.RESULT:
+        if kind == wire.ACTOR_END:  # the answer to a CLOSE
+            task.complete(msg.get("served"))
+        elif kind == wire.RESULT:
             try:
-                result = serialization.loads(msg["data"], buffers)
+                result = task.result_from(msg, buffers)
             except Exception as exc:
                 task.complete(exc=RemoteError(type(exc).__name__, f"the result could not be unpickled here: {exc}", ""))
             else:
@@ -368,6 +396,11 @@ class Client:
             self._on_reject(task, conn, msg.get("code", "?"), msg.get("message", ""))
         else:
             self._on_error(task, msg)
+
+    def on_actor_end(self, conn: PeerConnection, msg: dict[str, Any]) -> None:
+        handle = self.actors.get(msg.get("actor"))  # type: ignore[arg-type]
+        if handle is not None:
+            handle.died(wire.printable(msg.get("message")))
 
     def on_leaving(self, conn: PeerConnection) -> None:
         self._forget(conn.peer_id, "the peer is shutting down")
@@ -433,6 +466,8 @@ class Client:
             task.complete(exc=CancelledError(message))
         elif code == "exception":
             task.complete(exc=remote_exceptions.rebuild(msg))
+        elif code in ("actor-died", "no-actor"):
+            task.complete(exc=ActorDied(wire.printable(message, 500)))
         else:
             task.complete(exc=TaskRejected(code, message))
 
@@ -491,6 +526,8 @@ class Client:
         if self._closed.is_set():
             return
         self._closed.set()
+        for handle in list(self.actors.values()):
+            handle.close_soon()  # the peers free their slots now, not after the grace time
         if self._started:
             self.directory.save_cache()
         for conn in list(self._connections.values()):

@@ -23,6 +23,7 @@ from .. import accelerators, wire
 from ..errors import WorkerDied
 from ..matching import Requirements
 from ..resources.model import Resources
+from .actors import Actor, Actors, CallOwner, grace_from_env, new_actor_id
 from .workers import Slot, Worker, describe_exit, job_pythonpath, read_at_load
 
 log = logging.getLogger("gpulayer.peer")
@@ -55,6 +56,8 @@ class ScheduledTask:
     slot: Slot | None = None  # where its worker runs
     group: list[Slot] = field(default_factory=list)  # every slot it holds (devices=N holds N)
     one_off: bool = False  # it runs in a worker of its own, which a warm one replaces after it
+    actor_class: str | None = None  # the class name of the actor it creates (an ACTOR message)
+    actor: Actor | None = None  # that actor once its constructor returned: it holds the slot from then on
     timer: asyncio.TimerHandle | None = None
     answered: bool = False
 
@@ -107,6 +110,7 @@ class Scheduler:
         self.tasks_done = 0
         self.stopping = False
         self._queue: deque[ScheduledTask] = deque()
+        self.actors = Actors(self._free_actor_slot, grace_from_env())
         self._background: set[asyncio.Task[Any]] = set()
         self._pythonpath = job_pythonpath(python)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -144,6 +148,16 @@ class Scheduler:
     @property
     def busy(self) -> int:
         return sum(s.task is not None for s in self.slots)
+
+    @property
+    def held_by_actors(self) -> int:
+        return sum(_actor_of(s) is not None for s in self.slots)
+
+    def actors_hold_all(self, req: Requirements) -> bool:
+        """Whether actors hold so many of the slots that fit `req` that it could never start here."""
+        free = {s.device for s in self.slots
+                if _fits(req, s) and _actor_of(s) is None}
+        return len(free) < req.devices
 
     @property
     def queued(self) -> int:
@@ -205,11 +219,16 @@ class Scheduler:
             slot.task = task
         task.slot, task.group = lead, group
         assert task.msg is not None
-        msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
+        if task.actor_class is None:
+            msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
+        else:
+            msg = {"t": wire.ACTOR, "id": task.client_id, "cls": task.msg["cls"], "args": task.msg["args"],
+                   "conc": task.msg["conc"]}
         buffers, task.msg, task.buffers = task.buffers or [], None, None
         env = {**task.env, **_device_env(task.req, lead)}
         fresh = any(read_at_load(name) for name in task.env)
-        if len(group) == 1 and not fresh:  # the warm worker sets env for this task and restores it after
+        if len(group) == 1 and not fresh and task.actor_class is None:
+            # the warm worker sets env for this task and restores it after
             if env:
                 msg["env"] = env
             self._worker(lead).send(msg, buffers)
@@ -217,7 +236,7 @@ class Scheduler:
             return
         # A worker of its own, started with env, in place of the lead's warm one (which is stopped, so
         # that the task has the device and its memory to itself): for several devices it sees all of
-        # them; for a variable read at load it imports nothing before the task.
+        # them; for a variable read at load it imports nothing before the task; an actor keeps it.
         if len(group) > 1:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)
         task.one_off = True
@@ -289,7 +308,12 @@ class Scheduler:
         task = slot.task
         if not isinstance(task, ScheduledTask) or slot.worker is not worker:
             return
-        if task.one_off:
+        if task.actor is not None:
+            self.actors.reply(task.actor, reply, buffers)
+            return
+        if task.actor_class is not None and reply["t"] == wire.RESULT:  # its constructor returned: it lives
+            self._go_live(task, worker, reply)
+        elif task.one_off:
             self._replace_worker(slot)  # back to a warm worker, of the slot's own device and environment
         else:
             self._release(task)
@@ -302,6 +326,10 @@ class Scheduler:
             return
         task = slot.task
         log.warning("worker %s of slot %d died (%s)", worker.pid, slot.index, describe_exit(code))
+        if isinstance(task, ScheduledTask) and task.actor is not None:
+            self.actors.end(task.actor, "died", f"its worker process {worker.pid} died "
+                                                          f"({describe_exit(code)})")
+            return
         self._replace_worker(slot)
         if isinstance(task, ScheduledTask):
             self._answer(task, wire.error("worker-died", f"the worker process {worker.pid} died while running "
@@ -309,10 +337,31 @@ class Scheduler:
 
     def _on_output(self, worker: Worker, stream: str, data: bytes) -> None:
         task = worker.slot.task if worker.slot.worker is worker else None
+        if isinstance(task, ScheduledTask) and task.actor is not None and \
+                self.actors.output(task.actor, stream, data):
+            return
         if not isinstance(task, ScheduledTask) or task.answered:
             log.info("worker %s %s: %s", worker.pid, stream, data.decode("utf-8", "replace").rstrip())
             return
         task.owner.task_output(task, wire.log(task.client_id, stream, data))
+
+    def _go_live(self, task: ScheduledTask, worker: Worker, reply: wire.Message) -> None:
+        """The actor's constructor returned: its slot stays held, and the answer carries the actor's id."""
+        if task.timer is not None:
+            task.timer.cancel()
+            task.timer = None
+        assert task.actor_class is not None
+        owner: CallOwner = task.owner  # type: ignore[assignment]  # a connection is both
+        task.actor = Actor(new_actor_id(), task.actor_class, owner.client, owner, worker.slot, worker)
+        self.actors.add(task.actor)
+        reply["actor"], reply["slot"] = task.actor.actor_id, worker.slot.index
+
+    def _free_actor_slot(self, slot: Slot, worker: Worker) -> None:
+        """An actor ended: kill its worker (unless it is gone already) and give the slot a warm one."""
+        if slot.worker is worker:
+            self._replace_worker(slot)
+        else:
+            self._start_queued()
 
     def _replace_worker(self, slot: Slot) -> None:
         """Free the slot (and the others its task holds), kill its worker and start a fresh one."""
@@ -367,3 +416,7 @@ def _group(req: Requirements, ready: list[Slot]) -> list[Slot] | None:
                 return list(chosen.values())
     return None
 
+
+def _actor_of(slot: Slot) -> Actor | None:
+    """The live actor that holds `slot`, if any."""
+    return slot.task.actor if isinstance(slot.task, ScheduledTask) else None

@@ -24,6 +24,7 @@ from ..errors import ProtocolError
 from ..matching import Requirements, match
 from ..options import check_timeout
 from ..resources.model import Advert, Resources
+from .actors import Actor
 from .channel import AsyncChannel
 from .scheduler import ScheduledTask, Scheduler, default_preload, plan_slots
 
@@ -62,6 +63,7 @@ class Connection:
         self.client = "?"
         self.authenticated = False
         self.tasks: dict[int, ScheduledTask] = {}
+        self.calls: dict[int, tuple[Actor, int]] = {}  # its actor calls in flight (peer/actors.py)
         self.last_pong = 0.0
         self.hello = wire.hello(security.new_nonce(), peer.peer_id, peer.advert.cluster, peer.advert.to_txt())
         self.channel = AsyncChannel(sock, wire.PRE_AUTH_MAX_FRAME, self.on_message, self.on_closed)
@@ -91,6 +93,9 @@ class Connection:
 
     def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
         self.channel.write(msg)
+
+    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+        self.channel.write(msg, buffers)
 
 
 class Peer:
@@ -176,6 +181,7 @@ class Peer:
     def cancel_all(self, message: str) -> None:
         """Answer every task with a peer-shutdown error and stop it."""
         self._forced = True
+        self.scheduler.actors.end_all(message)
         for conn in list(self._connections):
             for task in list(conn.tasks.values()):
                 self.scheduler.cancel(task, "peer-shutdown", message)
@@ -188,14 +194,15 @@ class Peer:
 
     @property
     def load_total(self) -> int:
-        return self.scheduler.busy + self.scheduler.queued
+        """Tasks running or queued (actors are not waited for: they end when the peer stops)."""
+        return self.scheduler.busy - self.scheduler.held_by_actors + self.scheduler.queued
 
     def load(self) -> list[int]:
         return self.scheduler.load()
 
     def status(self) -> dict[str, Any]:
         return {"t": wire.STATUS, "advert": self.advert.to_txt(), "load": self.load(), "slots": len(self.slots),
-                "done": self.tasks_done, "draining": self._draining,
+                "done": self.tasks_done, "draining": self._draining, "actors": self.scheduler.actors.rows(),
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots]}
 
@@ -279,6 +286,7 @@ class Peer:
         self._connections.add(conn)
         conn.channel.write(reply)  # the last frame in clear: every later byte both ways is sealed
         conn.channel.secure(*keys)
+        self.scheduler.actors.connected(conn)
 
     def refuse(self, conn: Connection, code: str, message: str) -> None:
         """Tell the other side why, then close (in the background)."""
@@ -301,18 +309,26 @@ class Peer:
             for task in list(conn.tasks.values()):
                 self.scheduler.cancel(task, "cancelled", "the submitter disconnected", notify=False)
             conn.tasks.clear()
+            last = not any(other.client == conn.client for other in self._connections)
+            self.scheduler.actors.disconnected(conn, last)
 
     def handle(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
         """Route one message of an authenticated submitter."""
         kind = msg["t"]
-        if kind == wire.SUBMIT:
+        if kind in (wire.SUBMIT, wire.ACTOR):
             self._admit(conn, msg, buffers)
+        elif kind == wire.CALL:
+            self.scheduler.actors.call(conn, msg, buffers)
+        elif kind == wire.CLOSE:
+            self.scheduler.actors.close(conn, msg)
         elif kind == wire.PING:
             conn.channel.write({"t": wire.PONG, "id": msg.get("id"), "load": self.load()})
         elif kind == wire.CANCEL:
             task = conn.tasks.get(msg.get("id"))  # type: ignore[arg-type]
             if task is not None:
                 self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
+            elif msg.get("id") in conn.calls:
+                self.scheduler.actors.cancel(conn, msg["id"])
         elif kind == wire.STATUS:
             conn.channel.write({**self.status(), "id": msg.get("id")})
         elif kind == wire.BYE:
@@ -322,9 +338,9 @@ class Peer:
             self.refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
 
     def _admit(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
-        """Check a SUBMIT and queue it, or REJECT it with the reason."""
+        """Check a SUBMIT (or an ACTOR, which creates an actor) and queue it, or REJECT it with the reason."""
         task_id = msg.get("id")
-        problem = _check_submit(msg)
+        problem = _check_submit(msg) if msg["t"] == wire.SUBMIT else _check_actor(msg)
         if problem is None and task_id in conn.tasks:
             problem = f"task id {task_id} is already in use on this connection"
         if problem is not None:
@@ -341,7 +357,10 @@ class Peer:
             return self._reject(conn, task_id, "no-match", "; ".join(reasons))
         if self.scheduler.queued >= self.config.max_queue:
             return self._reject(conn, task_id, "busy", f"the queue is full ({self.config.max_queue} tasks)")
-        task = ScheduledTask(conn, task_id, msg, buffers, req, msg.get("timeout"))
+        if self.scheduler.actors_hold_all(req):
+            return self._reject(conn, task_id, "busy", "actors hold the slots that fit")
+        task = ScheduledTask(conn, task_id, msg, buffers, req, msg.get("timeout"),
+                             actor_class=wire.printable(msg["name"]) if msg["t"] == wire.ACTOR else None)
         conn.tasks[task_id] = task
         if not self.scheduler.enqueue(task) and not task.answered:
             # it waits: say so (a task that started at once needs no ACCEPT)
@@ -360,6 +379,21 @@ def _check_submit(msg: wire.Message) -> str | None:
         check_timeout(msg.get("timeout"))
     except ValueError:
         return f"bad timeout {msg.get('timeout')!r}: a positive, finite number of seconds or nil"
+    return None
+
+
+def _check_actor(msg: wire.Message) -> str | None:
+    if not isinstance(msg.get("id"), int):
+        return "an ACTOR needs an integer 'id'"
+    if not isinstance(msg.get("cls"), bytes) or not isinstance(msg.get("args"), bytes):
+        return "an ACTOR needs 'cls' and 'args' as binary pickles"
+    if not isinstance(msg.get("name"), str):
+        return "an ACTOR needs its class's 'name'"
+    try:
+        wire.check_concurrency(msg.get("conc"))
+        check_timeout(msg.get("timeout"))
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

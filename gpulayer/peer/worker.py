@@ -14,7 +14,9 @@ import importlib
 import os
 import socket
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from .. import remote_exceptions, serialization, wire
 from . import spawning
@@ -43,20 +45,91 @@ class FunctionCache:
 
 def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, list]:
     """Run one SUBMIT; return the RESULT or ERROR message and its buffers."""
-    task_id = msg.get("id")
+    return _run(msg.get("id"), lambda: functions.load(msg["fn"]), msg["args"], buffers)
+
+
+def _invoke(task_id, target, args: bytes, buffers: list) -> tuple[object, dict | None]:
+    """target()(*args, **kwargs) from the pickled (args, kwargs): (its result, None), or (None, ERROR)."""
     try:
-        fn = functions.load(msg["fn"])
-        args, kwargs = serialization.loads(msg["args"], buffers)
+        fn = target()
+        args, kwargs = serialization.loads(args, buffers)
         result = fn(*args, **kwargs)
     except BaseException as exc:  # the task's failure, SystemExit included, goes back to the submitter
         _flush()
-        return _error(task_id, exc, skip_frames=1), []
+        return None, _error(task_id, exc, skip_frames=1)
     _flush()
+    return result, None
+
+
+def _run(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
+    """As `_invoke`, with the result pickled: the RESULT or ERROR message and its buffers."""
+    result, failed = _invoke(task_id, target, args, buffers)
+    if failed is not None:
+        return failed, []
     try:
         data, out = serialization.dumps(result)
     except Exception as exc:
         return _error(task_id, exc, note=f"the result ({type(result).__name__}) could not be pickled"), []
     return {"t": wire.RESULT, "id": task_id, "data": data}, out
+
+
+class Actor:
+    """This worker as an actor: one instance, whose method calls start in the order they arrive,
+    `conc` at a time (threads); a call cancelled before it started never runs."""
+
+    def __init__(self, conn: wire.BlockingConnection, instance: object, conc: int):
+        self.conn = conn
+        self.instance = instance
+        self.cancelled: set = set()
+        self._send_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(conc, thread_name_prefix="gpulayer-actor")
+
+    def serve(self) -> None:
+        """Run calls until BYE or the peer's end of the connection."""
+        while True:
+            try:
+                msg, buffers = self.conn.recv()
+            except (ConnectionError, OSError):
+                return
+            if msg["t"] == wire.CALL:
+                self._pool.submit(self._call, msg, buffers)
+            elif msg["t"] == wire.CANCEL:
+                self.cancelled.add(msg.get("id"))
+            elif msg["t"] == wire.BYE:
+                return
+
+    def _call(self, msg: dict, buffers: list) -> None:
+        if msg.get("id") in self.cancelled:
+            self.cancelled.discard(msg.get("id"))
+            return
+        reply, out = _run(msg.get("id"), lambda: self._method(msg.get("method")), msg.get("args"), buffers)
+        del msg, buffers
+        with self._send_lock:
+            self.conn.send(reply, out)
+
+    def _method(self, name: str):
+        method = getattr(self.instance, name)
+        if not callable(method):
+            raise TypeError(f"{type(self.instance).__qualname__}.{name} is a {type(method).__name__}, not a method")
+        return method
+
+
+def become_actor(conn: wire.BlockingConnection, msg: dict, buffers: list) -> None:
+    """Build the actor's instance from an ACTOR message and serve its calls; this worker runs no task
+    after it (the peer starts a fresh one for the slot when the actor ends)."""
+    def construct():
+        cls = serialization.loads(msg["cls"])
+        return getattr(cls, "__gpulayer_class__", cls)  # an @gl.remote class pickled by reference
+
+    instance, failed = _invoke(msg.get("id"), construct, msg["args"], buffers)
+    del buffers
+    if failed is not None:
+        conn.send(failed)
+    else:
+        conn.send({"t": wire.RESULT, "id": msg.get("id"), "data": serialization.dumps(None)[0]})
+        Actor(conn, instance, msg.get("conc", 1)).serve()
+    _flush()
+    os._exit(0)  # without waiting for calls still running in threads: the peer ends this process anyway
 
 
 @contextlib.contextmanager
@@ -173,6 +246,8 @@ def main(argv=None) -> None:
             return
         if msg["t"] == wire.BYE:
             return
+        if msg["t"] == wire.ACTOR:  # its environment was set when the peer started this worker for it
+            become_actor(conn, msg, buffers)
         with task_environment(msg.get("env")):
             reply, out = run_task(msg, buffers, functions)
         del msg, buffers
