@@ -119,6 +119,17 @@ class _LogRecorder:
             for name in self._methods:
                 self.module.__dict__.pop(name, None)
 
+    def logged_modules(self) -> list[str]:
+        """The names under which the recorded calls log an nn.Module (a torchmetrics Metric)."""
+        out = []
+        for method, args, kwargs in self.calls:
+            if method == "log":
+                values = {args[0] if args else kwargs.get("name"): args[1] if len(args) > 1 else kwargs.get("value")}
+            else:
+                values = args[0] if args else kwargs.get("dictionary", {})
+            out += [str(name) for name, value in values.items() if isinstance(value, torch.nn.Module)]
+        return out
+
     def replay(self, calls: list[tuple[str, tuple, dict]]) -> None:
         """Hand the recorded calls to the module's real log methods; a CUDA graph's outputs are
         overwritten by its next replay, so those values are cloned first (no sync)."""
@@ -262,6 +273,11 @@ class CudaGraphStep:
             warnings.filterwarnings("ignore", message=".*capturable=True.*")  # eager warm-up of a capturable optimizer
             output = self._body(batch, batch_idx)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        metrics = self.recorder.logged_modules()
+        if metrics:  # torchmetrics reassign their state tensors: a replay would not accumulate
+            raise UnsupportedConfiguration(
+                f"compile='cudagraphs' cannot replay the update of a logged metric object ({', '.join(metrics)}): "
+                f"log a tensor (e.g. metric(preds, target)'s result), or use compile=True or compile=False")
         self.recorder.replay(self.recorder.calls)
         return output
 

@@ -167,3 +167,20 @@ def test_cudagraphs_name_a_host_sync_in_the_step():
     with pytest.raises(RuntimeError, match="(?s)could not capture the training step.*without host syncs"):
         glt.Trainer(accelerator="cuda", enable_progress_bar=False, compile="cudagraphs",
                     max_epochs=1).fit(Syncs(), loader())
+
+
+@cuda
+def test_cudagraphs_refuse_a_logged_metric_object():
+    class LogsAModule(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.stand_in = nn.Identity()  # what a torchmetrics Metric is to the recorder: an nn.Module
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log_dict({"acc": self.stand_in})
+            return loss
+
+    with pytest.raises(glt.UnsupportedConfiguration, match="cannot replay the update of a logged metric object"):
+        glt.Trainer(accelerator="cuda", enable_progress_bar=False, compile="cudagraphs",
+                    max_epochs=1).fit(LogsAModule(), loader())
