@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset, random_split
 
 import gpulayer.torch as L
 from gpulayer.torch import Callback
-from gpulayer.torch.callbacks import EarlyStopping, ModelCheckpoint
+from gpulayer.torch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from gpulayer.torch.loggers import CSVLogger
 
 
@@ -127,7 +127,8 @@ def main(root: str, max_epochs: int = 4, accelerator: str = "cpu") -> dict:
     trainer = L.Trainer(max_epochs=max_epochs, accelerator=accelerator, devices=1, default_root_dir=root,
                         logger=[CSVLogger(save_dir=root, name="csv")], log_every_n_steps=5,
                         callbacks=[printing, EarlyStopping(monitor="val_loss", mode="min", patience=3, verbose=True),
-                                   checkpoint], enable_progress_bar=False)
+                                   checkpoint, LearningRateMonitor(logging_interval="epoch")],
+                        enable_progress_bar=False)
     trainer.fit(model, datamodule=dm)
     fit = {k: float(v) for k, v in trainer.callback_metrics.items()}
     test = trainer.test(model, datamodule=dm, verbose=False)

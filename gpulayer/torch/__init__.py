@@ -10,7 +10,7 @@ Lightning's names are here too (`L.LightningModule`, `L.LightningDataModule`, `L
 swapped. See docs/trainer.md for what is supported and what warns.
 """
 from .accelerators import AcceleratorUnavailable, UnsupportedConfiguration, available_accelerators
-from .callbacks import Callback, EarlyStopping, ModelCheckpoint
+from .callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from .datamodule import LightningDataModule
 from .hparams import AttributeDict
 from .loggers import CSVLogger, Logger, TensorBoardLogger
@@ -21,6 +21,6 @@ from .trainer import Trainer
 
 __all__ = [
     "AcceleratorUnavailable", "AttributeDict", "CSVLogger", "Callback", "EarlyStopping", "LightningDataModule",
-    "LightningModule", "Logger", "ModelCheckpoint", "Module", "TensorBoardLogger", "Trainer",
+    "LearningRateMonitor", "LightningModule", "Logger", "ModelCheckpoint", "Module", "TensorBoardLogger", "Trainer",
     "UnsupportedConfiguration", "available_accelerators", "host_transfer_count", "seed_everything",
 ]

@@ -6,6 +6,8 @@ import os
 import re
 import warnings
 
+import torch
+
 
 class Callback:
     """Override the hooks you need; each receives the Trainer and the Module first, as in Lightning.
@@ -277,3 +279,49 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state: dict) -> None:
         self.wait_count, self.best_score, self.stopped_epoch = state["wait_count"], state["best_score"], \
             state["stopped_epoch"]
+
+
+class LearningRateMonitor(Callback):
+    """Log each optimizer's learning rate, as Lightning's: `lr-<Optimizer>` (`.../pg<i>` with several param
+    groups; the scheduler's `name` when it has one), with `-momentum` and `-weight_decay` on request.
+    `logging_interval="step"` logs at every log point, `"epoch"` at each epoch start, None at the
+    scheduler's interval (an optimizer without a scheduler: both). The values are host floats: no sync."""
+
+    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
+                 log_weight_decay: bool = False):
+        if logging_interval not in (None, "step", "epoch"):
+            raise ValueError(f"logging_interval={logging_interval!r}; use None, 'step' or 'epoch'")
+        self.logging_interval, self.log_momentum, self.log_weight_decay = logging_interval, log_momentum, \
+            log_weight_decay
+
+    def on_train_start(self, trainer, pl_module):
+        if not trainer.loggers:
+            raise ValueError("LearningRateMonitor needs a logger: the Trainer has logger=False")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.logging_interval != "epoch" and (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
+            self._log(trainer, "step" if self.logging_interval is None else None)
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if self.logging_interval != "step":
+            self._log(trainer, "epoch" if self.logging_interval is None else None)
+
+    def _log(self, trainer, interval: str | None) -> None:
+        """The stats of the optimizer whose scheduler steps at `interval` (None: any), or that has none."""
+        config, optimizer = trainer.lr_scheduler, trainer.optimizer
+        if config is not None and interval not in (None, config.interval):
+            return
+        base = (config.name if config is not None and config.name else None) or f"lr-{type(optimizer).__name__}"
+        groups = optimizer.param_groups
+        stats: dict[str, float] = {}
+        for i, group in enumerate(groups):
+            name = base if len(groups) == 1 else f"{base}/pg{i + 1}"
+            stats[name] = float(group["lr"])
+            if self.log_momentum:
+                stats[f"{name}-momentum"] = float(group["betas"][0] if "betas" in group else group.get("momentum", 0))
+            if self.log_weight_decay:
+                stats[f"{name}-weight_decay"] = float(group.get("weight_decay", 0))
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in stats.items()})
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(stats, trainer.global_step)

@@ -32,12 +32,13 @@ def test_autoencoder_quick_start(tmp_path, capsys):
 def test_datamodule_classifier_with_callbacks_loggers_and_predict(tmp_path, capsys):
     out = load("classifier.py", "glt").main(str(tmp_path), max_epochs=4)
     assert out["fit"]["val_acc"] > 0.3 and out["test"]["test_acc"] > 0.3  # 10 classes: chance is 0.1
-    assert set(out["fit"]) == {"train_loss", "train_loss_step", "train_loss_epoch", "val_loss", "val_acc"}
+    assert set(out["fit"]) == {"train_loss", "train_loss_step", "train_loss_epoch", "val_loss", "val_acc", "lr-Adam"}
     assert out["fit"]["train_loss"] == out["fit"]["train_loss_epoch"]
     assert set(out["test"]) == {"test_acc", "test_worst_batch_loss"}
     assert out["predicted"] == 256 and out["epochs_seen"] == [0, 1, 2, 3]
     assert out["best_checkpoint"].startswith("csv/version_0/checkpoints/epoch=") and out["best_hidden_dim"] == 64
     assert out["lr"] == pytest.approx(2e-3 * 0.7 ** 2)  # StepLR every 2nd epoch (frequency=2)
+    assert out["fit"]["lr-Adam"] == pytest.approx(2e-3 * 0.7)  # LearningRateMonitor, at the last epoch start
     assert out["global_step"] == 80 and out["log_dir"] == "csv/version_0"
     printed = capsys.readouterr().out
     assert "Training is starting" in printed and "Metric val_loss improved" in printed

@@ -427,3 +427,19 @@ def test_torchmetrics_objects_are_logged_as_in_lightning():
     except ImportError:
         return
     assert ours == pytest.approx(fit_with_metrics(pl, torchmetrics)[0], rel=1e-6)
+
+
+def test_learning_rate_monitor(tmp_path):
+    def sched(opt):
+        return {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), "interval": "step", "name": "lr"}
+
+    logger = L.CSVLogger(tmp_path)
+    monitor = L.LearningRateMonitor(log_momentum=True)
+    t = trainer(max_epochs=1, log_every_n_steps=2, logger=logger, callbacks=[monitor])
+    t.fit(Regressor(lr=0.1, scheduler=sched), loader(64))  # 4 steps: logged before steps 2 and 4
+    with open(logger.metrics_file_path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["lr"]]
+    assert [(r["step"], float(r["lr"]), float(r["lr-momentum"])) for r in rows] == [("1", 0.05, 0.9), ("3", 0.0125, 0.9)]
+    assert t.callback_metrics["lr"].item() == pytest.approx(0.0125)
+    with pytest.raises(ValueError, match="LearningRateMonitor needs a logger"):
+        trainer(max_steps=1, callbacks=[L.LearningRateMonitor()]).fit(Regressor(), loader(16))
