@@ -8,7 +8,8 @@ from datetime import timedelta
 from typing import Any
 
 from ..accelerators import CUDA, ENV_DEVICE
-from .accelerators import UnsupportedConfiguration, available_accelerators
+from . import accelerators
+from .accelerators import UnsupportedConfiguration
 
 SINGLE = ("auto", "single_device")
 DDP = ("ddp", "ddp_spawn", "ddp_notebook")
@@ -34,7 +35,7 @@ def auto_devices(kind: str) -> int:
     """devices="auto" (or -1): every CUDA GPU present, unless GPULAYER_DEVICE pins one; else 1."""
     if kind != CUDA or os.environ.get(ENV_DEVICE):
         return 1
-    return available_accelerators().get(CUDA, 1)
+    return accelerators.available_accelerators().get(CUDA, 1)
 
 
 def devices_count(devices: Any) -> int:

@@ -134,3 +134,18 @@ def test_precision_aliases():
     assert make(precision=32).precision.name == "32-true"
     assert make(precision="bf16").precision.name == "bf16-mixed"
     assert make(precision=64).precision.name == "64-true"
+
+
+def test_devices_auto_takes_every_gpu_unless_a_peer_pins_one(present, monkeypatch):
+    present(CUDA2)
+    assert make(devices="auto").placement.devices == 2 and make(devices=-1).num_devices == 2
+    assert make(devices="auto", accelerator="cpu").num_devices == 1
+    monkeypatch.setenv("GPULAYER_DEVICE", "cuda:1")
+    assert make(devices="auto").placement == accelerators.Placement("cuda", 1, 1)
+    monkeypatch.delenv("GPULAYER_DEVICE")
+    present(MAC)
+    assert make(devices="auto").placement == accelerators.Placement("mps", None, 1)
+    with pytest.raises(glt.UnsupportedConfiguration, match="32-true"):
+        make(devices="auto", precision="bf16-mixed")
+    with pytest.raises(glt.UnsupportedConfiguration, match="one device"):
+        make(devices=2, strategy="ddp")
