@@ -117,7 +117,8 @@ class ModelCheckpoint(Callback):
         _check_mode(mode)
         if save_top_k < -1:
             raise ValueError(f"save_top_k={save_top_k}; use -1 (all), 0 (none) or a positive count")
-        for option, value in (("every_n_train_steps", every_n_train_steps), ("train_time_interval", train_time_interval)):
+        for option, value in (("every_n_train_steps", every_n_train_steps),
+                              ("train_time_interval", train_time_interval)):
             if value:
                 raise ValueError(f"ModelCheckpoint({option}=...) is not supported: glt saves at epoch ends "
                                  f"(every_n_epochs)")

@@ -96,7 +96,8 @@ class _Series:
                  "metric")
 
     def __init__(self, on_step: bool, on_epoch: bool, reduce: str, prog_bar: bool, logger: bool):
-        self.on_step, self.on_epoch, self.reduce, self.prog_bar, self.logger = on_step, on_epoch, reduce, prog_bar, logger
+        self.on_step, self.on_epoch, self.reduce = on_step, on_epoch, reduce
+        self.prog_bar, self.logger = prog_bar, logger
         self.last: Tensor | float = 0.0
         self.pending: list[Tensor | float] = []
         self.weights: list[float] = []

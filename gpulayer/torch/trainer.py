@@ -129,7 +129,8 @@ class Trainer:
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; use 'norm' or 'value'")
         if min_epochs is not None and (not isinstance(min_epochs, int) or min_epochs < 0):
             raise ValueError(f"min_epochs must be a count >= 0, got {min_epochs!r}")
-        self.max_epochs = 1000 if max_epochs is None and max_steps == -1 else max_epochs
+        # Lightning's: 1000 epochs when neither limit is given, max_epochs=-1 for no epoch limit
+        self.max_epochs = 1000 if max_epochs is None and max_steps == -1 else None if max_epochs == -1 else max_epochs
         self.min_epochs = min_epochs
         self.max_steps = max_steps
         self.max_time = max_time
@@ -191,13 +192,15 @@ class Trainer:
 
     def __getstate__(self):
         """Picklable for DDP workers: configuration and callbacks, not the state of a run."""
-        return {**self.__dict__, "module": None, "optimizer": None, "lr_scheduler": None, "_progress": TrainerProgress(),
-                "_store": None, "_train_store": None, "_ddp": None, "_clip_params": [], "_compiled_step": None,
-                "_hooks": None, "datamodule": None}
+        return {**self.__dict__, "module": None, "optimizer": None, "lr_scheduler": None,
+                "_progress": TrainerProgress(), "_store": None, "_train_store": None, "_ddp": None, "_clip_params": [],
+                "_compiled_step": None, "_hooks": None, "datamodule": None, "_val": None}
 
     @staticmethod
     def _checked_callbacks(callbacks, enable_checkpointing: bool) -> list[Callback]:
-        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [] if callbacks is None else [callbacks]
+        if not isinstance(callbacks, (list, tuple)):
+            callbacks = [] if callbacks is None else [callbacks]
+        callbacks = list(callbacks)
         for cb in callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be glt.Callback instances; got {type(cb).__name__}")
@@ -263,7 +266,8 @@ class Trainer:
     def early_stopping_callback(self) -> EarlyStopping | None:
         return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
 
-    training = property(lambda self: self.state == "fit" and not self.sanity_checking and self._store is self._train_store)
+    training = property(lambda self: self.state == "fit" and not self.sanity_checking
+                        and self._store is self._train_store)
     validating = property(lambda self: self.state == "validate" or self.sanity_checking)
     testing = property(lambda self: self.state == "test")
     predicting = property(lambda self: self.state == "predict")
@@ -297,7 +301,8 @@ class Trainer:
             self._end(model, "fit")
 
     def validate(self, model: Module | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-                 verbose: bool = True, datamodule: datamodules.LightningDataModule | None = None) -> list[dict[str, float]]:
+                 verbose: bool = True,
+                 datamodule: datamodules.LightningDataModule | None = None) -> list[dict[str, float]]:
         """Run `validation_step` over the loader; returns `[{metric: mean}]` (single process)."""
         return self._evaluate_entry(model, dataloaders, datamodule, "validate", ckpt_path, verbose)
 
@@ -754,7 +759,8 @@ class Trainer:
         """One pass of validation_step/test_step with its hooks; one transfer of the metric means at the
         end (none when `publish` is False: the sanity check)."""
         step_fn = model.validation_step if stage == "validation" else model.test_step
-        n_batches = _limit(_length(loader), self.limit_val_batches if stage == "validation" else self.limit_test_batches)
+        stage_limit = self.limit_val_batches if stage == "validation" else self.limit_test_batches
+        n_batches = _limit(_length(loader), stage_limit)
         if limit is not None:
             n_batches = limit if n_batches is None else min(n_batches, limit)
         if publish:
