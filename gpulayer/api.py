@@ -1,7 +1,8 @@
 """The submitter's API: run, submit, map, remote, peers, device, actors.
 
-Every function uses one process-wide Client, made on first use from the environment
-(GPULAYER_KEY or the key file, GPULAYER_INTERFACES, GPULAYER_PEERS); `configure()` replaces it.
+Every function uses one process-wide backend, made on first use from the environment: the LAN's
+Client (GPULAYER_KEY or the key file, GPULAYER_INTERFACES, GPULAYER_PEERS), or a Ray cluster when
+GPULAYER_BACKEND=ray (GPULAYER_RAY_ADDRESS; see gpulayer.backends). `configure()` replaces it.
 Task options (accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, timeout,
 retries, python, env) are defined and checked in one table, `gpulayer.options`.
 """
@@ -12,33 +13,35 @@ import atexit
 import functools
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
+from .backends.base import Backend, make
 from .actor_class import ActorClass
-from .client import Client, TaskFuture
 from .client.actors import lan_client, live_actors
 from .options import TaskOptions, split_call
 
-_client: Client | None = None
+_client: Backend | None = None
 _client_lock = threading.Lock()
 
 
-def default_client() -> Client:
-    """The process-wide Client, created on first use."""
+def default_client() -> Backend:
+    """The process-wide backend (the LAN's Client unless GPULAYER_BACKEND says otherwise), created on first use."""
     global _client
     with _client_lock:
         if _client is None or _client.closed:
-            _client = Client()
+            _client = make()
         return _client
 
 
-def configure(**client_options: Any) -> Client:
-    """Replace the process-wide Client (key, interfaces, peers, mdns, echo_output, discovery_timeout)."""
+def configure(backend: str | None = None, **options: Any) -> Backend:
+    """Replace the process-wide backend: "lan" (key, interfaces, peers, mdns, echo_output, discovery_timeout)
+    or "ray" (address, echo_output, init_options); the default is GPULAYER_BACKEND, else "lan"."""
     global _client
     with _client_lock:
         if _client is not None:
             _client.close()
-        _client = Client(**client_options)
+        _client = make(backend, **options)
         return _client
 
 
@@ -52,12 +55,12 @@ def shutdown() -> None:
             _client = None
 
 
-def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> TaskFuture:
+def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> Future[Any]:
     return default_client().submit(fn, args, kwargs, req=options.requirements, timeout=options.timeout,
                                    retries=options.retries, env=options.env)
 
 
-def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> TaskFuture:
+def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
     """Run fn(*args, **kwargs) on a matching peer; returns a concurrent.futures.Future.
 
     Keyword arguments named like a task option (see `gpulayer.options`) are task options;
@@ -96,7 +99,7 @@ class RemoteFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.submit(*args, **kwargs).result()
 
-    def submit(self, *args: Any, **kwargs: Any) -> TaskFuture:
+    def submit(self, *args: Any, **kwargs: Any) -> Future[Any]:
         return _submit(self.__gpulayer_function__, args, kwargs, self._parsed)
 
     def map(self, iterable: Iterable[Any], progress: bool | None = None) -> list[Any]:

@@ -1,12 +1,14 @@
-"""`gpulayer`: resources detect | peers | join | demo | bench | key init."""
+"""`gpulayer`: resources detect | peers | join | ray-node | demo | bench | key init."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import subprocess
 import sys
 
-from .errors import GPULayerError
+from .errors import ConfigError, GPULayerError
 from .peer_table import format_peers
 
 
@@ -33,6 +35,18 @@ def _peers(args) -> int:
         print("no peers found (is a peer running with the same cluster key? is multicast blocked? "
               "try GPULAYER_PEERS=host:port)")
     return 0
+
+
+def _ray_node(args) -> int:
+    from .backends.ray import ray_start_command
+    from .resources import detect
+
+    if not args.head and not args.address:
+        raise ConfigError("give --address HEAD_HOST:PORT to join a Ray cluster, or --head to start one")
+    command = ray_start_command(detect.detect(args.python), name=args.name, head=args.head, address=args.address,
+                                extra=[a for a in args.ray_args if a != "--"])
+    print(shlex.join(command))
+    return 0 if args.dry_run else subprocess.run(command).returncode
 
 
 def _join(args) -> int:
@@ -101,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="latency, bandwidth and matmul TFLOPS of every peer")
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
+
+    ray_node = sub.add_parser("ray-node", help="run `ray start` declaring this machine's GPUs and frameworks")
+    ray_node.add_argument("--address", default=None, help="the Ray head to join, HOST:PORT")
+    ray_node.add_argument("--head", action="store_true", help="start a Ray head node instead")
+    ray_node.add_argument("--name", default=None, help="the node's name in tables (default: the host name)")
+    ray_node.add_argument("--python", default=None, help="job interpreter to probe (default: this one)")
+    ray_node.add_argument("--dry-run", action="store_true", help="print the ray start command, do not run it")
+    ray_node.add_argument("ray_args", nargs=argparse.REMAINDER, help="after --: more ray start options")
+    ray_node.set_defaults(func=_ray_node)
 
     key = sub.add_parser("key", help="cluster key")
     key_sub = key.add_subparsers(dest="action", required=True)

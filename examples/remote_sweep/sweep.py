@@ -2,6 +2,7 @@
 
     python examples/remote_sweep/sweep.py                       # any peer with torch
     python examples/remote_sweep/sweep.py --accelerator cuda    # only CUDA peers, one GPU per run
+    python examples/remote_sweep/sweep.py --backend ray --ray-address HEAD:6379   # the same on a Ray cluster
 """
 
 from __future__ import annotations
@@ -79,7 +80,12 @@ def main() -> None:
                         help="the peers to use (auto: any peer with torch)")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=["lan", "ray"], default=None,
+                        help="where the runs go (default: GPULAYER_BACKEND, else the LAN's peers)")
+    parser.add_argument("--ray-address", default=None, help="the Ray cluster (default: GPULAYER_RAY_ADDRESS)")
     args = parser.parse_args()
+    if args.backend == "ray":
+        gl.configure(backend="ray", address=args.ray_address)
     configs = [{"lr": lr, "hidden": hidden, "epochs": args.epochs, "seed": args.seed}
                for lr, hidden in itertools.product(LEARNING_RATES, HIDDEN_SIZES)]
     try:  # gl.map draws a progress bar on a terminal

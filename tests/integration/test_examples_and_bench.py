@@ -37,8 +37,8 @@ def test_mlx_matmul_reports_tflops_from_the_peer(key):
     assert line and float(line.group(1)) > 0, out.stdout
 
 
-def test_sweep_prints_every_config_sorted_by_val_loss(key):
-    out = run("examples/remote_sweep/sweep.py", "--accelerator", "cpu", "--epochs", "2", key=key)
+def sweep_cells(out: subprocess.CompletedProcess) -> list[list[str]]:
+    """The sweep example's table: every config once, ranked by val_loss; the cells of its rows."""
     assert out.returncode == 0, out.stdout + out.stderr
     header, *rows = out.stdout.strip().splitlines()
     assert header.split() == ["rank", "lr", "hidden", "val_loss", "epochs", "device", "peer"]
@@ -47,6 +47,11 @@ def test_sweep_prints_every_config_sorted_by_val_loss(key):
     assert {(float(c[1]), int(c[2])) for c in cells} == {(lr, h) for lr in (3e-4, 1e-3, 3e-3, 1e-2) for h in (16, 64)}
     losses = [float(c[3]) for c in cells]
     assert losses == sorted(losses)
+    return cells
+
+
+def test_sweep_prints_every_config_sorted_by_val_loss(key):
+    cells = sweep_cells(run("examples/remote_sweep/sweep.py", "--accelerator", "cpu", "--epochs", "2", key=key))
     assert {(c[4], c[5], c[6]) for c in cells} == {("2", "cpu", "examples-peer")}
 
 

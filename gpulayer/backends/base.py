@@ -1,0 +1,52 @@
+"""The backend boundary: what `gpulayer.api` asks of whatever runs the tasks.
+
+The LAN backend is `gpulayer.client.Client`; `gpulayer.backends.ray.RayBackend` runs the same
+calls on a Ray cluster. Both take validated Requirements and execution options and return
+concurrent.futures.Future objects with `stdout`, `stderr` and `peer`. Actors are the next
+method of this boundary (`actor(cls, args, kwargs, req=...)`), once the LAN backend has them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from ..errors import ConfigError
+from ..matching import Requirements
+
+LAN, RAY = "lan", "ray"
+BACKENDS = (LAN, RAY)
+
+
+class Backend(Protocol):
+    """What the API functions call: submit one task, map over items, list the machines, close."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def submit(self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict[str, Any] | None = None, *,
+               req: Requirements, timeout: float | None = None, retries: int = 0,
+               env: dict[str, str] | None = None) -> Future[Any]: ...
+
+    def map(self, fn: Callable[[Any], Any], items: list[Any], *, req: Requirements, timeout: float | None = None,
+            retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]: ...
+
+    def peers(self, wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+def make(backend: str | None = None, **options: Any) -> Backend:
+    """A backend by name ("lan" or "ray"; default GPULAYER_BACKEND, else "lan") with its own options."""
+    name = backend or os.environ.get("GPULAYER_BACKEND") or LAN
+    if name == LAN:
+        from ..client import Client
+
+        return Client(**options)
+    if name == RAY:
+        from .ray import RayBackend
+
+        return RayBackend(**options)
+    raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, not {name!r} (GPULAYER_BACKEND)")
