@@ -188,13 +188,14 @@ class Trainer:
         self._compiled_step = None  # compile=: this fit's step function (compiled.py)
         self._deadline: float | None = None  # max_time, on time.monotonic()
         self._val: Any = None  # this fit's validation loader (or its _Source until first needed)
+        self._train: Any = None  # the same for training
         self._train_started = False
 
     def __getstate__(self):
         """Picklable for DDP workers: configuration and callbacks, not the state of a run."""
         return {**self.__dict__, "module": None, "optimizer": None, "lr_scheduler": None,
                 "_progress": TrainerProgress(), "_store": None, "_train_store": None, "_ddp": None, "_clip_params": [],
-                "_compiled_step": None, "_hooks": None, "datamodule": None, "_val": None}
+                "_compiled_step": None, "_hooks": None, "datamodule": None, "_val": None, "_train": None}
 
     @staticmethod
     def _checked_callbacks(callbacks, enable_checkpointing: bool) -> list[Callback]:
@@ -265,6 +266,19 @@ class Trainer:
     @property
     def early_stopping_callback(self) -> EarlyStopping | None:
         return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """The optimizer steps this fit will take (for OneCycleLR in configure_optimizers), as Lightning's:
+        max_steps when set, else epochs x ceil(batches per epoch / accumulate_grad_batches)."""
+        if self.max_steps != -1:
+            return self.max_steps
+        if self.state != "fit":
+            raise RuntimeError("estimated_stepping_batches is known during fit only")
+        self._train_loader()
+        batches = self.num_training_batches
+        per_epoch = -(-batches // self.accumulate_grad_batches) if batches != float("inf") else batches
+        return per_epoch * self.max_epochs if self.max_epochs is not None else float("inf")
 
     training = property(lambda self: self.state == "fit" and not self.sanity_checking
                         and self._store is self._train_store)
@@ -503,6 +517,7 @@ class Trainer:
     def _fit(self, model: Module, train: Any, val: Any, ckpt_path: str | None) -> None:
         self._setup(model)
         hooks = self._hooks
+        self._train = train  # resolved on first need (estimated_stepping_batches may ask early)
         self.optimizer, self.lr_scheduler = optim.parse(model.configure_optimizers())
         self._clip_params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.current_epoch = self.global_step = self._resume_epoch = 0
@@ -527,10 +542,7 @@ class Trainer:
                 val = None
             self._val = val  # a loader, or where to ask for it when validation first runs (as Lightning)
             self._sanity_check(model, val)
-            train = _resolve(train)
-            if train is None:
-                raise ValueError("fit needs train_dataloaders, a datamodule or the module's train_dataloader()")
-            self.num_training_batches = _limit(_length(train), self.limit_train_batches) or float("inf")
+            train = self._train_loader()
             # Lightning makes the first epoch's iterator here, before on_train_start (a DataLoader draws its
             # base seed then): the same seed gives the same batches
             batches = iter(train) if not self._finished() else None
@@ -740,6 +752,13 @@ class Trainer:
         """A log point: one transfer of the latest training values."""
         self._publish(self._train_store.latest(self._all_reduce, self.world_size))
         self._progress.update(batches_done, self.global_step, self.progress_bar_metrics)
+
+    def _train_loader(self) -> Iterable:
+        train = self._train = _resolve(self._train)
+        if train is None:
+            raise ValueError("fit needs train_dataloaders, a datamodule or the module's train_dataloader()")
+        self.num_training_batches = _limit(_length(train), self.limit_train_batches) or float("inf")
+        return train
 
     def _val_loader(self) -> Iterable:
         self._val = _resolve(self._val)

@@ -447,3 +447,18 @@ def test_learning_rate_monitor(tmp_path):
     assert t.callback_metrics["lr"].item() == pytest.approx(0.0125)
     with pytest.raises(ValueError, match="LearningRateMonitor needs a logger"):
         trainer(max_steps=1, callbacks=[L.LearningRateMonitor()]).fit(Regressor(), loader(16))
+
+
+def test_estimated_stepping_batches_for_one_cycle():
+    seen = []
+
+    class OneCycle(Regressor):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            seen.append(self.trainer.estimated_stepping_batches)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=seen[-1])
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    trainer(max_epochs=3, accumulate_grad_batches=3).fit(OneCycle(), loader(64))  # 4 batches: 2 steps an epoch
+    trainer(max_steps=5).fit(OneCycle(), loader(64))
+    assert seen == [6, 5]
