@@ -23,9 +23,10 @@ def format_peers(rows: list[dict[str, Any]]) -> str:
             memory = f"{len(mem)}x{max(mem):g} GB {r['memory_kind']}"
         busy = "?" if r["busy"] is None else r["busy"]
         queued = f" +{r['queued']}q" if r.get("queued") else ""
+        actors = f" ({r['actors']} held by actors)" if r.get("actors") else ""
         state = r["state"] if r["state"] == "up" else f"down: {r['error']}"
         frameworks = " ".join(f"{k} {v}" for k, v in sorted(r["frameworks"].items())) or "-"
         lines.append((r["name"], r["address"], r["accelerator"], memory, frameworks,
-                      f"{busy}/{r['slots']}{queued}", state))
+                      f"{busy}/{r['slots']}{queued}{actors}", state))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)

@@ -516,6 +516,7 @@ class Client:
             try:
                 status = self._connection(record).request(wire.status_request(), CONNECT_TIMEOUT)
                 row["busy"], row["queued"] = status["load"][:2]
+                row["actors"] = len(status.get("actors") or [])  # slots that actors hold
                 row["state"], row["error"] = "up", ""
             except (OSError, GPULayerError) as exc:
                 self.mark_down(a.peer_id, str(exc))

@@ -110,30 +110,15 @@ class Actors:
     def call(self, owner: CallOwner, msg: wire.Message, buffers: list[Any]) -> None:
         """Send a CALL on to its actor's worker, or answer it with an error."""
         call_id = msg.get("id")
-        if not isinstance(call_id, int) or isinstance(call_id, bool):
-            owner.send(wire.error("bad-request", "a CALL needs an integer 'id'"))
-            return
-        problem = wire.check_actor_id(msg.get("actor")) or wire.check_method(msg.get("method"))
-        if problem is None and not isinstance(msg.get("args"), bytes):
-            problem = "a CALL needs 'args' as a binary pickle"
-        if problem is None and call_id in owner.calls:
-            problem = f"call id {call_id} is already in use on this connection"
-        if problem is None:
-            try:
-                timeout = check_timeout(msg.get("timeout"))
-            except ValueError:
-                problem = f"bad timeout {msg.get('timeout')!r}: a positive, finite number of seconds or nil"
-        if problem is not None:
-            owner.send(wire.error("bad-request", problem, call_id))
-            return
-        actor = self.live.get(msg["actor"])
+        actor = self._addressed(owner, msg, _call_problem(owner, msg))
         if actor is None:
-            owner.send(self._gone(msg["actor"], call_id))
             return
+        assert isinstance(call_id, int)
         seq = next(actor.ids)
         call = actor.calls[seq] = Call(owner, call_id)
         owner.calls[call_id] = (actor, seq)
         actor.worker.send({"t": wire.CALL, "id": seq, "method": msg["method"], "args": msg["args"]}, buffers)
+        timeout = check_timeout(msg.get("timeout"))
         if timeout is not None:
             call.timer = asyncio.get_running_loop().call_later(timeout, self._timed_out, actor, seq, timeout,
                                                                msg["method"])
@@ -150,22 +135,29 @@ class Actors:
 
     def close(self, owner: CallOwner, msg: wire.Message) -> None:
         """CLOSE from a submitter: only the actor's creator may close it."""
+        actor = self._addressed(owner, msg, None)
+        if actor is None:
+            return
+        if actor.client != owner.client:
+            owner.send(wire.error("not-owner", "only the submitter that created an actor may close it", msg["id"]))
+        else:
+            actor.owner = owner  # the answer goes to the connection that asked
+            self.end(actor, "closed", "the actor was closed by its submitter", msg["id"])
+
+    def _addressed(self, owner: CallOwner, msg: wire.Message, problem: str | None) -> Actor | None:
+        """The live actor a CALL or CLOSE names; None once the request was answered with why not."""
         request_id = msg.get("id")
         if not isinstance(request_id, int) or isinstance(request_id, bool):
-            owner.send(wire.error("bad-request", "a CLOSE needs an integer 'id'"))
-            return
-        problem = wire.check_actor_id(msg.get("actor"))
+            owner.send(wire.error("bad-request", f"a {msg['t'].upper()} needs an integer 'id'"))
+            return None
+        problem = wire.check_actor_id(msg.get("actor")) or problem
         if problem is not None:
             owner.send(wire.error("bad-request", problem, request_id))
-            return
+            return None
         actor = self.live.get(msg["actor"])
         if actor is None:
             owner.send(self._gone(msg["actor"], request_id))
-        elif actor.client != owner.client:
-            owner.send(wire.error("not-owner", "only the submitter that created an actor may close it", request_id))
-        else:
-            actor.owner = owner  # the answer goes to the connection that asked
-            self.end(actor, "closed", "the actor was closed by its submitter", request_id)
+        return actor
 
     def _gone(self, actor_id: str, request_id: int) -> wire.ErrorMessage:
         reason = self.ended.get(actor_id)
@@ -259,6 +251,21 @@ class Actors:
     def end_all(self, reason: str) -> None:
         for actor in list(self.live.values()):
             self.end(actor, "died", reason)
+
+
+def _call_problem(owner: CallOwner, msg: wire.Message) -> str | None:
+    """What is wrong with a CALL's method, arguments, id or timeout, or None."""
+    problem = wire.check_method(msg.get("method"))
+    if problem is None and not isinstance(msg.get("args"), bytes):
+        problem = "a CALL needs 'args' as a binary pickle"
+    if problem is None and msg.get("id") in owner.calls:
+        problem = f"call id {msg.get('id')} is already in use on this connection"
+    if problem is None:
+        try:
+            check_timeout(msg.get("timeout"))
+        except ValueError:
+            problem = f"bad timeout {msg.get('timeout')!r}: a positive, finite number of seconds or nil"
+    return problem
 
 
 def _stop_timer(call: Call) -> None:

@@ -18,6 +18,7 @@ import pytest
 import gpulayer as gl
 from gpulayer import serialization, wire
 from gpulayer.errors import TaskRejected, TaskTimeout
+from gpulayer.peer_table import format_peers
 from support import wait_until, write_override
 
 GRACE = "1"  # GPULAYER_ACTOR_GRACE of the peers here: seconds an actor outlives its submitter
@@ -250,6 +251,16 @@ def test_handles_passed_to_a_task_and_to_another_actor_call_the_same_actor(peer)
         assert rec.history() == ["here", "from a task", "from an actor"]
         assert [row["class"] for row in gl.actors()] == ["Recorder"]
         assert gl.actors()[0]["calls"] >= 5
+
+
+def test_gl_actors_and_the_peer_table_show_the_slots_actors_hold(peer):
+    with Recorder() as rec:
+        rec.record("one")
+        assert gl.actors() == [{"actor": rec.actor_id, "class": "Recorder", "peer": "home",
+                                "address": f"127.0.0.1:{peer.port}", "slot": rec.slot, "calls": 1, "pending": 0}]
+        line = next(line for line in format_peers(gl.peers(wait=0.2)).splitlines() if line.startswith("home"))
+        assert "1/2 (1 held by actors)" in line
+    assert gl.actors() == []
 
 
 SUBMITTER = textwrap.dedent("""
