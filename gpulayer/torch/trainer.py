@@ -464,15 +464,18 @@ class Trainer:
                 cb.load_state_dict(states[cb.state_key])
 
     def _batch_mover(self, model: Module):
-        """The batch transfer: the Trainer's own, or the module's transfer hooks where it overrides one."""
+        """The batch transfer: the Trainer's own, or the transfer hooks where the module or the DataModule
+        overrides one (the DataModule's first, as Lightning picks them)."""
         device, float_dtype = self.device, self.precision.param_dtype
-        if not any(_overrides(model, ModelHooks, name) for name in TRANSFER_HOOKS):
+        dm = self.datamodule
+        hooks = [getattr(dm, name) if dm is not None and hasattr(type(dm), name) else
+                 getattr(model, name) if _overrides(model, ModelHooks, name) else None for name in TRANSFER_HOOKS]
+        if not any(hooks):
             return lambda batch: _to_device(batch, device, float_dtype)
+        before, transfer, after = (hook or getattr(model, name) for hook, name in zip(hooks, TRANSFER_HOOKS))
 
         def move(batch):
-            batch = model.on_before_batch_transfer(batch, 0)
-            batch = model.transfer_batch_to_device(batch, device, 0)
-            return model.on_after_batch_transfer(batch, 0)
+            return after(transfer(before(batch, 0), device, 0), 0)
         return move
 
     # ---------------------------------------------------------------- publishing metrics

@@ -462,3 +462,22 @@ def test_estimated_stepping_batches_for_one_cycle():
     trainer(max_epochs=3, accumulate_grad_batches=3).fit(OneCycle(), loader(64))  # 4 batches: 2 steps an epoch
     trainer(max_steps=5).fit(OneCycle(), loader(64))
     assert seen == [6, 5]
+
+
+def test_transfer_hooks_of_the_datamodule_take_precedence():
+    class DM(L.LightningDataModule):
+        def train_dataloader(self):
+            return loader(32)
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            x, y = batch
+            return x, y * 0  # the module then learns y = 0
+
+    class Doubles(Regressor):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            seen.append(float(batch[1].abs().sum()))
+            return batch
+
+    seen = []
+    trainer(max_epochs=1).fit(Doubles(), datamodule=DM())
+    assert seen == [0.0, 0.0]
