@@ -56,6 +56,14 @@ def _tensors(values: dict[str, float]) -> dict[str, Tensor]:
     return {k: torch.tensor(v) for k, v in values.items()}
 
 
+def _batch_outputs(output: Any, accumulate: int) -> dict[str, Any]:
+    """What on_train_batch_end receives, as in Lightning: {"loss": the detached loss (divided by
+    accumulate_grad_batches), and training_step's other keys}."""
+    loss, extra = (output["loss"], {k: v for k, v in output.items() if k != "loss"}) if isinstance(output, dict) \
+        else (output, {})
+    return {"loss": (loss / accumulate if accumulate > 1 else loss).detach(), **extra}
+
+
 class _Source:
     """A stage's loader, asked of the DataModule or the module when the loop first needs it (as Lightning)."""
 
@@ -679,8 +687,10 @@ class Trainer:
                     pending = 0
                     stop = self._optimizer_step(batches_done, stepped=whole_step)
                     self._step_scheduler("step", batch_idx)
-                for fn in batch_end:
-                    fn(output, batch, batch_idx)
+                if batch_end:
+                    outputs = _batch_outputs(output, accumulate)
+                    for fn in batch_end:
+                        fn(outputs, batch, batch_idx)
                 if step_now and self.global_step % log_every == 0:
                     self._publish_step(batches_done)
             if deadline is not None and time.monotonic() >= deadline:

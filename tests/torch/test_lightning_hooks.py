@@ -31,16 +31,8 @@ CALLBACK_HOOKS = [
 DATA = TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
 
 
-def recorders(L):
-    """A LightningModule and a Callback of framework `L` that append each hook's name to `called`."""
-    called = []
-
-    def record(name, prefix=""):
-        def hook(self, *args, **kwargs):
-            called.append(prefix + name)
-            return getattr(super(type(self), self), name)(*args, **kwargs)
-        return hook
-
+def module_class(L):
+    """A small LightningModule of framework `L` with its own loaders."""
     class Base(L.LightningModule):
         def __init__(self):
             super().__init__()
@@ -65,7 +57,20 @@ def recorders(L):
 
         val_dataloader = test_dataloader = predict_dataloader = train_dataloader
 
-    hooked = type("Hooked", (Base,), {name: record(name) for name in MODULE_HOOKS})
+    return Base
+
+
+def recorders(L):
+    """A LightningModule and a Callback of framework `L` that append each hook's name to `called`."""
+    called = []
+
+    def record(name, prefix=""):
+        def hook(self, *args, **kwargs):
+            called.append(prefix + name)
+            return getattr(super(type(self), self), name)(*args, **kwargs)
+        return hook
+
+    hooked = type("Hooked", (module_class(L),), {name: record(name) for name in MODULE_HOOKS})
     callback = type("HookedCallback", (L.Callback,), {name: record(name, "Callback.") for name in CALLBACK_HOOKS})
     torch.manual_seed(0)
     return called, hooked(), callback()
@@ -139,6 +144,28 @@ def test_same_calls_as_lightning(tmp_path, verb):
     assert ours == theirs
     if verb == "predict":
         assert all(torch.equal(a, b) for a, b in zip(our_result, their_result))
+
+
+def test_batch_end_outputs_are_lightnings(tmp_path):
+    seen = {}
+    for name in ("glt", "lightning.pytorch"):
+        framework = glt if name == "glt" else pytest.importorskip(name)
+
+        class Spy(framework.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                seen.setdefault(name, []).append({k: float(v) for k, v in outputs.items()})
+
+        class Extra(module_class(framework)):
+            def training_step(self, batch, batch_idx):
+                loss = super().training_step(batch, batch_idx)
+                return {"loss": loss, "double": 2 * loss.detach()}
+
+        torch.manual_seed(0)
+        framework.Trainer(default_root_dir=tmp_path / name, max_epochs=1, accelerator="cpu", callbacks=[Spy()],
+                          accumulate_grad_batches=2, enable_progress_bar=False, enable_model_summary=False,
+                          logger=False, enable_checkpointing=False).fit(Extra())
+    assert len(seen["glt"]) == 2 and seen["glt"][0]["double"] == pytest.approx(4 * seen["glt"][0]["loss"])
+    assert seen["glt"] == seen["lightning.pytorch"]  # the loss divided by accumulate_grad_batches there too
 
 
 def test_resume_calls_on_load_checkpoint(tmp_path):

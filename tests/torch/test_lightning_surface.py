@@ -41,7 +41,7 @@ def test_log_keywords_have_lightnings_meaning():
 
     class Spy(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            losses.append(outputs.item())
+            losses.append(outputs["loss"].item())
 
     t = trainer(max_epochs=1, log_every_n_steps=2, callbacks=[Spy()])
     t.fit(Logs(), loader(64), loader(48, batch_size=16))  # 4 training batches, 3 validation batches

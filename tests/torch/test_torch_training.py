@@ -62,7 +62,7 @@ def test_step_values_at_log_points_and_epoch_means_at_epoch_end():
 
     class Spy(glt.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            losses.append(outputs.item())
+            losses.append(outputs["loss"].item())
             seen[batch_idx] = trainer.logged_metrics.get("train_loss_step")
 
     t = trainer(max_epochs=1, log_every_n_steps=4, callbacks=[Spy()])
