@@ -4,6 +4,7 @@ isolation from tasks, handles passed on, and hostile input aimed at the actor me
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import textwrap
 import threading
 import time
 from concurrent.futures import CancelledError
+from pathlib import Path
 
 import pytest
 
@@ -378,3 +380,13 @@ def test_kill_9_of_the_peer_gives_actor_died_and_restarts_move_it(peer_factory, 
     gpus[plain.peer].kill()
     with pytest.raises(gl.ActorDied, match="unreachable|lost"):
         plain.history()
+
+
+@pytest.mark.parametrize("script, framework", [("serve.py", "torch"), ("serve_mlx.py", "mlx.core")])
+def test_the_inference_examples_serve_many_calls_from_one_model(peer, cluster_key, script, framework):
+    pytest.importorskip(framework)
+    out = subprocess.run([sys.executable, f"examples/actor_inference/{script}", "--accelerator", "cpu",
+                          "--calls", "40"], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "GPULAYER_KEY": cluster_key})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"actor on peer home \(.*cpu\): (80|40) calls served", out.stdout), out.stdout
