@@ -39,7 +39,15 @@ def floats(out: dict, prefix: str = "") -> dict[str, float]:
 
 
 def curves(log_dir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
-    """metrics.csv as {metric: [(step, value), ...]}."""
+    """metrics.csv, or the TensorBoard events where the default logger was TensorBoard, as
+    {metric: [(step, value), ...]}."""
+    if not (log_dir / "metrics.csv").exists():
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(log_dir))
+        events.Reload()
+        return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+                if tag not in ("epoch", "hp_metric")}  # hp_metric: Lightning's placeholder, not a metric
     with open(log_dir / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     out: dict[str, list[tuple[int, float]]] = {}

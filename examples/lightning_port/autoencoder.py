@@ -88,7 +88,8 @@ def main(root: str, max_epochs: int = 2, accelerator: str = "cpu") -> dict:
 
     # embed 4 fake images
     with torch.no_grad():
-        embeddings = restored.encoder(torch.rand(4, 28 * 28, generator=torch.Generator().manual_seed(1)))
+        fake_image_batch = torch.rand(4, 28 * 28, generator=torch.Generator().manual_seed(1)).to(restored.device)
+        embeddings = restored.encoder(fake_image_batch)
     return {"fit": fit_metrics, "test": test_metrics, "checkpoint": os.path.relpath(checkpoint, root),
             "restored_equal": same, "hparams": dict(restored.hparams), "embeddings_shape": list(embeddings.shape),
             "global_step": trainer.global_step, "log_dir": os.path.relpath(trainer.log_dir, root)}
