@@ -1,4 +1,4 @@
-"""`gpulayer`: resources detect | peers | join | ray-node | demo | bench | key init."""
+"""`gpulayer`: resources detect | peers | join | ray-node | demo | bench | dashboard | key init."""
 
 from __future__ import annotations
 
@@ -76,6 +76,14 @@ def _bench(args) -> int:
     return run(args)
 
 
+def _dashboard(args) -> int:
+    from . import api
+    from .dashboard.server import Dashboard
+
+    Dashboard(api.default_client(), args.host, args.port, args.allow_remote).serve_forever(args.open)
+    return 0
+
+
 def _version() -> str:
     from . import __version__
     from .wire import PROTOCOL_VERSION
@@ -124,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     ray_node.add_argument("--dry-run", action="store_true", help="print the ray start command, do not run it")
     ray_node.add_argument("ray_args", nargs=argparse.REMAINDER, help="after --: more ray start options")
     ray_node.set_defaults(func=_ray_node)
+
+    dash = sub.add_parser("dashboard", help="a live web page of the cluster's peers and tasks, on this machine")
+    dash.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1, loopback)")
+    dash.add_argument("--port", type=int, default=8265, help="port to serve on (default 8265)")
+    dash.add_argument("--open", action="store_true", help="open the page in the default browser")
+    dash.add_argument("--allow-remote", action="store_true",
+                      help="allow a non-loopback --host (the page has no login: anyone who reaches it sees every task)")
+    dash.set_defaults(func=_dashboard)
 
     key = sub.add_parser("key", help="cluster key")
     key_sub = key.add_subparsers(dest="action", required=True)

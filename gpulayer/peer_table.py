@@ -9,13 +9,24 @@ from __future__ import annotations
 from typing import Any
 
 
+def format_util(sample: dict[str, Any] | None) -> str:
+    """A peer's measured utilisation: "gpu 63% cpu 12%" (one figure per GPU), "-" when unknown."""
+    if not sample:
+        return "-"
+    gpus = [g["util_percent"] for g in sample["gpus"] if g["util_percent"] is not None]
+    parts = [f"gpu {'/'.join(f'{u:.0f}' for u in gpus)}%"] if gpus else []
+    if sample["cpu_percent"] is not None:
+        parts.append(f"cpu {sample['cpu_percent']:.0f}%")
+    return " ".join(parts) or "-"
+
+
 def format_peers(rows: list[dict[str, Any]]) -> str:
     """One line per row under a header, columns padded to their widest cell."""
-    header = ("NAME", "ADDRESS", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "STATE")
+    header = ("NAME", "ADDRESS", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "STATE")
     lines = [header]
     for r in rows:
         if "accelerator" not in r:  # an unreachable static peer
-            lines.append((r["name"], r["address"], "?", "?", "?", "?", f"down: {r['error']}"))
+            lines.append((r["name"], r["address"], "?", "?", "?", "?", "-", f"down: {r['error']}"))
             continue
         mem = r["device_memory_gb"]
         memory = f"{max(mem):g} GB {r['memory_kind']}" if mem else f"{r['ram_gb']:g} GB host"
@@ -27,6 +38,6 @@ def format_peers(rows: list[dict[str, Any]]) -> str:
         state = r["state"] if r["state"] == "up" else f"down: {r['error']}"
         frameworks = " ".join(f"{k} {v}" for k, v in sorted(r["frameworks"].items())) or "-"
         lines.append((r["name"], r["address"], r["accelerator"], memory, frameworks,
-                      f"{busy}/{r['slots']}{queued}{actors}", state))
+                      f"{busy}/{r['slots']}{queued}{actors}", format_util(r.get("util")), state))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)

@@ -27,6 +27,7 @@ from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchi
 from ..matching import Requirements, match
 from ..options import check_retries, check_timeout
 from ..progress import MapProgressBar
+from ..resources.utilisation import clean_sample
 from ..security import cluster_id, load_key
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection
@@ -505,18 +506,23 @@ class Client:
                  for label, err in self.static_errors.items()]
         return sorted(rows, key=lambda r: r["name"])
 
+    def status(self, record: discovery.PeerRecord) -> dict[str, Any]:
+        """The peer's STATUS reply, over its authenticated connection (opened if need be); untrusted."""
+        return self._connection(record).request(wire.status_request(), CONNECT_TIMEOUT)
+
     def _describe(self, record: discovery.PeerRecord, probe: bool) -> dict[str, Any]:
         a = record.advert
         row = {"name": a.name, "peer_id": a.peer_id, "address": record.address, "accelerator": a.accelerator,
                "device": a.device_name, "memory_kind": a.memory_kind, "device_memory_gb": list(a.device_memory_gb),
                "ram_gb": a.ram_gb, "frameworks": dict(a.frameworks), "capabilities": sorted(a.capabilities),
-               "slots": a.slots, "busy": None, "queued": None, "source": record.source,
+               "slots": a.slots, "busy": None, "queued": None, "util": None, "source": record.source,
                "state": "up" if record.up else "down", "error": record.error}
         if probe:
             try:
-                status = self._connection(record).request(wire.status_request(), CONNECT_TIMEOUT)
+                status = self.status(record)
                 row["busy"], row["queued"] = status["load"][:2]
                 row["actors"] = len(status.get("actors") or [])  # slots that actors hold
+                row["util"] = clean_sample(status.get("util"))
                 row["state"], row["error"] = "up", ""
             except (OSError, GPULayerError) as exc:
                 self.mark_down(a.peer_id, str(exc))

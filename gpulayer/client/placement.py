@@ -30,6 +30,10 @@ class Placement:
         """A peer refused a task as not matching: it will refuse these requirements again."""
         self._refusals[peer_id, req] = reason
 
+    def refusal_reasons(self) -> list[dict[str, str]]:
+        """The peers' no-match refusals remembered (for the dashboard): which peer, and why."""
+        return [{"peer_id": peer_id, "reason": reason} for (peer_id, _), reason in list(self._refusals.items())]
+
     def _why_not(self, req: Requirements, record: PeerRecord) -> list[str]:
         """Why the peer does not fit: its advert says so, or the peer itself said so."""
         refusal = self._refusals.get((record.advert.peer_id, req))

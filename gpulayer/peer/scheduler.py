@@ -20,6 +20,7 @@ from itertools import islice
 from typing import Any, Protocol
 
 from .. import accelerators, wire
+from .activity import Activity
 from ..errors import WorkerDied
 from ..matching import Requirements
 from ..resources.model import Resources
@@ -34,6 +35,8 @@ LOOKAHEAD = 256  # how deep the queue is searched for a task that fits the free 
 
 class TaskOwner(Protocol):
     """The submitter connection a task came from."""
+
+    address: str  # the submitter's "host:port"
 
     def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
         """Send the task's outcome (once)."""
@@ -108,6 +111,7 @@ class Scheduler:
         self.workdir = workdir or tempfile.mkdtemp(prefix="gpulayer-work-")
         self._own_workdir = workdir is None
         self.tasks_done = 0
+        self.activity = Activity()  # running and finished tasks, for STATUS
         self.stopping = False
         self._queue: deque[ScheduledTask] = deque()
         self.actors = Actors(self._free_actor_slot, grace_from_env())
@@ -218,6 +222,7 @@ class Scheduler:
         for slot in group:
             slot.task = task
         task.slot, task.group = lead, group
+        self.activity.started(task, task.msg and task.msg.get("name"), task.owner.address, lead.device)
         assert task.msg is not None
         if task.actor_class is None:
             msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
@@ -287,6 +292,7 @@ class Scheduler:
             return
         task.answered = True
         self.tasks_done += 1
+        self.activity.ended(task, reply)
         reply["id"] = task.client_id
         reply["load"] = self.load()
         task.owner.task_done(task, reply, buffers or [])

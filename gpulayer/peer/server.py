@@ -24,6 +24,7 @@ from ..errors import ProtocolError
 from ..matching import Requirements, match
 from ..options import check_timeout
 from ..resources.model import Advert, Resources
+from ..resources.utilisation import Sampler
 from .actors import Actor
 from .channel import AsyncChannel
 from .scheduler import ScheduledTask, Scheduler, default_preload, plan_slots
@@ -112,6 +113,7 @@ class Peer:
                                             cluster=security.cluster_id(config.key), slots=len(self.slots))
         preload = config.preload if config.preload is not None else default_preload(config.resources)
         self.scheduler = Scheduler(self.slots, config.python, preload, config.worker_start_timeout, config.workdir)
+        self.sampler = Sampler()  # measured utilisation, for STATUS
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
@@ -140,6 +142,7 @@ class Peer:
         self.port = self._server.getsockname()[1]
         self._loop.add_reader(self._server.fileno(), self._on_accept)
         self.scheduler.spawn(self._watchdog())
+        self.sampler.start()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
                 None, discovery.Advertiser, self.advert, self.port, self.config.interfaces)
@@ -176,6 +179,7 @@ class Peer:
             conn.channel.write({"t": wire.BYE})
         await asyncio.gather(*(c.channel.close_gracefully() for c in list(self._connections)))
         await self.scheduler.stop()
+        self.sampler.stop()
         self._stopped.set()
 
     def cancel_all(self, message: str) -> None:
@@ -204,7 +208,8 @@ class Peer:
         return {"t": wire.STATUS, "advert": self.advert.to_txt(), "load": self.load(), "slots": len(self.slots),
                 "done": self.tasks_done, "draining": self._draining, "actors": self.scheduler.actors.rows(),
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
-                             "pid": s.worker.pid if s.worker else None} for s in self.slots]}
+                             "pid": s.worker.pid if s.worker else None} for s in self.slots],
+                **self.scheduler.activity.snapshot(), "util": self.sampler.latest()}
 
     # ---- connections --------------------------------------------------------------------------
 
@@ -367,6 +372,7 @@ class Peer:
             conn.channel.write({"t": wire.ACCEPT, "id": task_id, "load": self.load()})
 
     def _reject(self, conn: Connection, task_id: Any, code: str, message: str) -> None:
+        self.scheduler.activity.refused(conn.address, code, message)
         conn.channel.write(wire.reject(task_id, code, message, self.load()))
 
 

@@ -1,0 +1,261 @@
+"""The dashboard against real peers on loopback: its JSON API, the page in a real headless Chromium,
+the loopback rules, and the cleaning of hostile STATUS fields."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import re
+import select
+import shutil
+import time
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+from support import new_key, wait_until, write_override
+
+from gpulayer.client import Client
+from gpulayer.dashboard.server import Dashboard, check_host
+from gpulayer.dashboard.status import clean_status
+from gpulayer.errors import ConfigError, NoMatchingPeer, TaskRejected
+from gpulayer.matching import Requirements
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def hold(release_file: str) -> str:
+    """A task that runs until `release_file` exists (bounded: 60 s)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(release_file) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return "released"
+
+
+def get(url: str, host: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Host": host} if host else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def api(dashboard: Dashboard, name: str):
+    return json.loads(get(dashboard.url + "api/" + name)[1])
+
+
+@pytest.fixture(scope="module")
+def site(peer_factory, tmp_path_factory):
+    """Two peers (a fake 80 GB CUDA one and a CPU one), a Client of their cluster and a dashboard on it."""
+    key = new_key()
+    override = write_override(tmp_path_factory.mktemp("dash") / "cuda.json", "cuda", memory_gb=80.0)
+    peers = {"dash-gpu": peer_factory("dash-gpu", "--concurrency", "1", "--advertise-override", str(override),
+                                      key=key),
+             "dash-cpu": peer_factory("dash-cpu", "--concurrency", "1", key=key)}
+    client = Client(key=key.encode(), echo_output=False)
+    dashboard = Dashboard(client, port=0, interval=0.2).start()
+    try:
+        yield dashboard, client, peers
+    finally:
+        dashboard.close()
+        client.close()
+
+
+def peers_by_name(dashboard: Dashboard) -> dict[str, dict]:
+    return {row["name"]: row for row in api(dashboard, "peers")}
+
+
+def both_up_and_sampled(dashboard: Dashboard):
+    rows = peers_by_name(dashboard)
+    ready = {"dash-gpu", "dash-cpu"} <= rows.keys() and all(
+        rows[n]["state"] == "up" and rows[n]["cpu_percent"] is not None for n in ("dash-gpu", "dash-cpu"))
+    return rows if ready else None
+
+
+def test_api_shows_peers_tasks_timeline_and_refusals(site, tmp_path):
+    dashboard, client, _ = site
+    rows = wait_until(lambda: both_up_and_sampled(dashboard), timeout=60)
+    gpu, cpu = rows["dash-gpu"], rows["dash-cpu"]
+    assert gpu["accelerator"] == "cuda" and gpu["memory_kind"] == "dedicated"
+    assert [d["total_gb"] for d in gpu["devices"]] == [80.0]
+    assert cpu["accelerator"] == "cpu" and cpu["devices"] == [] and 0 < cpu["ram_available_gb"] <= cpu["ram_gb"] + 1
+    assert gpu["python"] and gpu["slots"] == 1 and gpu["busy"] == 0
+    assert 0 <= gpu["cpu_percent"] <= 100 and gpu["util_age_s"] < 10
+
+    release = tmp_path / "release"
+    future = client.submit(hold, (str(release),), req=Requirements.build(accelerator="cuda"))
+    running = wait_until(lambda: [t for t in api(dashboard, "tasks")["running"] if t["name"].endswith("hold")],
+                         timeout=30)
+    assert running[0]["peer"] == "dash-gpu" and running[0]["submitter"] == "127.0.0.1"
+    assert running[0]["device"] == "cuda:0" and running[0]["elapsed_s"] >= 0
+    assert peers_by_name(dashboard)["dash-gpu"]["busy"] in (0, 1)  # the poll may predate the start
+    release.touch()
+    assert future.result(30) == "released"
+    finished = wait_until(lambda: [t for t in api(dashboard, "tasks")["finished"] if t["name"].endswith("hold")],
+                          timeout=30)
+    assert finished[-1]["outcome"] == "ok" and finished[-1]["end"] >= finished[-1]["start"]
+
+    trace = api(dashboard, "trace")
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].endswith("hold")]
+    assert spans and spans[0]["dur"] > 0
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {"dash-gpu", "cuda:0"} <= names
+
+    # a REJECT of the peer's own (only the peer knows its other distributions) shows as a refusal
+    with pytest.raises((NoMatchingPeer, TaskRejected)):
+        client.submit(hold, (str(release),), req=Requirements.build(
+            frameworks={"surely-not-installed-dist": ">=1"}, peer="dash-cpu")).result(30)
+    refusals = wait_until(lambda: [r for r in api(dashboard, "tasks")["refusals"]
+                                   if "surely-not-installed-dist" in r["message"]], timeout=30)
+    assert refusals[0]["code"] == "no-match" and refusals[0]["peer"] == "dash-cpu"
+    assert any("surely-not-installed-dist" in r["reason"] for r in api(dashboard, "tasks")["submitter_refusals"])
+
+
+class Page:
+    """A page in headless Chromium, driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
+    JSON messages ending in NUL, Chromium reading fd 3 and writing fd 4): nothing listens on a port."""
+
+    def __init__(self, url: str, profile):
+        to_chrome, self._out = os.pipe()
+        self._in, from_chrome = os.pipe()
+        argv = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--remote-debugging-pipe", f"--user-data-dir={profile}", "--window-size=1400,900", "about:blank"]
+        self.proc = subprocess.Popen(["bash", "-c", f'exec "$@" 3<&{to_chrome} 4>&{from_chrome}', "chromium", *argv],
+                                     pass_fds=(to_chrome, from_chrome), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        os.close(to_chrome)
+        os.close(from_chrome)
+        self._ids = 0
+        self._buffer = b""
+        target = self.call("Target.createTarget", url=url)["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+    def call(self, method: str, session: str | None = None, **params):
+        self._ids += 1
+        msg = {"id": self._ids, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        os.write(self._out, json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            while b"\0" not in self._buffer:
+                ready, _, _ = select.select([self._in], [], [], max(deadline - time.monotonic(), 0))
+                chunk = os.read(self._in, 1 << 20) if ready else b""
+                assert chunk, f"Chromium did not answer {method}"
+                self._buffer += chunk
+            raw, self._buffer = self._buffer.split(b"\0", 1)
+            reply = json.loads(raw)
+            if reply.get("id") == self._ids:
+                assert "error" not in reply, reply
+                return reply["result"]
+        raise AssertionError(f"no answer to {method} within 30 s")
+
+    def js(self, expression: str):
+        result = self.call("Runtime.evaluate", self.session, expression=expression, returnByValue=True)
+        return result["result"].get("value")
+
+    def screenshot(self, path) -> None:
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", self.session, format="png")["data"]))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        os.close(self._in)
+        os.close(self._out)
+
+
+STATE_OF = 'document.querySelector(\'tr[data-peer="%s"]\')?.dataset.state'
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no Chromium on this machine (.ci/run installs the distribution's "
+                                            "chromium package where apt-get exists)")
+def test_page_in_headless_chromium(site, tmp_path):
+    dashboard, client, peers = site
+    wait_until(lambda: both_up_and_sampled(dashboard), timeout=60)
+    release = tmp_path / "release"
+    future = client.submit(hold, (str(release),), req=Requirements.build(accelerator="cuda"))
+    page = Page(dashboard.url, tmp_path / "chromium-profile")
+    try:
+        wait_until(lambda: page.js("[...document.querySelectorAll('#running td.task-name')]"
+                                   ".some(td => td.textContent === 'hold')"), timeout=30, interval=0.2)
+        assert page.js(STATE_OF % "dash-gpu") == "up" and page.js(STATE_OF % "dash-cpu") == "up"
+        gpu_row = page.js('document.querySelector(\'tr[data-peer="dash-gpu"]\').textContent')
+        assert "free of 80 GB dedicated" in gpu_row and "NVIDIA H100 80GB HBM3" in gpu_row
+        cpu_memory = page.js('document.querySelector(\'tr[data-peer="dash-cpu"] td.memory\').textContent')
+        assert re.fullmatch(r"[0-9.]+ GB host, [0-9.]+ GB free", cpu_memory), cpu_memory
+        running = page.js("[...document.querySelectorAll('#running tr.task')].map(tr => tr.textContent)")
+        assert any(row.startswith("dash-gpucuda:0hold127.0.0.1") for row in running), running
+        page.screenshot(tmp_path / "dashboard.png")
+        assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+        release.touch()
+        assert future.result(30) == "released"
+
+        # the same page, never reloaded, follows the cluster: a stopped peer turns down
+        before = int(page.js("document.getElementById('updated').dataset.refreshes"))
+        peers["dash-cpu"].stop()
+        wait_until(lambda: page.js(STATE_OF % "dash-cpu") == "down", timeout=30, interval=0.2)
+        assert page.js(STATE_OF % "dash-gpu") == "up"
+        assert int(page.js("document.getElementById('updated').dataset.refreshes")) > before
+        assert wait_until(lambda: page.js("document.querySelectorAll('#timeline .span').length"), timeout=10)
+        page.screenshot(tmp_path / "dashboard-after-stop.png")
+    finally:
+        release.touch()
+        page.close()
+
+
+def test_loopback_only_unless_allowed(site):
+    dashboard = site[0]
+    with pytest.raises(ConfigError, match="--allow-remote"):
+        check_host("0.0.0.0", allow_remote=False)
+    with pytest.raises(ConfigError, match="SSH tunnel"):
+        check_host("192.0.2.7", allow_remote=False)
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        check_host(host, allow_remote=False)
+    check_host("0.0.0.0", allow_remote=True)
+    # a page elsewhere that rebinds its own name to 127.0.0.1 sends its own Host: refused
+    status, body = get(dashboard.url + "api/peers", host="evil.example:8265")
+    assert status == 403 and b"loopback Host" in body
+    assert get(dashboard.url + "api/peers", host="localhost")[0] == 200
+    assert get(dashboard.url + "nothing-here")[0] == 404
+    status, page = get(dashboard.url)
+    assert status == 200 and b'src="/app.js"' in page and b"http" not in page.split(b"<body>")[0].lower()
+
+
+def test_hostile_status_fields_are_cleaned():
+    bad = "\x1b[31mred\x07" + "x" * 10_000
+    clean = clean_status({
+        "now": math.inf, "load": ["1", None], "slots": True, "draining": "yes",
+        "running": [{"name": bad, "submitter": 7, "device": ["cuda"], "start": 5.0},
+                    {"name": "no start"}, "not a dict", {"name": "t", "start": math.nan}] * 2000,
+        "finished": [{"name": "n", "start": 10.0, "end": 5.0}, {"name": "ok", "start": 1.0, "end": 2.0,
+                                                                  "outcome": "\n" * 50}],
+        "refusals": [{"t": -1}, {"t": 3.0, "code": None, "message": bad}],
+        "actors": {"not": "a list"},
+        "util": {"t": 1.0, "cpu_percent": 1e9, "ram_total_gb": -4, "source": "<script>",
+                 "gpus": [{"index": 0, "util_percent": math.nan, "memory_used_gb": 3}, 5] * 100},
+    })
+    assert clean["now"] is None and clean["busy"] is None and clean["slots"] is None and clean["draining"] is False
+    assert len(clean["running"]) == 1024 // 4  # the newest 1024 entries, a quarter of them usable
+    first = clean["running"][0]
+    assert first["name"].startswith("[31mredxx") and len(first["name"]) == 200
+    assert first["submitter"] == "" and first["device"] == ""
+    assert [t["name"] for t in clean["finished"]] == ["ok"] and clean["finished"][0]["outcome"] == "?"
+    assert len(clean["refusals"]) == 1 and clean["refusals"][0]["code"] == "?"
+    assert len(clean["refusals"][0]["message"]) == 1000 and "\x1b" not in clean["refusals"][0]["message"]
+    assert clean["actors"] == []
+    util = clean["util"]
+    assert util["cpu_percent"] is None and util["ram_total_gb"] is None and util["source"] is None
+    assert len(util["gpus"]) == 32 and util["gpus"][0] == {"index": 0, "util_percent": None, "memory_used_gb": 3.0,
+                                                           "memory_total_gb": None}
+    assert clean_status("garbage")["running"] == [] and clean_status(None)["util"] is None
