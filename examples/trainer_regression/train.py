@@ -25,7 +25,7 @@ class Regressor(glt.Module):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.mse_loss(self.net(x), y)
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, on_epoch=True, on_step=False, prog_bar=True)  # the epoch's mean
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -45,8 +45,8 @@ class PrintEpoch(glt.Callback):
 
     def on_train_epoch_end(self, trainer, module):
         metrics = trainer.callback_metrics
-        self.history.append({"epoch": trainer.current_epoch, "train_loss": metrics["train_loss"],
-                             "val_loss": metrics["val_loss"]})
+        self.history.append({"epoch": trainer.current_epoch, "train_loss": float(metrics["train_loss"]),
+                             "val_loss": float(metrics["val_loss"])})
         print(f"epoch {trainer.current_epoch}: train_loss={metrics['train_loss']:.4f} "
               f"val_loss={metrics['val_loss']:.4f}", flush=True)
 
@@ -69,7 +69,7 @@ def train_fn(accelerator: str = "auto", epochs: int = 8, seed: int = 0) -> dict:
                           enable_progress_bar=False)
     trainer.fit(Regressor(), train, val)
     return {"device": str(trainer.device), "epoch_losses": [e["train_loss"] for e in epochs_cb.history],
-            "val_loss": trainer.callback_metrics["val_loss"]}
+            "val_loss": float(trainer.callback_metrics["val_loss"])}
 
 
 def main() -> None:

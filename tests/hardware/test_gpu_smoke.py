@@ -10,14 +10,21 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 mps = pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs Apple MPS; not present")
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """The Trainers' default logs and checkpoints (lightning_logs/) go to the test's folder."""
+    monkeypatch.chdir(tmp_path)
+
+
 class EpochLosses(glt.Callback):
-    """Keeps each epoch's mean training loss; its state comes back from DDP rank 0 like any callback's."""
+    """Keeps each epoch's last training loss (Regressor logs it on_step, as Lightning's default);
+    its state comes back from DDP rank 0 like any callback's."""
 
     def __init__(self):
         self.losses = []
 
     def on_train_epoch_end(self, trainer, module):
-        self.losses.append(trainer.callback_metrics["train_loss"])
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
     def state_dict(self):
         return {"losses": list(self.losses)}
@@ -70,7 +77,8 @@ def test_cuda_hot_path_never_syncs(precision, optimizer):
     before = glt.host_transfer_count()
     try:
         model, _, losses = fit("cuda", precision, optimizer, epochs=2, callbacks=[SyncGuard()],
-                               log_every_n_steps=4, gradient_clip_val=1.0)
+                               log_every_n_steps=4, gradient_clip_val=1.0, logger=False,
+                               enable_checkpointing=False)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     # 16 steps an epoch: log points + one validation and one training-epoch transfer per epoch
@@ -83,9 +91,9 @@ def test_cuda_checkpoint_resumes_on_cpu(tmp_path):
     saver = glt.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
     _, trainer, _ = fit("cuda", epochs=2, callbacks=[saver])
     cpu_model = Regressor(hidden=64)
-    metrics = glt.Trainer(accelerator="cpu", enable_progress_bar=False).validate(
+    [metrics] = glt.Trainer(accelerator="cpu", enable_progress_bar=False).validate(
         cpu_model, loader(64, seed=1), ckpt_path=saver.last_model_path)
-    assert metrics["val_loss"] == pytest.approx(trainer.callback_metrics["val_loss"], rel=1e-4)
+    assert float(metrics["val_loss"]) == pytest.approx(float(trainer.callback_metrics["val_loss"]), rel=1e-4)
     resumed, cpu_trainer, _ = fit("cpu", epochs=3, ckpt_path=saver.last_model_path)
     assert cpu_trainer.global_step == 48 and next(resumed.parameters()).device.type == "cpu"
 
