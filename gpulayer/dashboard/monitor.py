@@ -178,6 +178,7 @@ def _peer_row(view: PeerView) -> dict[str, Any]:
         else:
             free = None if used is None else max(total - used, 0.0)
         devices.append({"index": index, "total_gb": total, "used_gb": used, "free_gb": free,
+                        "unreserved_gb": s.get("unreserved_gb", {}).get(f"{a.accelerator}:{index}"),
                         "util_percent": gpu.get("util_percent")})
     return {"name": a.name, "peer_id": a.peer_id, "address": view.record.address, "source": view.record.source,
             "accelerator": a.accelerator, "device": a.device_name, "memory_kind": a.memory_kind,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..resources.utilisation import Sample, clean_sample, finite
+from ..resources.utilisation import MAX_GB, Sample, clean_sample, finite
 
 RUNNING_MAX = 1024  # running tasks, actors and devices kept of one reply
 FINISHED_MAX = 1000  # finished tasks kept of one reply
@@ -61,6 +61,14 @@ def _actor(entry: dict[str, Any]) -> dict[str, Any]:
             "slot": number(entry.get("slot"), 0, RUNNING_MAX), "served": number(entry.get("served"), 0, 1e15)}
 
 
+def _unreserved(value: Any) -> dict[str, float]:
+    """Per device name, the GB its running tasks have not reserved."""
+    if not isinstance(value, dict):
+        return {}
+    pairs = ((text(k, 40), number(v, 0, MAX_GB)) for k, v in list(value.items())[:RUNNING_MAX] if isinstance(k, str))
+    return {k: v for k, v in pairs if k and v is not None}
+
+
 def _load(value: Any) -> tuple[float | None, float | None]:
     if not isinstance(value, list) or len(value) < 2:
         return None, None
@@ -83,4 +91,5 @@ def clean_status(msg: Any) -> dict[str, Any]:
         "refusals": [r for e in _entries(msg.get("refusals"), REFUSALS_MAX) if (r := _refusal(e))],
         "actors": [_actor(e) for e in _entries(msg.get("actors"), RUNNING_MAX)],
         "util": util,
+        "unreserved_gb": _unreserved(msg.get("unreserved_gb")),
     }

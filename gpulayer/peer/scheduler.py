@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import shutil
 import sys
@@ -31,6 +32,7 @@ log = logging.getLogger("gpulayer.peer")
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 LOOKAHEAD = 256  # how deep the queue is searched for a task that fits the free slots
+MEMORY_SLACK_GB = 1e-9  # rounding of sums of reserved memory
 
 
 class TaskOwner(Protocol):
@@ -200,6 +202,16 @@ class Scheduler:
         else:
             task.answered = True
 
+    def free_memory(self) -> dict[str, float]:
+        """GB of each GPU device not reserved: its memory less the `gpu_memory_gb` that the tasks and actors
+        holding its slots declared (per device: a devices=N task reserves it on each of its N devices)."""
+        free = {s.device: s.memory_gb for s in self.slots if s.memory_gb is not None}
+        for task in {s.task for s in self.slots if isinstance(s.task, ScheduledTask)}:
+            for device in {s.device for s in task.group}:
+                if device in free:
+                    free[device] -= task.req.gpu_memory_gb or 0.0
+        return free
+
     def _start_queued(self) -> None:
         """Start queued tasks on ready slots, first come first served, honouring device memory.
 
@@ -210,7 +222,8 @@ class Scheduler:
             ready = [s for s in self.slots if s.ready]
             if not ready:
                 return
-            found = next(((t, g) for t in islice(self._queue, LOOKAHEAD) if (g := _group(t.req, ready))), None)
+            free = self.free_memory()
+            found = next(((t, g) for t in islice(self._queue, LOOKAHEAD) if (g := _group(t.req, ready, free))), None)
             if found is None:
                 return
             task, group = found
@@ -412,11 +425,12 @@ def _fits(req: Requirements, slot: Slot) -> bool:
     return req.gpu_memory_gb is None or slot.memory_gb is None or slot.memory_gb >= req.gpu_memory_gb
 
 
-def _group(req: Requirements, ready: list[Slot]) -> list[Slot] | None:
-    """Ready slots for one task: one slot, or `devices` slots on distinct devices; None if too few."""
+def _group(req: Requirements, ready: list[Slot], free: dict[str, float]) -> list[Slot] | None:
+    """Ready slots for one task: one slot, or `devices` slots on distinct devices, each with the task's
+    `gpu_memory_gb` free (not reserved, in `free`); None if too few."""
     chosen: dict[str, Slot] = {}
     for slot in ready:
-        if _fits(req, slot):
+        if _fits(req, slot) and (req.gpu_memory_gb or 0.0) <= free.get(slot.device, math.inf) + MEMORY_SLACK_GB:
             chosen.setdefault(slot.device, slot)
             if len(chosen) == req.devices:
                 return list(chosen.values())

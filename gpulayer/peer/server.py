@@ -209,7 +209,8 @@ class Peer:
                 "done": self.tasks_done, "draining": self._draining, "actors": self.scheduler.actors.rows(),
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
-                **self.scheduler.activity.snapshot(), "util": self.sampler.latest()}
+                **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
+                "unreserved_gb": self.scheduler.free_memory()}
 
     # ---- connections --------------------------------------------------------------------------
 

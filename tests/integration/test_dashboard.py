@@ -90,12 +90,14 @@ def test_api_shows_peers_tasks_timeline_and_refusals(site, tmp_path):
     assert 0 <= gpu["cpu_percent"] <= 100 and gpu["util_age_s"] < 10
 
     release = tmp_path / "release"
-    future = client.submit(hold, (str(release),), req=Requirements.build(accelerator="cuda"))
+    future = client.submit(hold, (str(release),), req=Requirements.build(accelerator="cuda", gpu_memory_gb=20))
     running = wait_until(lambda: [t for t in api(dashboard, "tasks")["running"] if t["name"].endswith("hold")],
                          timeout=30)
     assert running[0]["peer"] == "dash-gpu" and running[0]["submitter"] == "127.0.0.1"
     assert running[0]["device"] == "cuda:0" and running[0]["elapsed_s"] >= 0
-    assert peers_by_name(dashboard)["dash-gpu"]["busy"] in (0, 1)  # the poll may predate the start
+    reserved = wait_until(lambda: peers_by_name(dashboard)["dash-gpu"]["devices"][0]["unreserved_gb"] == 60.0,
+                          timeout=30)  # the 20 GB the running task declared are held back
+    assert reserved
     release.touch()
     assert future.result(30) == "released"
     finished = wait_until(lambda: [t for t in api(dashboard, "tasks")["finished"] if t["name"].endswith("hold")],
@@ -183,14 +185,15 @@ def test_page_in_headless_chromium(site, tmp_path):
     dashboard, client, peers = site
     wait_until(lambda: both_up_and_sampled(dashboard), timeout=60)
     release = tmp_path / "release"
-    future = client.submit(hold, (str(release),), req=Requirements.build(accelerator="cuda"))
+    future = client.submit(hold, (str(release),), req=Requirements.build(accelerator="cuda", gpu_memory_gb=20))
     page = Page(dashboard.url, tmp_path / "chromium-profile")
     try:
         wait_until(lambda: page.js("[...document.querySelectorAll('#running td.task-name')]"
-                                   ".some(td => td.textContent === 'hold')"), timeout=30, interval=0.2)
+                                   ".some(td => td.textContent === 'hold')") and "reserved" in page.js(
+            'document.querySelector(\'tr[data-peer="dash-gpu"] td.memory\').textContent'), timeout=30, interval=0.2)
         assert page.js(STATE_OF % "dash-gpu") == "up" and page.js(STATE_OF % "dash-cpu") == "up"
         gpu_row = page.js('document.querySelector(\'tr[data-peer="dash-gpu"]\').textContent')
-        assert "free of 80 GB dedicated" in gpu_row and "NVIDIA H100 80GB HBM3" in gpu_row
+        assert "free of 80 GB (20 GB reserved) dedicated" in gpu_row and "NVIDIA H100 80GB HBM3" in gpu_row
         cpu_memory = page.js('document.querySelector(\'tr[data-peer="dash-cpu"] td.memory\').textContent')
         assert re.fullmatch(r"[0-9.]+ GB host, [0-9.]+ GB free", cpu_memory), cpu_memory
         running = page.js("[...document.querySelectorAll('#running tr.task')].map(tr => tr.textContent)")
@@ -242,6 +245,7 @@ def test_hostile_status_fields_are_cleaned():
                                                                   "outcome": "\n" * 50}],
         "refusals": [{"t": -1}, {"t": 3.0, "code": None, "message": bad}],
         "actors": {"not": "a list"},
+        "unreserved_gb": {"cuda:0": 8.0, "cuda:1": -3, "\x00": 1.0, 5: 2.0, "cuda:2": "x"},
         "util": {"t": 1.0, "cpu_percent": 1e9, "ram_total_gb": -4, "source": "<script>",
                  "gpus": [{"index": 0, "util_percent": math.nan, "memory_used_gb": 3}, 5] * 100},
     })
@@ -253,7 +257,7 @@ def test_hostile_status_fields_are_cleaned():
     assert [t["name"] for t in clean["finished"]] == ["ok"] and clean["finished"][0]["outcome"] == "?"
     assert len(clean["refusals"]) == 1 and clean["refusals"][0]["code"] == "?"
     assert len(clean["refusals"][0]["message"]) == 1000 and "\x1b" not in clean["refusals"][0]["message"]
-    assert clean["actors"] == []
+    assert clean["actors"] == [] and clean["unreserved_gb"] == {"cuda:0": 8.0}
     util = clean["util"]
     assert util["cpu_percent"] is None and util["ram_total_gb"] is None and util["source"] is None
     assert len(util["gpus"]) == 32 and util["gpus"][0] == {"index": 0, "util_percent": None, "memory_used_gb": 3.0,

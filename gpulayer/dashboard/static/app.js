@@ -26,7 +26,9 @@ function bar(percent) {
 
 function memoryText(peer) {
   if (!peer.devices.length) return gb(peer.ram_gb) + " host, " + gb(peer.ram_available_gb) + " free";
-  return peer.devices.map(d => gb(d.free_gb) + " free of " + gb(d.total_gb)).join("; ") + " " + peer.memory_kind;
+  return peer.devices.map(d => gb(d.free_gb) + " free of " + gb(d.total_gb) +
+    (d.unreserved_gb !== null && d.unreserved_gb < d.total_gb ? " (" + gb(d.total_gb - d.unreserved_gb) + " reserved)" : "")
+  ).join("; ") + " " + peer.memory_kind;
 }
 
 function renderPeers(peers) {
