@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from . import wire
-from .client.actors import ActorHandle, ActorSpec, create, lan_client
+from .client.actors import ActorHandle, ActorSpec
 from .options import TaskOptions
 
 ACTOR_OPTIONS = ("max_concurrency", "restarts")
@@ -57,7 +57,9 @@ class ActorClass:
         p = self._parsed
         spec = ActorSpec(self.__gpulayer_class__, args, kwargs, p.requirements, p.timeout, p.retries, p.env,
                          self._concurrency, self._restarts)
-        return create(lan_client(), spec)
+        from .api import default_client
+
+        return default_client().create_actor(spec)  # on a LAN peer, or a Ray actor
 
     def options(self, **overrides: Any) -> ActorClass:
         """A copy with some options replaced, e.g. Generator.options(accelerator="cuda")."""

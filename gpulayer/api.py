@@ -18,7 +18,6 @@ from typing import Any
 
 from .backends.base import Backend, make
 from .actor_class import ActorClass
-from .client.actors import lan_client, live_actors
 from .options import TaskOptions, split_call
 
 _client: Backend | None = None
@@ -130,7 +129,7 @@ def _remote(obj: Any, options: dict[str, Any]) -> RemoteFunction | ActorClass:
 
 def actors() -> list[dict[str, Any]]:
     """This submitter's live actors (actor id, class, peer, address, slot, calls served, calls pending)."""
-    return live_actors(lan_client())
+    return default_client().live_actors()
 
 
 def peers(wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]:

@@ -2,8 +2,9 @@
 
 The LAN backend is `gpulayer.client.Client`; `gpulayer.backends.ray.RayBackend` runs the same
 calls on a Ray cluster. Both take validated Requirements and execution options and return
-concurrent.futures.Future objects with `stdout`, `stderr` and `peer`. Actors are the next
-method of this boundary (`actor(cls, args, kwargs, req=...)`), once the LAN backend has them.
+concurrent.futures.Future objects with `stdout`, `stderr` and `peer`; an actor is created from
+its ActorSpec, and its handle answers `handle.method(...)`, `.submit`, `.options(timeout=)` and
+`close()` on either.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError
 from ..matching import Requirements
+
+if TYPE_CHECKING:
+    from ..client.actors import ActorSpec
 
 LAN, RAY = "lan", "ray"
 BACKENDS = (LAN, RAY)
@@ -32,6 +36,10 @@ class Backend(Protocol):
 
     def map(self, fn: Callable[[Any], Any], items: list[Any], *, req: Requirements, timeout: float | None = None,
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]: ...
+
+    def create_actor(self, spec: ActorSpec) -> Future[Any]: ...
+
+    def live_actors(self) -> list[dict[str, Any]]: ...
 
     def peers(self, wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]: ...
 

@@ -14,6 +14,8 @@ Ray worker, `_execute` sets GPULAYER_DEVICE and GPULAYER_PEER_NAME, captures std
 (replayed here when the task ends) and packs exceptions as a LAN worker does. A task with a
 timeout runs as a streaming generator whose first item says it started: its deadline counts
 from then, and past it the task is cancelled with `ray.cancel(force=True)` (TaskTimeout).
+An actor class becomes a Ray actor (`ActorHost`) holding the same resources for its life;
+`RayActorHandle` answers as the LAN's ActorHandle does.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -39,7 +41,8 @@ from packaging.version import InvalidVersion, Version
 from .. import remote_exceptions, serialization
 from ..accelerators import CPU, CUDA, DISTRIBUTED, ENV_DEVICE, GPU, HOST_MEMORY, MEMORY_KIND, MPS, UNSUPPORTED
 from ..client import inference
-from ..errors import ConfigError, NoMatchingPeer, PeerLost, RemoteError, TaskTimeout, WorkerDied
+from ..client.actors import ActorMethod, ActorSpec
+from ..errors import ActorDied, ConfigError, NoMatchingPeer, PeerLost, RemoteError, TaskTimeout, WorkerDied
 from ..matching import Requirements, match
 from ..options import check_retries, check_timeout
 from ..peer.worker import task_environment
@@ -240,34 +243,80 @@ def _device(accelerator: str) -> str:
 Outcome = tuple[str, Any, str, str, str]  # (kind, payload, node name, stdout, stderr)
 
 
-def _execute(fn_bytes: bytes, data: bytes, buffers: list[bytes], accelerator: str,
-             frameworks: list[tuple[str, str]]) -> Outcome:
-    """Runs in a Ray worker: the task, with the device env and captured output; never raises."""
+def _node_name() -> str:
     import ray
 
     context = ray.get_runtime_context()
-    name = str(context.get_node_labels().get(LABEL + "name") or context.get_node_id()[:8])
-    refused = _missing_frameworks(frameworks)
-    if refused:
-        return "no-match", refused, name, "", ""
+    return str(context.get_node_labels().get(LABEL + "name") or context.get_node_id()[:8])
+
+
+def _captured(name: str, run: Callable[[], Any]) -> Outcome:
+    """run() with its output captured and its result (or exception) packed as a LAN worker packs them."""
     out, err = io.StringIO(), io.StringIO()
     outcome: tuple[str, Any]
-    with task_environment({ENV_DEVICE: _device(accelerator), "GPULAYER_PEER_NAME": name}), \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            fn = serialization.loads(fn_bytes)
-            args, kwargs = serialization.loads(data, buffers)
-            result, oob = serialization.dumps(fn(*args, **kwargs))
+            result, oob = serialization.dumps(run())
             outcome = "ok", (result, [bytes(b) for b in oob])
         except (Exception, SystemExit) as exc:
-            outcome = "error", remote_exceptions.pack(exc, skip_frames=1)
+            outcome = "error", remote_exceptions.pack(exc, skip_frames=2)  # not _captured's and run's frames
     return (*outcome, name, out.getvalue(), err.getvalue())
+
+
+def _refusal(name: str, frameworks: list[tuple[str, str]]) -> Outcome | None:
+    refused = _missing_frameworks(frameworks)
+    return ("no-match", refused, name, "", "") if refused else None
+
+
+def _execute(fn_bytes: bytes, data: bytes, buffers: list[bytes], accelerator: str,
+             frameworks: list[tuple[str, str]]) -> Outcome:
+    """Runs in a Ray worker: the task, with the device env and captured output; never raises."""
+    name = _node_name()
+
+    def run() -> Any:
+        args, kwargs = serialization.loads(data, buffers)
+        return serialization.loads(fn_bytes)(*args, **kwargs)
+
+    with task_environment({ENV_DEVICE: _device(accelerator), "GPULAYER_PEER_NAME": name}):
+        return _refusal(name, frameworks) or _captured(name, run)
 
 
 def _execute_timed(*call: Any) -> Iterator[Any]:
     """A timed task: says it started (so that the submitter starts its clock), then its outcome."""
     yield STARTED
     yield _execute(*call)
+
+
+class ActorHost:
+    """Runs as a Ray actor: the user's instance, built with the device env (the actor's process is its
+    own); its calls run as tasks do, output captured and exceptions packed."""
+
+    def __init__(self, cls_bytes: bytes, data: bytes, buffers: list[bytes], accelerator: str,
+                 frameworks: list[tuple[str, str]]):
+        self.name = _node_name()
+        os.environ.update({ENV_DEVICE: _device(accelerator), "GPULAYER_PEER_NAME": self.name})
+        self.instance: Any = None
+
+        def build() -> None:
+            args, kwargs = serialization.loads(data, buffers)
+            self.instance = serialization.loads(cls_bytes)(*args, **kwargs)
+
+        self.created = _refusal(self.name, frameworks) or _captured(self.name, build)
+
+    def ready(self) -> Outcome:
+        """How the constructor went."""
+        return self.created
+
+    def call(self, method: str, data: bytes, buffers: list[bytes]) -> Outcome:
+        def run() -> Any:
+            args, kwargs = serialization.loads(data, buffers)
+            return getattr(self.instance, method)(*args, **kwargs)
+
+        return _captured(self.name, run)
+
+    def call_timed(self, method: str, data: bytes, buffers: list[bytes]) -> Iterator[Any]:
+        yield STARTED
+        yield self.call(method, data, buffers)
 
 
 # ---- the submitter's side ----------------------------------------------------------------------------
@@ -303,6 +352,8 @@ class RayTask:
     echo_output: bool
     ref: Any = None
     deadline: float | None = None
+    kill: Callable[[], None] | None = None  # how to stop it (default: ray.cancel(force=True))
+    then: Callable[[Any], Any] | None = None  # the future's result from the task's (default: the same)
     future: RayFuture = field(init=False)
 
     def __post_init__(self) -> None:
@@ -313,7 +364,9 @@ class RayTask:
         return self.future.done()
 
     def stop(self) -> None:
-        if self.ref is not None:
+        if self.kill is not None:
+            self.kill()
+        elif self.ref is not None:
             _ray().cancel(self.ref, force=True)
 
     def complete(self, result: Any = None, exc: BaseException | None = None) -> None:
@@ -340,7 +393,7 @@ class RayTask:
             except Exception as exc:
                 self.complete(exc=RemoteError(type(exc).__name__, f"the result could not be unpickled here: {exc}", ""))
             else:
-                self.complete(result)
+                self.complete(self.then(result) if self.then else result)
         elif kind == "error":
             self.complete(exc=remote_exceptions.rebuild(payload))
         else:
@@ -355,6 +408,8 @@ def _gpulayer_error(exc: BaseException) -> BaseException:
     """Ray's failure of a task as the LAN backend reports it."""
     from ray import exceptions as rx
 
+    if isinstance(exc, rx.RayActorError):
+        return ActorDied(f"the Ray actor is gone: {exc}")
     if isinstance(exc, rx.TaskCancelledError):
         return CancelledError(str(exc))
     if isinstance(exc, rx.WorkerCrashedError):
@@ -364,6 +419,66 @@ def _gpulayer_error(exc: BaseException) -> BaseException:
     if isinstance(exc, rx.RayTaskError):
         return RemoteError(type(exc.cause).__name__ if exc.cause else "RayTaskError", str(exc), exc.traceback_str)
     return RemoteError(type(exc).__name__, str(exc), "")
+
+
+class RayActorHandle:
+    """A live Ray actor, as the LAN's ActorHandle: `handle.method(...)` runs the method there,
+    `handle.method.submit(...)` returns a future, `.options(timeout=)` bounds a call (past it the
+    actor is killed); `close()` (or leaving a `with` block) ends it."""
+
+    def __init__(self, backend: RayBackend, actor: Any, class_name: str, req: Requirements):
+        self._backend = backend
+        self._actor = actor
+        self.class_name = class_name
+        self.req = req
+        self.actor_id: str = actor._actor_id.hex()
+        self.peer: str | None = None
+        self.calls = 0  # calls sent
+        self._dead: str | None = None
+
+    def __getattr__(self, name: str) -> ActorMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return ActorMethod(self, name)  # type: ignore[arg-type]  # it needs only call()
+
+    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None) -> RayFuture:
+        """Send one method call; its future resolves with the method's result (or raises its exception)."""
+        if self._dead is not None:
+            raise ActorDied(f"actor {self.class_name} {self.actor_id[:8]}: {self._dead}")
+        data, buffers = serialization.dumps((args, kwargs))
+        self.calls += 1
+        return self._backend.call_actor(self, method, (method, data, [bytes(b) for b in buffers]), timeout)
+
+    def died(self, reason: str) -> None:
+        """The actor is gone (closed, or killed past a call's timeout): later calls raise ActorDied."""
+        if self._dead is None:
+            self._dead = reason
+            _ray().kill(self._actor, no_restart=True)
+        self._backend.actors.pop(self.actor_id, None)
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def close(self) -> None:
+        """End the actor and free what it holds on its node."""
+        self.died("the actor was closed")
+
+    def __enter__(self) -> RayActorHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "" if self._dead is None else f", ended: {self._dead}"
+        return f"<ray actor {self.class_name} {self.actor_id[:8]} on {self.peer}{state}>"
+
+
+def _end_unless_created(handle: RayActorHandle, creation: Future[Any]) -> None:
+    """A failed or cancelled constructor leaves no actor behind holding its node's resources."""
+    if creation.cancelled() or creation.exception() is not None:
+        handle.died("its constructor did not complete")
 
 
 class RayBackend:
@@ -379,12 +494,15 @@ class RayBackend:
                      **(init_options or {}))
         self._run = ray.remote(_execute)
         self._run_timed = ray.remote(_execute_timed)
+        self._host = ray.remote(ActorHost)
+        self.actors: dict[str, RayActorHandle] = {}  # the live actors this submitter created
         self._plans: dict[Requirements, Plan] = {}
         self._timed: dict[int, RayTask] = {}  # id(generator) -> task
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._settling = ThreadPoolExecutor(1, thread_name_prefix="gpulayer-ray-results")
 
     @property
     def closed(self) -> bool:
@@ -413,13 +531,62 @@ class RayBackend:
             options["runtime_env"] = {"env_vars": env}  # a worker started with them, as the LAN's one-off workers
         call = (fn_bytes, data, [bytes(b) for b in buffers], chosen.accelerator, list(req.frameworks))
         task = RayTask(getattr(fn, "__qualname__", type(fn).__name__), req, timeout, self.echo_output)
-        if timeout is None:
-            task.ref = self._run.options(**options).remote(*call)
-            task.ref.future().add_done_callback(lambda done: self._finished(task, done))
+        task.ref = (self._run if timeout is None else self._run_timed).options(**options).remote(*call)
+        return self._start(task)
+
+    def _start(self, task: RayTask) -> RayFuture:
+        """Resolve the task when its reference does: at once, or through the watcher of deadlines."""
+        if task.timeout is None:
+            # settled on a thread of ours: Ray's callback thread must not block, and a future's
+            # callbacks (the user's too) may call Ray (ray.kill there never returns)
+            task.ref.future().add_done_callback(lambda done: self._settling.submit(self._finished, task, done))
         else:
-            task.ref = self._run_timed.options(**options).remote(*call)
             self._watch(task)
         return task.future
+
+    # ---- actors -------------------------------------------------------------------------------
+
+    def create_actor(self, spec: ActorSpec) -> RayFuture:
+        """A Ray actor holding the task's resources for its life (`restarts` as Ray's max_restarts);
+        the future's result is its handle once the constructor ran. A constructor timeout counts
+        from here."""
+        cls_bytes = serialization.dumps(spec.cls)[0]
+        data, buffers = serialization.dumps((tuple(spec.args), spec.kwargs))
+        req = inference.with_inferred(spec.req, spec.cls, cls_bytes, data)
+        chosen = self._plan(req)
+        options = {**chosen.options, "max_concurrency": spec.concurrency, "max_restarts": spec.restarts}
+        if spec.env:
+            options["runtime_env"] = {"env_vars": spec.env}
+        actor = self._host.options(**options).remote(cls_bytes, data, [bytes(b) for b in buffers],
+                                                     chosen.accelerator, list(req.frameworks))
+        handle = RayActorHandle(self, actor, spec.name, req)
+
+        def created(_: Any) -> RayActorHandle:
+            handle.peer = task.future.peer
+            self.actors[handle.actor_id] = handle
+            return handle
+
+        task = RayTask(spec.name, req, spec.timeout, self.echo_output, ref=actor.ready.remote(),
+                       kill=lambda: handle.died("its constructor ran past its timeout"), then=created)
+        if spec.timeout is not None:
+            task.deadline = time.monotonic() + spec.timeout
+        future = self._start(task)
+        future.add_done_callback(lambda done: _end_unless_created(handle, done))
+        return future
+
+    def call_actor(self, handle: RayActorHandle, method: str, call: tuple[str, bytes, list[bytes]],
+                   timeout: float | None) -> RayFuture:
+        """One method call on `handle`'s actor; past `timeout` (from its start) the actor is killed."""
+        actor = handle._actor
+        task = RayTask(method, handle.req, timeout, self.echo_output,
+                       kill=lambda: handle.died(f"its call {method} ran past its timeout"))
+        task.ref = (actor.call if timeout is None else actor.call_timed).remote(*call)
+        return self._start(task)
+
+    def live_actors(self) -> list[dict[str, Any]]:
+        """This submitter's live actors, as `gl.actors()` lists them (slot and counts Ray does not report)."""
+        return [{"actor": h.actor_id, "class": h.class_name, "peer": h.peer, "address": "ray", "slot": None,
+                 "calls": h.calls, "pending": None} for h in list(self.actors.values())]
 
     @staticmethod
     def _finished(task: RayTask, done: Future[Any]) -> None:
@@ -490,7 +657,7 @@ class RayBackend:
         """The next item of a timed task's stream: its start, or its outcome."""
         ray = _ray()
         try:
-            item = ray.get(next(task.ref))
+            item = ray.get(next(task.ref) if isinstance(task.ref, ray.ObjectRefGenerator) else task.ref)
         except StopIteration:
             task.fail(PeerLost("the Ray task ended without an outcome"))
         except Exception as exc:
@@ -504,10 +671,9 @@ class RayBackend:
 
     @staticmethod
     def _expire(task: RayTask) -> None:
-        timeout = task.timeout
-        _ray().cancel(task.ref, force=True)
-        task.complete(exc=TaskTimeout(f"task {task.name} ran past its timeout of {timeout:g} s on Ray; "
-                                      "its worker was killed (ray.cancel(force=True))"))
+        task.stop()
+        task.complete(exc=TaskTimeout(f"task {task.name} ran past its timeout of {task.timeout:g} s on Ray; "
+                                      "its worker was killed"))
 
     # ---- inspection and shutdown --------------------------------------------------------------
 
@@ -531,5 +697,8 @@ class RayBackend:
             return
         self._closed.set()
         self._wake.set()
+        for handle in list(self.actors.values()):
+            handle.close()
+        self._settling.shutdown(wait=False, cancel_futures=True)
         if self._owns_ray:
             _ray().shutdown()

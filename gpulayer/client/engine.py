@@ -529,6 +529,18 @@ class Client:
                 row["state"], row["error"] = "down", str(exc)
         return row
 
+    def create_actor(self, spec: Any) -> TaskFuture:
+        """Place an actor (client/actors.py ActorSpec) on a matching peer; the future's result is its handle."""
+        from .actors import create
+
+        return create(self, spec)
+
+    def live_actors(self) -> list[dict[str, Any]]:
+        """This submitter's live actors, as their peers report them."""
+        from .actors import live_actors
+
+        return live_actors(self)
+
     def close(self) -> None:
         if self._closed.is_set():
             return

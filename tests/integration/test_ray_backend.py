@@ -294,3 +294,54 @@ def test_the_environment_picks_the_ray_backend(cluster, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gpulayer", "peers"], capture_output=True, text=True, timeout=60,
                          env={**env, "GPULAYER_BACKEND": "dask"}, cwd=tmp_path)
     assert bad.returncode == 1 and "backend must be one of lan, ray, not 'dask'" in bad.stderr
+
+
+@gl.remote(accelerator="mps")
+class Counter:
+    def __init__(self, start: int):
+        self.n = start
+
+    def add(self, k: int = 1) -> int:
+        self.n += k
+        print(f"now {self.n}")
+        return self.n
+
+    def where(self) -> tuple[str, str, str]:
+        return where()
+
+    def fail(self) -> None:
+        raise KeyError("nope")
+
+    def nap(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_actors_are_ray_actors_with_the_lan_handle(cluster):
+    with Counter(10) as counter:
+        assert counter.add() == 11 and counter.add(5) == 16  # state kept, calls in order
+        future = counter.add.submit(1)
+        assert future.result(timeout=60) == 17 and future.stdout == "now 17\n"
+        assert counter.where()[:2] == ("ray-mps", "mps") and counter.peer == "ray-mps"
+        with pytest.raises(KeyError, match="nope"):
+            counter.fail()
+        assert [(row["class"], row["peer"]) for row in gl.actors()] == [("Counter", "ray-mps")]
+    assert not counter.alive and gl.actors() == []
+    with pytest.raises(gl.ActorDied):
+        counter.add()
+
+
+def test_an_actor_call_past_its_timeout_ends_the_actor(cluster):
+    counter = Counter(0)
+    with pytest.raises(gl.TaskTimeout):
+        counter.nap.options(timeout=1)(600)
+    assert not counter.alive
+    with pytest.raises(gl.ActorDied):
+        counter.add()
+
+
+def test_an_actor_that_fits_no_node_or_fails_to_start_holds_nothing(cluster):
+    with pytest.raises(gl.NoMatchingPeer, match="needs 100 GB of GPU memory"):
+        Counter.options(accelerator="cuda", gpu_memory_gb=100)(0)
+    with pytest.raises(TypeError, match="start"):
+        Counter()  # the constructor raises in the actor
+    assert gl.run(square, 2, accelerator="mps") == 4  # the failed actor let go of the Mac node
