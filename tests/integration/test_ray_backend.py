@@ -255,6 +255,7 @@ def test_every_ray_process_listens_and_talks_on_loopback_only(cluster):
     session = Path(cluster.head_node.get_session_dir_path()).name
     pids = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, session)]
     assert len(pids) >= 3
+    pids.append(str(os.getpid()))  # the driver: this process
     inodes = set()
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").glob("*"):
@@ -345,3 +346,9 @@ def test_an_actor_that_fits_no_node_or_fails_to_start_holds_nothing(cluster):
     with pytest.raises(TypeError, match="start"):
         Counter()  # the constructor raises in the actor
     assert gl.run(square, 2, accelerator="mps") == 4  # the failed actor let go of the Mac node
+
+
+def test_without_ray_the_backend_says_what_to_install(tmp_path):
+    code = "import sys; sys.modules['ray'] = None; import gpulayer as gl; gl.configure(backend='ray')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 1 and 'the ray backend needs Ray: pip install "gpulayer[ray]"' in out.stderr
