@@ -179,8 +179,8 @@ class Actors:
         for actor in self.live.values():
             if actor.owner is owner:
                 actor.owner = None
-                if last:
-                    actor.grace = loop.call_later(self.grace, self._orphaned, actor)
+            if last and actor.client == owner.client and actor.grace is None:
+                actor.grace = loop.call_later(self.grace, self._orphaned, actor)
 
     def connected(self, owner: CallOwner) -> None:
         """A submitter (re)connected: it owns its actors again."""

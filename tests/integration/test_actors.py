@@ -390,3 +390,16 @@ def test_the_inference_examples_serve_many_calls_from_one_model(peer, cluster_ke
                          text=True, timeout=240, env={**os.environ, "GPULAYER_KEY": cluster_key})
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"actor on peer home \(.*cpu\): (80|40) calls served", out.stdout), out.stdout
+
+
+def test_a_peer_that_stops_ends_its_actors_without_waiting_for_them(peer_factory, cluster_key, peer):
+    stopping = peer_factory("stopping", "--concurrency", "1", key=cluster_key)
+    rec = Recorder.options(peer="stopping")()
+    pending = rec.sleep.submit(60)
+    started = time.monotonic()
+    assert stopping.stop(timeout=30) == 0  # SIGTERM: drains tasks, not actors
+    assert time.monotonic() - started < 20
+    with pytest.raises(gl.ActorDied, match="shut down"):
+        pending.result(30)
+    with pytest.raises(gl.ActorDied):
+        rec.history()
