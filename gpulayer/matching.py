@@ -35,6 +35,7 @@ _BACKENDS = {
     ("mlx", CUDA): "mlx.cuda",
     ("mlx", CPU): "mlx.cpu",
 }
+MEMORY_SLACK_GB = 1e-9  # rounding of sums of memory figures
 _NAMES = ", ".join(c for c in ACCELERATOR_CHOICES if c)  # "cpu, cuda, mps, gpu"
 _GPU_NAMES = " or ".join(GPU_KINDS)  # "cuda or mps"
 
@@ -262,17 +263,20 @@ def _version_ok(version: str, spec: str) -> bool:
 
 
 def rank_key(req: Requirements, advert: Advert, load: float, latency: float = 0.0,
-             verified: bool = True) -> tuple[Any, ...]:
+             verified: bool = True, free_gb: float | None = None) -> tuple[Any, ...]:
     """Sort key among matching peers; smaller is better.
 
-    GPU tasks: least loaded (busy + queued per slot), then the smallest memory that fits,
-    then a verified advert, then the lowest latency. CPU and unplaced tasks: a free slot
-    first, then a peer without a GPU (so GPUs stay free), then the least loaded, then a
-    verified advert, then the lowest latency. A verified advert came through a handshake;
-    an unverified one (mDNS, the cache) is a hint that the handshake checks before any task.
+    GPU tasks: a peer where the task's `gpu_memory_gb` is free now (by the peer's last report,
+    `free_gb`; unknown counts as free), then the least loaded (busy + queued per slot), then the
+    smallest memory that fits, then a verified advert, then the lowest latency. CPU and unplaced
+    tasks: a free slot first, then a peer without a GPU (so GPUs stay free), then the least
+    loaded, then a verified advert, then the lowest latency. A verified advert came through a
+    handshake; an unverified one (mDNS, the cache) is a hint that the handshake checks before any task.
     """
     ratio = load / max(advert.slots, 1)
     if is_gpu(_backend(req, advert)):
-        fits = [m for m in advert.device_memory_gb if m >= (req.gpu_memory_gb or 0.0)]
-        return (ratio, min(fits, default=0.0), not verified, latency)
+        need = req.gpu_memory_gb or 0.0
+        waits = free_gb is not None and free_gb + MEMORY_SLACK_GB < need
+        fits = [m for m in advert.device_memory_gb if m >= need]
+        return (waits, ratio, min(fits, default=0.0), not verified, latency)
     return (load >= advert.slots, advert.has_gpu, ratio, not verified, latency)

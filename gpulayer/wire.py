@@ -39,7 +39,7 @@ MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RE
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
-# STATUS and PING; "load" ([busy, queued]) rides on the peer's replies.
+# STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
 Message = dict[str, Any]  # any decoded message: check "t" before reading the rest
 
 
@@ -50,6 +50,7 @@ class Envelope(TypedDict, total=False):
     nb: int  # how many out-of-band buffer frames follow
     id: int | None
     load: list[int]
+    free: float  # on a GPU peer's replies: the most GB one task may take now on one device
 
 
 class _SubmitOptions(TypedDict, total=False):
@@ -187,8 +188,8 @@ def check_concurrency(value: Any) -> int:
     return value
 
 
-def reject(task_id: int | None, code: str, message: str, load: list[int]) -> RejectMessage:
-    return {"t": REJECT, "id": task_id, "code": code, "message": message, "load": load}
+def reject(task_id: int | None, code: str, message: str) -> RejectMessage:
+    return {"t": REJECT, "id": task_id, "code": code, "message": message}
 
 
 def log(task_id: int, stream: str, data: bytes) -> LogMessage:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from .. import wire
 from ..errors import PeerLost, ProtocolError
 from ..resources.model import Advert
+from ..resources.utilisation import MAX_GB, finite
 
 CONNECT_TIMEOUT = 2.0
 
@@ -60,6 +61,7 @@ class PeerConnection:
         self.send_error = ""
         self.load: tuple[int, ...] = (0, 0)
         self._load_base = 0
+        self.free: float | None = None  # GB one task may take now on the peer's best device, at its last report
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards pending, closed and the waiters
         self._send_lock = threading.Lock()
@@ -167,6 +169,7 @@ class PeerConnection:
         if isinstance(msg.get("load"), list):
             self.load = tuple(msg["load"][:2])
             self._load_base = len(self.pending)
+            self.free = finite(msg.get("free"), 0, MAX_GB)
         if kind in (wire.PONG, wire.STATUS):
             waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
             if waiter is not None and not waiter.done():

@@ -213,9 +213,9 @@ class Client:
         """Slots of all the matching peers that are up."""
         return self.placement.total_slots(req)
 
-    def _live_load(self, peer_id: str) -> tuple[int, float] | None:
+    def _live_load(self, peer_id: str) -> tuple[int, float, float | None] | None:
         conn = self._connections.get(peer_id)
-        return None if conn is None else (conn.estimated_load, conn.latency)
+        return None if conn is None else (conn.estimated_load, conn.latency, conn.free)
 
     # ---- placing tasks ----------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from typing import Any
 from ..discovery import Directory, PeerRecord
 from ..matching import Requirements, match, rank_key
 
-# A peer's live load and handshake latency, when the engine has a connection to it.
-LoadOf = Callable[[str], "tuple[int, float] | None"]
+# A peer's live load, handshake latency and free GB (None: not reported), when the engine has a connection to it.
+LoadOf = Callable[[str], "tuple[int, float, float | None] | None"]
 
 
 class Placement:
@@ -50,8 +50,8 @@ class Placement:
 
     def rank(self, req: Requirements, record: PeerRecord) -> tuple[Any, ...]:
         live = self._load_of(record.advert.peer_id)
-        load, latency = live if live is not None else (0, 1.0)
-        return rank_key(req, record.advert, load, latency, record.verified)
+        load, latency, free = live if live is not None else (0, 1.0, None)
+        return rank_key(req, record.advert, load, latency, record.verified, free)
 
     def reasons(self, req: Requirements, excluded: Collection[str] = ()) -> dict[str, list[str]]:
         """Why each known peer is not a candidate, for NoMatchingPeer."""

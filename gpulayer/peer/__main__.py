@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-file", default=None, help="cluster key file (default: ~/.config/gpulayer/key)")
     parser.add_argument("--advertise-override", metavar="FILE", default=None,
                         help="JSON file replacing detected resources (operators and tests; see docs)")
+    parser.add_argument("--measured-from", metavar="FILE", default=None,
+                        help="JSON file of recorded utilisation readings used instead of measuring (tests; see docs)")
     parser.add_argument("--preload", default=None,
                         help="comma-separated modules each worker imports at start (default: the GPU frameworks)")
     parser.add_argument("--env", action="append", default=[], type=env_assignment, metavar="NAME=VALUE",
@@ -85,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         advertise=not args.no_mdns,
         drain_timeout=args.drain_timeout,
         workdir=args.workdir,
+        measured_from=args.measured_from,
     )
 
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -23,8 +24,9 @@ from typing import Any, Protocol
 from .. import accelerators, wire
 from .activity import Activity
 from ..errors import WorkerDied
-from ..matching import Requirements
+from ..matching import MEMORY_SLACK_GB, Requirements
 from ..resources.model import Resources
+from ..resources.utilisation import Sample
 from .actors import Actor, Actors, CallOwner, grace_from_env, new_actor_id
 from .workers import Slot, Worker, describe_exit, job_pythonpath, read_at_load
 
@@ -32,7 +34,7 @@ log = logging.getLogger("gpulayer.peer")
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 LOOKAHEAD = 256  # how deep the queue is searched for a task that fits the free slots
-MEMORY_SLACK_GB = 1e-9  # rounding of sums of reserved memory
+MEASURE_MAX_AGE_S = 5.0  # an older measurement of free memory is not used (the sampler runs at 1 Hz)
 
 
 class TaskOwner(Protocol):
@@ -88,7 +90,8 @@ def plan_slots(res: Resources, concurrency: int | None) -> list[Slot]:
         else:
             env = {accelerators.ENV_DEVICE: accelerators.MPS}
         env[accelerators.ENV_DEVICE_INDEX] = str(gpu.index)
-        slots += [Slot(len(slots) + i, f"{gpu.kind}:{gpu.index}", gpu.memory_gb, env) for i in range(concurrency or 1)]
+        slots += [Slot(len(slots) + i, f"{gpu.kind}:{gpu.index}", gpu.memory_gb, env,
+                       unified=gpu.memory_kind == accelerators.UNIFIED) for i in range(concurrency or 1)]
     return slots
 
 
@@ -116,6 +119,7 @@ class Scheduler:
         self.activity = Activity()  # running and finished tasks, for STATUS
         self.stopping = False
         self._queue: deque[ScheduledTask] = deque()
+        self.measured: Sample | None = None  # the last measured utilisation (`measure`)
         self.actors = Actors(self._free_actor_slot, grace_from_env())
         self._background: set[asyncio.Task[Any]] = set()
         self._pythonpath = job_pythonpath(python)
@@ -172,6 +176,15 @@ class Scheduler:
     def load(self) -> list[int]:
         return [self.busy, len(self._queue)]
 
+    def report(self, msg: wire.Outgoing) -> wire.Outgoing:
+        """Add what a reply tells the submitter about this peer: its "load" and, on a GPU peer, its
+        "free" GB (the most that one task may take now on one device, `available_memory`)."""
+        msg["load"] = self.load()
+        free = self.available_memory()
+        if free:
+            msg["free"] = round(max(free.values()), 3)
+        return msg
+
     # ---- tasks --------------------------------------------------------------------------------
 
     def enqueue(self, task: ScheduledTask) -> bool:
@@ -212,6 +225,21 @@ class Scheduler:
                     free[device] -= task.req.gpu_memory_gb or 0.0
         return free
 
+    def available_memory(self) -> dict[str, float]:
+        """GB of each GPU device a task may take now: the unreserved memory (`free_memory`), or less
+        where the last measurement (`measure`) finds less free. Memory in use beyond what running
+        tasks declared (other programs, a task using more than it asked for) so holds tasks back."""
+        free = self.free_memory()
+        for device, measured in measured_free(self.slots, self.measured).items():
+            if device in free:
+                free[device] = min(free[device], measured)
+        return free
+
+    def measure(self, sample: Sample) -> None:
+        """Take a new measurement of the devices' memory, and start what it lets start."""
+        self.measured = sample
+        self._start_queued()
+
     def _start_queued(self) -> None:
         """Start queued tasks on ready slots, first come first served, honouring device memory.
 
@@ -222,7 +250,7 @@ class Scheduler:
             ready = [s for s in self.slots if s.ready]
             if not ready:
                 return
-            free = self.free_memory()
+            free = self.available_memory()
             found = next(((t, g) for t in islice(self._queue, LOOKAHEAD) if (g := _group(t.req, ready, free))), None)
             if found is None:
                 return
@@ -307,8 +335,7 @@ class Scheduler:
         self.tasks_done += 1
         self.activity.ended(task, reply)
         reply["id"] = task.client_id
-        reply["load"] = self.load()
-        task.owner.task_done(task, reply, buffers or [])
+        task.owner.task_done(task, self.report(reply), buffers or [])
 
     # ---- workers ------------------------------------------------------------------------------
 
@@ -435,6 +462,26 @@ def _group(req: Requirements, ready: list[Slot], free: dict[str, float]) -> list
             if len(chosen) == req.devices:
                 return list(chosen.values())
     return None
+
+
+def measured_free(slots: list[Slot], sample: Sample | None, max_age: float = MEASURE_MAX_AGE_S) -> dict[str, float]:
+    """GB free on each GPU device of `slots` as `sample` measured it: a dedicated GPU's memory less what
+    NVML finds in use; a unified one the memory the system has available, where a GPU source (NVML,
+    ioreg) measured this machine. Devices without a reading, and a sample older than `max_age`
+    seconds, say nothing (so a peer emulated through the override is not held back by this host)."""
+    if sample is None or time.time() - sample["t"] > max_age:
+        return {}
+    used = {g["index"]: g["memory_used_gb"] for g in sample["gpus"] if g["memory_used_gb"] is not None}
+    free: dict[str, float] = {}
+    for slot in slots:
+        if slot.memory_gb is None:
+            continue
+        if slot.unified:
+            if sample["source"] is not None:
+                free[slot.device] = sample["ram_available_gb"]
+        elif (index := int(slot.env.get(accelerators.ENV_DEVICE_INDEX, 0))) in used:
+            free[slot.device] = max(slot.memory_gb - used[index], 0.0)
+    return free
 
 
 def _actor_of(slot: Slot) -> Actor | None:

@@ -24,7 +24,7 @@ from ..errors import ProtocolError
 from ..matching import Requirements, match
 from ..options import check_timeout
 from ..resources.model import Advert, Resources
-from ..resources.utilisation import Sampler
+from ..resources.utilisation import Sample, Sampler
 from .actors import Actor
 from .channel import AsyncChannel
 from .scheduler import ScheduledTask, Scheduler, default_preload, plan_slots
@@ -53,6 +53,7 @@ class PeerConfig:
     client_silence: float = 15.0
     worker_start_timeout: float = 120.0
     workdir: str | None = None  # where tasks start; None: a scratch folder removed at stop
+    measured_from: str | None = None  # recorded readings replacing the measured utilisation (a test seam)
 
 
 class Connection:
@@ -113,7 +114,8 @@ class Peer:
                                             cluster=security.cluster_id(config.key), slots=len(self.slots))
         preload = config.preload if config.preload is not None else default_preload(config.resources)
         self.scheduler = Scheduler(self.slots, config.python, preload, config.worker_start_timeout, config.workdir)
-        self.sampler = Sampler()  # measured utilisation, for STATUS
+        # measured utilisation: for STATUS, and free memory for starting tasks
+        self.sampler = Sampler(recorded=config.measured_from, on_sample=self._on_sample)
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
@@ -127,6 +129,14 @@ class Peer:
         self._server: socket.socket | None = None
         self._advertiser: discovery.Advertiser | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _on_sample(self, sample: Sample) -> None:
+        """From the sampling thread: hand a new measurement to the scheduler, on the event loop."""
+        try:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self.scheduler.measure, sample)
+        except RuntimeError:  # the loop has closed: the peer is gone
+            pass
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -201,11 +211,8 @@ class Peer:
         """Tasks running or queued (actors are not waited for: they end when the peer stops)."""
         return self.scheduler.busy - self.scheduler.held_by_actors + self.scheduler.queued
 
-    def load(self) -> list[int]:
-        return self.scheduler.load()
-
     def status(self) -> dict[str, Any]:
-        return {"t": wire.STATUS, "advert": self.advert.to_txt(), "load": self.load(), "slots": len(self.slots),
+        return {"t": wire.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
                 "done": self.tasks_done, "draining": self._draining, "actors": self.scheduler.actors.rows(),
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
@@ -278,7 +285,7 @@ class Peer:
                 elif conn.channel.reader.mid_message and now - conn.last_pong > 1.0:
                     # a long upload: the submitter cannot send its pings now, so show we are alive
                     conn.last_pong = now
-                    conn.channel.write({"t": wire.PONG, "id": None, "load": self.load()})
+                    conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": None}))
 
     def authenticate(self, conn: Connection, msg: wire.Message) -> None:
         self._unauthenticated.pop(conn, None)
@@ -328,7 +335,7 @@ class Peer:
         elif kind == wire.CLOSE:
             self.scheduler.actors.close(conn, msg)
         elif kind == wire.PING:
-            conn.channel.write({"t": wire.PONG, "id": msg.get("id"), "load": self.load()})
+            conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": msg.get("id")}))
         elif kind == wire.CANCEL:
             task = conn.tasks.get(msg.get("id"))  # type: ignore[arg-type]
             if task is not None:
@@ -370,11 +377,11 @@ class Peer:
         conn.tasks[task_id] = task
         if not self.scheduler.enqueue(task) and not task.answered:
             # it waits: say so (a task that started at once needs no ACCEPT)
-            conn.channel.write({"t": wire.ACCEPT, "id": task_id, "load": self.load()})
+            conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id}))
 
     def _reject(self, conn: Connection, task_id: Any, code: str, message: str) -> None:
         self.scheduler.activity.refused(conn.address, code, message)
-        conn.channel.write(wire.reject(task_id, code, message, self.load()))
+        conn.channel.write(self.scheduler.report(wire.reject(task_id, code, message)))
 
 
 def _check_submit(msg: wire.Message) -> str | None:

@@ -34,6 +34,7 @@ class Slot:
     device: str  # "cpu", "cuda:0", "mps"
     memory_gb: float | None = None
     env: dict[str, str] = field(default_factory=dict)
+    unified: bool = False  # its device's memory is the system's (a Mac)
     worker: Worker | None = None
     task: object = None  # the scheduler's running ScheduledTask, if any
 

@@ -15,13 +15,15 @@ A sample is a plain dict, the `util` of a STATUS reply::
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import re
 import shutil
 import subprocess
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
@@ -32,6 +34,8 @@ MAX_GPUS = 64  # a sample from elsewhere lists at most this many devices
 MAX_GB = 1 << 20  # memory figures above this (a PiB) are not believed
 
 Sample = dict[str, Any]
+log = logging.getLogger("gpulayer.utilisation")
+_warned: set[str] = set()  # recorded-readings files already warned about
 
 # One accelerator's statistics, as ioreg prints them on one line:
 #   "PerformanceStatistics" = {"Device Utilization %"=41,...,"In use system memory"=626458624}
@@ -99,6 +103,29 @@ def read_ioreg() -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def read_recorded(path: str) -> Sample:
+    """Readings recorded in a JSON file, parsed: "source", "gpus" and, where recorded, the host's figures.
+
+    The file holds {"nvml": [NvmlReader.read() readings]} or {"ioreg": "ioreg output"}, and
+    optionally "host": read_host()'s figures. It is read afresh each time, so a test can change
+    it while the peer runs. A file that is missing or malformed reads as no GPUs, with a warning.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        part: Sample = parse_host(data["host"]) if "host" in data else {}
+        if "nvml" in data:
+            return {**part, "source": "nvml", "gpus": parse_nvml(data["nvml"])}
+        if "ioreg" in data:
+            return {**part, "source": "ioreg", "gpus": parse_ioreg(str(data["ioreg"]))}
+        return {**part, "source": None, "gpus": []}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        if path not in _warned:
+            _warned.add(path)
+            log.warning("measured readings %s are unusable (%s): no GPU readings", path, exc)
+        return {"source": None, "gpus": []}
+
+
 class NvmlReader:
     """NVML readings of every NVIDIA GPU, through nvidia-ml-py (the `gpulayer[nvidia]` extra).
 
@@ -146,22 +173,32 @@ class Sampler:
     """Samples this machine every `interval` seconds in a daemon thread; `latest()` is the last sample.
 
     The GPU source is chosen once: NVML where it reads a GPU, else ioreg where it exists (macOS),
-    else none (CPU and memory only).
+    else none (CPU and memory only). With `recorded` (the peer's `--measured-from FILE`, the seam
+    that tests and operators use, like `--advertise-override`), every sample reads that file
+    instead of the system (`read_recorded`). `on_sample`, if given, is called from the sampling
+    thread with each new sample.
     """
 
-    def __init__(self, interval: float = 1.0):
+    def __init__(self, interval: float = 1.0, recorded: str | None = None,
+                 on_sample: Callable[[Sample], None] | None = None):
         self.interval = interval
-        self._nvml = NvmlReader()
-        self._ioreg = not self._nvml.available and shutil.which(IOREG[0]) is not None
-        self.source = "nvml" if self._nvml.available else "ioreg" if self._ioreg else None
+        self.recorded = recorded
+        self.on_sample = on_sample
+        self._nvml = NvmlReader() if recorded is None else None
+        self._ioreg = self._nvml is not None and not self._nvml.available and shutil.which(IOREG[0]) is not None
+        self.source = "nvml" if self._nvml and self._nvml.available else "ioreg" if self._ioreg else None
         self._latest: Sample | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def sample(self) -> Sample:
         """Take one sample now."""
+        if self.recorded is not None:
+            recorded = clean_sample({"t": time.time(), **parse_host(read_host()), **read_recorded(self.recorded)})
+            assert recorded is not None  # its time is now
+            return recorded
         gpus: list[dict[str, Any]] = []
-        if self._nvml.available:
+        if self._nvml is not None and self._nvml.available:
             gpus = parse_nvml(self._nvml.read())
         elif self._ioreg:
             gpus = parse_ioreg(read_ioreg() or "")
@@ -180,6 +217,8 @@ class Sampler:
     def _run(self) -> None:
         while True:
             self._latest = self.sample()
+            if self.on_sample is not None:
+                self.on_sample(self._latest)
             if self._stop.wait(self.interval):
                 return
 

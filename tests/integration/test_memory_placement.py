@@ -7,14 +7,17 @@ declared memory at once than it has."""
 
 from __future__ import annotations
 
+import json
 import random
+from contextlib import closing
 
 import pytest
-from support import new_key, write_override
+from support import new_key, wait_until, write_override
 
 from gpulayer.client import Client
 from gpulayer.errors import NoMatchingPeer
 from gpulayer.matching import Requirements
+from gpulayer.resources.utilisation import GB
 
 TASKS = 300
 SLOTS_PER_GPU = 4
@@ -86,3 +89,52 @@ def test_a_task_no_device_can_hold_names_the_numbers(fake_cluster):
     text = str(info.value)
     assert "needs 60 GB of GPU memory; peer has 24 GB dedicated" in text
     assert "peer has 48 GB dedicated" in text and "peer has 32 GB unified" in text
+
+
+# ---- measured free memory (the --measured-from seam replays NVML readings) -------------------------
+
+def write_measured(path, used_gb: float, total_gb: float = 24.0):
+    """Recorded NVML readings of one GPU with `used_gb` in use, for a peer's --measured-from."""
+    reading = {"index": 0, "util_gpu": 50, "memory_used": int(used_gb * GB), "memory_total": int(total_gb * GB)}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"nvml": [reading]}))
+    tmp.replace(path)  # the peer's sampler never reads half a file
+    return path
+
+
+def measured_peer(peer_factory, where, name: str, used_gb: float, key: str):
+    measured = write_measured(where / f"{name}-measured.json", used_gb)
+    override = write_override(where / f"{name}.json", "cuda", memory_gb=24.0)
+    peer_factory(name, "--concurrency", "2", "--preload", "json", "--advertise-override", str(override),
+                 "--measured-from", str(measured), key=key)
+    return measured
+
+
+def peer_status(client: Client, name: str) -> dict:
+    record = next(r for r in client.directory.records() if r.advert.name == name)
+    return client.status(record)
+
+
+def test_memory_in_use_outside_gpulayer_holds_a_task_back_until_it_is_freed(peer_factory, tmp_path):
+    key = new_key()
+    measured = measured_peer(peer_factory, tmp_path, "mem-shared-card", used_gb=20.0, key=key)
+    with closing(Client(key=key.encode(), echo_output=False)) as client:
+        assert client.submit(occupy, (0.0, 0.0), req=Requirements.build(accelerator="cuda")).result(30)["peer"] == "mem-shared-card"
+        future = client.submit(occupy, (8.0, 0.0), req=Requirements.build(gpu_memory_gb=8), timeout=60)
+        status = wait_until(lambda: (s := peer_status(client, "mem-shared-card"))["load"][1] == 1 and s, timeout=10)
+        assert status["unreserved_gb"] == {"cuda:0": 24.0}  # nothing reserved: the memory is used outside
+        assert status["free"] == pytest.approx(4.0, abs=0.01)  # 24 GB less the 20 GB measured in use
+        assert not future.done()
+        write_measured(measured, used_gb=2.0)  # the other program lets go of its memory
+        assert future.result(30)["memory_gb"] == 8.0
+
+
+def test_the_submitter_prefers_the_peer_where_the_memory_is_free_now(peer_factory, tmp_path):
+    key = new_key()
+    measured_peer(peer_factory, tmp_path, "mem-full-card", used_gb=20.0, key=key)
+    measured_peer(peer_factory, tmp_path, "mem-idle-card", used_gb=0.0, key=key)
+    with closing(Client(key=key.encode(), echo_output=False)) as client:
+        for name in ("mem-full-card", "mem-idle-card"):  # one task each: the submitter hears their reports
+            assert client.submit(occupy, (0.0, 0.0), req=Requirements.build(accelerator="cuda", peer=name)).result(30)["peer"] == name
+        runs = [client.submit(occupy, (8.0, 0.0), req=Requirements.build(gpu_memory_gb=8)).result(30) for _ in range(8)]
+        assert {r["peer"] for r in runs} == {"mem-idle-card"}

@@ -457,7 +457,15 @@ def test_gpu_rank_smallest_fitting_memory_then_latency():
     near_small = make_advert("cuda", name="near-small", memory=(24.0,))
     order = ranked(r, [(big, 0, 0.0), (mixed, 0, 0.0), (small, 0, 0.3), (near_small, 0, 0.1)])
     assert order == ["near-small", "small", "mixed", "big"]
-    assert rank_key(r, mixed, 0) == (0.0, 48.0, False, 0.0)
+    assert rank_key(r, mixed, 0) == (False, 0.0, 48.0, False, 0.0)
+
+
+def test_gpu_rank_puts_a_peer_where_the_memory_is_free_now_first():
+    r = req(accelerator="cuda", gpu_memory_gb=8)
+    card = make_advert("cuda", name="card", memory=(24.0,))
+    full, idle, unknown = (rank_key(r, card, load, free_gb=free) for load, free in ((0, 4.0), (3, 16.0), (1, None)))
+    assert idle < full and unknown < full  # a lighter load never beats memory free now; unknown counts as free
+    assert unknown < idle  # among peers where it fits now, the lighter load wins
 
 
 def test_a_verified_advert_wins_a_tie_but_never_beats_a_lighter_load():
@@ -482,12 +490,12 @@ def test_gpu_rank_applies_to_mps_by_unified_memory():
     mac36 = make_advert("mps", name="mac36", memory=(36.0,))
     mac128 = make_advert("mps", name="mac128", memory=(128.0,))
     assert ranked(r, [(mac128, 0, 0.0), (mac36, 0, 0.0)]) == ["mac36", "mac128"]
-    assert rank_key(r, mac36, 0, 0.25) == (0.0, 36.0, False, 0.25)
+    assert rank_key(r, mac36, 0, 0.25) == (False, 0.0, 36.0, False, 0.25)
 
 
 def test_gpu_rank_zero_slots_does_not_divide_by_zero():
     advert = make_advert("cuda", slots=0)
-    assert rank_key(req(accelerator="cuda"), advert, 3)[0] == 3.0
+    assert rank_key(req(accelerator="cuda"), advert, 3)[1] == 3.0
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", None])
