@@ -17,12 +17,12 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 import msgpack
 
-from . import security
+from . import held, security, shm
 from .errors import AuthError, ConfigError, FrameTooLarge, ProtocolError, VersionMismatch
 
 if TYPE_CHECKING:
@@ -35,8 +35,11 @@ SUBMIT, ACCEPT, REJECT = "submit", "accept", "reject"
 LOG, RESULT, ERROR, CANCEL = "log", "result", "error", "cancel"
 PING, PONG, STATUS, BYE = "ping", "pong", "status", "bye"
 ACTOR, CALL, CLOSE, ACTOR_END = "actor", "call", "close", "actor_end"  # actors (docs/actors.md)
+FETCH, RELEASE = "fetch", "release"  # held results (docs/data.md)
+LOCAL = "local"  # the peer's offer of a local link for shared memory (shm.py, ADR 0009)
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
-                           CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END})
+                           CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
+                           LOCAL})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
@@ -48,6 +51,7 @@ class Envelope(TypedDict, total=False):
 
     v: int  # the protocol version
     nb: int  # how many out-of-band buffer frames follow
+    fds: list[list[int]]  # [position, size] of the buffers that came first on the local link (shm.py)
     id: int | None
     load: list[int]
     free: float  # on a GPU peer's replies: the most GB one task may take now on one device
@@ -55,6 +59,8 @@ class Envelope(TypedDict, total=False):
 
 class _SubmitOptions(TypedDict, total=False):
     env: dict[str, str]  # the task's environment variables (check_env); omitted when there are none
+    keep: str  # keep the result on the peer under this id (held.new_result_id; docs/data.md)
+    refs: list[dict[str, Any]]  # the held results among its arguments (`ref` entries)
 
 
 class SubmitMessage(Envelope, _SubmitOptions):
@@ -101,11 +107,16 @@ Buffers = Union[list[Any], tuple[Any, ...]]  # out-of-band buffers: anything wit
 
 
 def submit(task_id: int, fn: bytes, args: bytes, req: dict[str, Any], timeout: float | None,
-           name: str, env: Mapping[str, str] | None = None) -> SubmitMessage:
+           name: str, env: Mapping[str, str] | None = None, keep: str | None = None,
+           refs: list[dict[str, Any]] | None = None) -> SubmitMessage:
     msg: SubmitMessage = {"t": SUBMIT, "id": task_id, "fn": fn, "args": args, "req": req, "timeout": timeout,
                           "name": name}
     if env:
         msg["env"] = dict(env)
+    if keep is not None:
+        msg["keep"] = keep
+    if refs:
+        msg["refs"] = refs
     return msg
 
 
@@ -188,6 +199,59 @@ def check_concurrency(value: Any) -> int:
     return value
 
 
+MAX_REFS = 256  # held results one task may take as arguments
+MAX_REF_ADDRESSES = 8  # addresses of the peer holding one
+
+
+def check_result_id(value: Any) -> str | None:
+    """Why `value` is not a held result's id (RESULT_ID_HEX lowercase hex digits), or None."""
+    if not isinstance(value, str) or len(value) != held.RESULT_ID_HEX or value.strip("0123456789abcdef"):
+        return f"a result id is {held.RESULT_ID_HEX} lowercase hex digits, not {printable(repr(value), 60)}"
+    return None
+
+
+def ref(result_id: str, peer_id: str, addresses: list[tuple[str, int]]) -> dict[str, Any]:
+    """A SUBMIT's "refs" entry: a held result it takes as an argument, and the peer that holds it."""
+    return {"ref": result_id, "peer": peer_id, "at": [[host, port] for host, port in addresses]}
+
+
+def _address(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and len(value[0]) <= 255 \
+        and isinstance(value[1], int) and not isinstance(value[1], bool) and 0 < value[1] < 65536
+
+
+def check_refs(value: Any) -> str | None:
+    """Why a SUBMIT's "refs" is not a list of `ref` entries (at most MAX_REFS), or None."""
+    if not isinstance(value, list) or len(value) > MAX_REFS:
+        return f"'refs' must be a list of at most {MAX_REFS} held results"
+    for entry in value:
+        if not isinstance(entry, dict):
+            return "each of 'refs' must be a map with 'ref', 'peer' and 'at'"
+        problem = check_result_id(entry.get("ref"))
+        if problem is not None:
+            return problem
+        at = entry.get("at")
+        if not isinstance(entry.get("peer"), str) or not isinstance(at, list) \
+                or not 0 < len(at) <= MAX_REF_ADDRESSES or not all(_address(a) for a in at):
+            return f"a held result's 'peer' is its peer id and 'at' 1 to {MAX_REF_ADDRESSES} [host, port] pairs"
+    return None
+
+
+def fetch(request_id: int, result_id: str, owner: str | None = None) -> Message:
+    """Ask for a held result; answered with a RESULT (its pickle and buffers) or ERROR "no-result".
+
+    A peer fetching for a task names the submitter that owns the result in "for"."""
+    msg: Message = {"t": FETCH, "id": request_id, "ref": result_id}
+    if owner is not None:
+        msg["for"] = owner
+    return msg
+
+
+def release(result_id: str) -> Message:
+    """The submitter no longer needs a held result: its peer frees it (no answer)."""
+    return {"t": RELEASE, "ref": result_id}
+
+
 def reject(task_id: int | None, code: str, message: str) -> RejectMessage:
     return {"t": REJECT, "id": task_id, "code": code, "message": message}
 
@@ -214,6 +278,8 @@ MAX_BUFFERS = 4096
 _SMALL = 1 << 18  # the shared receive buffer after auth; bigger frames get a buffer of their own
 _HUGE_MIN = 4 << 20
 BULK_PIECE = 1 << 20  # while a large frame arrives, wake up for this much at a time
+_DROP = memoryview(bytearray(BULK_PIECE))  # where refused buffers are received and dropped
+REFUSED = "_refused"  # set by a reader with a `budget` on a message whose buffers it dropped, with the reason
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
@@ -310,6 +376,12 @@ class MessageReader:
         self._pending_bytes = 0
         self.buffers_allowed = buffers
         self.one_at_a_time = not buffers  # before authentication: the bytes after a message may be records
+        self.allocate: Callable[[int], Any] = receive_buffer  # where a large frame is received
+        # why a message whose buffers come to at least N bytes may not be received now, or None;
+        # asked at each large buffer frame: the rest of a refused message is read and dropped
+        self.budget: Callable[[int], str | None] | None = None
+        self._refused: str | None = None
+        self._drop = 0  # bytes still to drop of a refused message's frame
 
     def allow(self, max_frame: int) -> None:
         """Raise the limit (after authentication), with a receive buffer to match; allow buffers."""
@@ -331,10 +403,12 @@ class MessageReader:
     @property
     def mid_message(self) -> bool:
         """Whether part of a message has arrived and the rest is awaited."""
-        return self._big is not None or self._pending is not None or self._end > self._start
+        return self._big is not None or self._pending is not None or self._end > self._start or self._drop > 0
 
     def buffer(self) -> memoryview:
         """Where the next bytes from the socket should go."""
+        if self._drop:
+            return _DROP[:self._drop]
         if self._big is not None:
             return memoryview(self._big)[self._big_fill:]
         if self._start == self._end:
@@ -362,7 +436,12 @@ class MessageReader:
 
         Raises ProtocolError (or a subclass) on bad input; the connection must then close.
         """
-        if self._big is None:
+        if self._drop:
+            self._drop -= n
+            if self._drop:
+                return
+            self._on_frame(b"")
+        elif self._big is None:
             self._end += n
         else:
             self._big_fill += n
@@ -382,7 +461,16 @@ class MessageReader:
             available = self._end - body
             if length > len(self._buf) // 2:
                 take = min(available, length)
-                big = receive_buffer(length)
+                if self._pending is not None and self.budget is not None and self._refused is None:
+                    self._refused = self.budget(self._pending_bytes + length)
+                if self._refused is not None:  # dropped as it comes: nothing is allocated for it
+                    self._start = body + take
+                    if take < length:
+                        self._drop = length - take
+                        return
+                    self._on_frame(b"")
+                    continue
+                big = self.allocate(length)
                 big[:take] = self._view[body:body + take]
                 self._start = body + take
                 if take < length:
@@ -398,11 +486,16 @@ class MessageReader:
     def _on_frame(self, frame: Any) -> None:
         if self._pending is not None:
             msg, buffers, count = self._pending
-            # a small frame is a view of the shared buffer: copy it out (writable, like big ones)
-            buffers.append(bytearray(frame) if isinstance(frame, memoryview) else frame)
-            self._pending_bytes += len(frame)
+            if self._refused is None:
+                # a small frame is a view of the shared buffer: copy it out (writable, like big ones)
+                buffers.append(bytearray(frame) if isinstance(frame, memoryview) else frame)
+                self._pending_bytes += len(frame)
+            else:
+                buffers.append(None)
             if len(buffers) == count:
                 self._pending = None
+                if self._refused is not None:  # delivered without its buffers, with the reason
+                    msg[REFUSED], buffers, self._refused = self._refused, [], None
                 self.messages.append((msg, buffers))
             return
         msg = decode(frame)
@@ -444,13 +537,17 @@ def error(code: str, message: str, task_id: int | None = None) -> ErrorMessage:
 class BlockingConnection:
     """A blocking socket speaking frames: used by submitters and workers.
 
-    After `secure()`, every byte both ways travels in sealed records (records.py).
+    After `secure()`, every byte both ways travels in sealed records (records.py). With a local
+    `link` (shm.py), big buffers go as shared-memory descriptors over it, and arrive mapped.
     """
 
-    def __init__(self, sock: socket.socket, max_frame: int = PRE_AUTH_MAX_FRAME):
+    def __init__(self, sock: socket.socket, max_frame: int = PRE_AUTH_MAX_FRAME,
+                 link: socket.socket | None = None):
         self.sock = sock
+        self.link = link
         self.reader = connection_reader(max_frame)
         self.last_received = time.monotonic()  # any bytes, not only whole messages: a big one takes time
+        self.received = 0  # bytes read from the socket, records and all
         self._sealer: records.Sealer | None = None
         self._opener: records.Opener | None = None
 
@@ -463,6 +560,8 @@ class BlockingConnection:
         self._opener.feed_bytes_into(self.reader.take_unread(), self.reader)
 
     def send(self, msg: Outgoing, buffers: Buffers = ()) -> None:
+        if self.link is not None:
+            buffers = shm.send_over(self.link, msg, buffers, copy=True)
         parts = encode(msg, buffers)
         if self._sealer is None:
             send_parts(self.sock, parts)
@@ -482,12 +581,17 @@ class BlockingConnection:
                     raise socket.timeout("timed out")
                 self.sock.settimeout(left)
             n = self._receive()
+            self.received += n
             if n == 0:
                 if self._opener is not None:
                     self._opener.eof()
                 raise ConnectionError("connection closed by the other side")
             self.last_received = time.monotonic()
-        return reader.messages.popleft()
+        msg, buffers = reader.messages.popleft()
+        try:
+            return msg, shm.receive_with(self.link, msg, buffers)
+        except shm.ShmError as exc:
+            raise ProtocolError(str(exc)) from None
 
     def _receive(self) -> int:
         """Read once from the socket into the reader (through the opener, once secure)."""
@@ -509,10 +613,12 @@ class BlockingConnection:
         return n
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        for sock in (self.sock, self.link):
+            try:
+                if sock is not None:
+                    sock.close()
+            except OSError:
+                pass
 
 
 def printable(value: object, limit: int = 200) -> str:

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from .. import wire
+from .. import shm, wire
 from ..errors import PeerLost, ProtocolError
 from ..resources.model import Advert
 from ..resources.utilisation import MAX_GB, finite
@@ -83,13 +83,25 @@ class PeerConnection:
         self.peer_id = self.advert.peer_id
         self.name = self.advert.name
         sock.settimeout(None)
+        self._asked_local = not shm.enabled()  # whether a local link was asked for (before the first big send)
         threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
 
     # ---- sending ----------------------------------------------------------------------------------
 
     def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+        if not self._asked_local and any(memoryview(b).nbytes >= shm.SHM_MIN for b in buffers):
+            self._ask_local()
         with self._send_lock:
             self._wire.send(msg, buffers)
+
+    def _ask_local(self) -> None:
+        """Ask the peer, once, for a local link: shared memory when it is on this host, as this user."""
+        self._asked_local = True
+        try:
+            reply = self.request({"t": wire.LOCAL}, shm.LINK_TIMEOUT)
+        except (PeerLost, TimeoutError):
+            return
+        self._wire.link = shm.open_link(reply.get("addr"), reply.get("token"))
 
     def submit(self, task: ConnectionTask) -> None:
         """Send the task's SUBMIT under a fresh id; its outcome reaches the listener."""
@@ -170,7 +182,7 @@ class PeerConnection:
             self.load = tuple(msg["load"][:2])
             self._load_base = len(self.pending)
             self.free = finite(msg.get("free"), 0, MAX_GB)
-        if kind in (wire.PONG, wire.STATUS):
+        if kind in (wire.PONG, wire.STATUS, wire.LOCAL):
             waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)

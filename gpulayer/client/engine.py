@@ -16,16 +16,18 @@ import sys
 import threading
 import time
 import uuid
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import discovery, remote_exceptions, serialization, wire
+from .. import discovery, held, remote_exceptions, serialization, wire
 from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match
-from ..options import check_retries, check_timeout
+from ..options import check_keep, check_retries, check_timeout
 from ..progress import MapProgressBar
 from ..resources.utilisation import clean_sample
 from ..security import cluster_id, load_key
@@ -38,6 +40,7 @@ log = logging.getLogger("gpulayer.client")
 DOWN_BACKOFF = 5.0  # seconds a peer that failed is skipped before it is tried again
 OUTPUT_KEEP = 1 << 20  # bytes of a task's stdout/stderr kept on its future
 RETRYABLE = frozenset({"peer-lost", "peer-shutdown", "worker-died"})
+WINDOW_RECHECK_S = 0.1  # how often a full map window looks whether it may grow
 MAX_BUSY_REJECTIONS = 600  # about ten minutes of 1 s back-offs
 
 
@@ -49,13 +52,46 @@ def _env_float(name: str, default: float) -> float:
 
 
 class TaskFuture(Future[Any]):
-    """A task's future. `cancel()` also stops the task on its peer; `stdout`/`stderr` hold its output."""
+    """A task's future. `cancel()` also stops the task on its peer; `stdout`/`stderr` hold its output.
+
+    Passed as an argument of another task, it stands for its value. With keep=True its result
+    stays on the peer: `result()` fetches it (once), another task gets it from that peer, and
+    `release()` (or dropping the future) frees it there (docs/data.md).
+    """
 
     def __init__(self, task: SubmittedTask):
         super().__init__()
         self._task = task
         self.stdout = ""
         self.stderr = ""
+
+    def result(self, timeout: float | None = None) -> Any:
+        value = super().result(timeout)
+        return value.fetch(timeout) if isinstance(value, HeldResult) else value
+
+    @property
+    def held(self) -> HeldResult | None:
+        """Where the result is held (keep=True, once the task succeeded), else None."""
+        if not self.done() or self.cancelled() or self.exception() is not None:
+            return None
+        value = super().result()
+        return value if isinstance(value, HeldResult) else None
+
+    def release(self) -> None:
+        """Free the result held on the peer (keep=True); a value fetched already stays here."""
+        where = self.held
+        if where is not None:
+            where.release()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """As another task's argument (`held.collecting`): a held result by id, else the value. A
+        pending value is a placeholder until the submitter pickles the arguments again."""
+        if held.met(self):
+            if self._task.keep is not None:
+                return held.resolve, (self._task.keep,)
+            ok = self.done() and not self.cancelled() and self.exception() is None
+            return held.passthrough, (self.result() if ok else None,)
+        return held.passthrough, (self.result(),)
 
     @property
     def peer(self) -> str | None:
@@ -67,6 +103,58 @@ class TaskFuture(Future[Any]):
             return False
         self._task.abandon()
         return True
+
+
+_MISSING = object()
+
+
+class HeldResult:
+    """A result held on its peer: fetched when asked for (once), released when its future goes."""
+
+    def __init__(self, client: Client, conn: PeerConnection, result_id: str, size: int, future: TaskFuture):
+        self.client = client
+        self.peer_id, self.peer_name, self.addresses = conn.peer_id, conn.name, conn.addresses
+        self.result_id = result_id
+        self.size = size  # bytes held on the peer
+        self.released = False
+        self._value: Any = _MISSING
+        self._lock = threading.Lock()
+        # dropping the future releases it; the heartbeat sends the RELEASE (never from the collector's thread)
+        self._finalizer = weakref.finalize(future, client.release_later, self.peer_id, result_id)
+
+    def ref(self) -> dict[str, Any]:
+        return wire.ref(self.result_id, self.peer_id, self.addresses)
+
+    def fetch(self, timeout: float | None = None) -> Any:
+        """The value, fetched from the peer the first time."""
+        with self._lock:
+            if self._value is _MISSING:
+                if self.released:
+                    raise GPULayerError("the result was released (future.release()) before it was fetched")
+                try:
+                    conn = self.client.connection_to(self.peer_id, self.addresses)
+                except (OSError, GPULayerError) as exc:
+                    raise PeerLost(f"the result is held on peer {self.peer_name}, which is lost: {exc}") from None
+                task = FetchRequest(None, None, None, Requirements(), None, 0, "fetch", False,
+                                    result_id=self.result_id)
+                task.conn = conn
+                conn.submit(task)
+                self._value = task.future.result(timeout)
+            return self._value
+
+    def release(self) -> None:
+        """Free it on its peer now."""
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+        self._finalizer.detach()
+        conn = self.client.pooled(self.peer_id)
+        if conn is not None:
+            try:
+                conn.send(wire.release(self.result_id))
+            except OSError:
+                pass  # the peer frees it when this submitter's connections are gone
 
 
 @dataclass(eq=False)
@@ -82,6 +170,8 @@ class SubmittedTask:
     name: str
     echo_output: bool
     env: dict[str, str] = field(default_factory=dict)
+    keep: str | None = None  # the id its result is held under on its peer (keep=True)
+    deps: list[TaskFuture] = field(default_factory=list)  # the futures among its arguments, kept until it ends
     future: TaskFuture = field(init=False)
     conn: PeerConnection | None = None
     task_id: int = 0
@@ -102,8 +192,13 @@ class SubmittedTask:
     def message(self) -> tuple[wire.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None
         return wire.submit(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
-                           self.env), \
+                           self.env, self.keep, [where.ref() for where in self.held_args()]), \
             self.buffers or []
+
+    def held_args(self) -> list[HeldResult]:
+        """The held results among its arguments, each once, the largest first."""
+        found = {where.result_id: where for f in self.deps if (where := f.held) is not None}
+        return sorted(found.values(), key=lambda where: -where.size)
 
     def result_from(self, msg: dict[str, Any], buffers: list[Any]) -> Any:
         """The result that a RESULT carries: the task's return value."""
@@ -116,6 +211,7 @@ class SubmittedTask:
                 return
             self.done = True
         self.fn = self.args = self.buffers = None
+        self.deps = []
         if not self.future.set_running_or_notify_cancel():
             return
         if exc is not None:
@@ -141,7 +237,58 @@ class SubmittedTask:
             out.flush()
 
 
-def _task_finished(window: threading.BoundedSemaphore, bar: MapProgressBar, _future: Future[Any]) -> None:
+@dataclass(eq=False)
+class FetchRequest(SubmittedTask):
+    """A FETCH of a held result on its way; the RESULT resolves it with the value."""
+
+    result_id: str = ""
+
+    def message(self) -> tuple[wire.Outgoing, list[Any]]:
+        return wire.fetch(self.task_id, self.result_id), []
+
+
+def _pickle_call(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[bytes, list[Any], list[TaskFuture]]:
+    """The pickled (args, kwargs), their buffers, and the futures met among them."""
+    with held.collecting() as met:
+        data, buffers = serialization.dumps(call)
+    return data, buffers, met
+
+
+class _Countdown:
+    """Calls `then` once `count` ticks (done callbacks of the futures a task waits for) have come."""
+
+    def __init__(self, count: int, then: Callable[[], Any]):
+        self._left, self._then, self._lock = count, then, threading.Lock()
+
+    def tick(self, _future: Future[Any]) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._then()
+
+
+class MapWindow:
+    """At most `size()` of one map's tasks in flight; the size follows the contention (ADR 0011)."""
+
+    def __init__(self, size: Callable[[], int]):
+        self._size = size
+        self._cond = threading.Condition()
+        self._in_flight = 0
+
+    def acquire(self) -> None:
+        with self._cond:
+            while self._in_flight >= self._size():  # the size may grow without a release: look again soon
+                self._cond.wait(WINDOW_RECHECK_S)
+            self._in_flight += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify()
+
+
+def _task_finished(window: MapWindow, bar: MapProgressBar, _future: Future[Any]) -> None:
     window.release()
     bar.advance()
 
@@ -172,6 +319,8 @@ class Client:
         self._mdns = mdns
         self._helpers = ThreadPoolExecutor(16, thread_name_prefix="gpulayer-retry")
         self.actors: dict[str, Any] = {}  # the live actors this submitter created: id -> ActorHandle
+        self._releases: deque[tuple[str, str]] = deque()  # (peer id, result id) of dropped held futures
+        self._received_before = 0  # bytes read on connections closed since
         self._closed = threading.Event()
         self._started = False
 
@@ -213,40 +362,97 @@ class Client:
         """Slots of all the matching peers that are up."""
         return self.placement.total_slots(req)
 
-    def _live_load(self, peer_id: str) -> tuple[int, float, float | None] | None:
+    def _live_load(self, peer_id: str) -> tuple[float, float, float | None] | None:
         conn = self._connections.get(peer_id)
-        return None if conn is None else (conn.estimated_load, conn.latency, conn.free)
+        if conn is None:
+            return None
+        load = self.placement.contention.load(peer_id, len(conn.pending), conn.estimated_load,
+                                              time.monotonic() - conn.last_heard)
+        return load, conn.latency, conn.free
 
     # ---- placing tasks ----------------------------------------------------------------------------
 
     def submit(self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict[str, Any] | None = None, *,
                req: Requirements, timeout: float | None = None, retries: int = 0,
-               env: dict[str, str] | None = None, fn_bytes: bytes | None = None) -> TaskFuture:
-        """Send one call to a matching peer; returns its future at once when a peer took it."""
+               env: dict[str, str] | None = None, fn_bytes: bytes | None = None, keep: bool = False) -> TaskFuture:
+        """Send one call to a matching peer; returns its future at once when a peer took it.
+
+        Futures among the arguments are waited for first (the task is placed when they are done,
+        and their failure is its own); `keep` holds the result on the peer (docs/data.md).
+        """
         timeout, retries, env = check_timeout(timeout), check_retries(retries), wire.check_env(env)
-        data, buffers = serialization.dumps((tuple(args), kwargs or {}))
-        fn_bytes = fn_bytes or serialization.dumps(fn)[0]
-        req = inference.with_inferred(req, fn, fn_bytes, data)  # after pickling: it reads the pickles
-        size = len(data) + len(fn_bytes) + sum(b.nbytes for b in buffers)
+        call = (tuple(args), kwargs or {})
+        data, buffers, deps = _pickle_call(call)
+        task = SubmittedTask(fn_bytes or serialization.dumps(fn)[0], None, None, req, timeout, retries,
+                             getattr(fn, "__qualname__", type(fn).__name__), self.echo_output, env,
+                             keep=held.new_result_id() if check_keep(keep) else None, deps=deps)
+        pending = [f for f in deps if not f.done()]
+        if not pending:
+            self._prepare(task, fn, data, buffers, deps)
+            return task.future
+        waiting = _Countdown(len(pending), lambda: self._helpers.submit(self._submit_later, task, fn, call))
+        for future in pending:
+            future.add_done_callback(waiting.tick)
+        return task.future
+
+    def _prepare(self, task: SubmittedTask, fn: Callable[..., Any], data: bytes, buffers: list[Any],
+                 deps: list[TaskFuture]) -> None:
+        """Place a task whose argument futures are done: it fails as the first of them that failed."""
+        failed = next((f for f in deps if f.cancelled() or f.exception() is not None), None)
+        if failed is not None:
+            task.complete(exc=CancelledError("a future among its arguments was cancelled") if failed.cancelled()
+                          else failed.exception())
+            return
+        assert task.fn is not None
+        task.req = inference.with_inferred(task.req, fn, task.fn, data)  # after pickling: it reads the pickles
+        size = len(data) + len(task.fn) + sum(b.nbytes for b in buffers)
         if size > wire.max_message_bytes():
             raise ValueError(f"the task's function and arguments take {size / 2**20:.0f} MiB, over the "
                              f"{wire.max_message_bytes() >> 20} MiB message limit (GPULAYER_MAX_MESSAGE_MB)")
-        task = SubmittedTask(fn_bytes, data, buffers, req, timeout, retries,
-                             getattr(fn, "__qualname__", type(fn).__name__), self.echo_output, env)
+        task.args, task.buffers, task.deps = data, buffers, deps
         self._place(task)
-        return task.future
+
+    def _submit_later(self, task: SubmittedTask, fn: Callable[..., Any],
+                      call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        """Pickle the arguments again, now that their futures are done, and place the task."""
+        if task.done:  # cancelled meanwhile
+            return
+        try:
+            self._prepare(task, fn, *_pickle_call(call))
+        except Exception as exc:  # NoMatchingPeer, too large, unpicklable: the future says so
+            task.complete(exc=exc)
+
+    def release_later(self, peer_id: str, result_id: str) -> None:
+        """A held future was dropped: the heartbeat sends its RELEASE (safe from the garbage collector)."""
+        self._releases.append((peer_id, result_id))
+
+    def _send_releases(self) -> None:
+        while self._releases:
+            peer_id, result_id = self._releases.popleft()
+            conn = self.pooled(peer_id)
+            if conn is not None:
+                try:
+                    conn.send(wire.release(result_id))
+                except OSError:
+                    pass
+
+    def received_bytes(self) -> int:
+        """Bytes this submitter has read from its peer connections so far (on the socket: records and all)."""
+        return self._received_before + sum(conn._wire.received for conn in list(self._connections.values()))
 
     def map(self, fn: Callable[[Any], Any], items: list[Any], *, req: Requirements, timeout: float | None = None,
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
         """fn(item) for every item, spread over all matching peers; results in input order.
 
         At most two tasks per slot of the matching peers are in flight at once, so that faster
-        peers take more. The first failure cancels the rest and is raised.
+        peers take more, shared among the submitters that the peers report (ADR 0011: fair
+        shares, and short queues that let no peer idle while work waits). The first failure
+        cancels the rest and is raised.
         """
         fn_bytes = serialization.dumps(fn)[0]
         bar = MapProgressBar(len(items), label=f"{getattr(fn, '__name__', 'map')} ", enabled=progress)
         futures: list[TaskFuture] = []
-        window: threading.BoundedSemaphore | None = None
+        window: MapWindow | None = None
         try:
             for item in items:
                 if window is not None:
@@ -254,7 +460,8 @@ class Client:
                 future = self.submit(fn, (item,), req=req, timeout=timeout, retries=retries, env=env,
                                      fn_bytes=fn_bytes)
                 if window is None:
-                    window = threading.BoundedSemaphore(max(4, 2 * self.total_slots(req)))
+                    slots = self.total_slots(req)
+                    window = MapWindow(lambda: self.placement.contention.window(slots))
                     window.acquire()
                 future.add_done_callback(functools.partial(_task_finished, window, bar))
                 futures.append(future)
@@ -276,10 +483,11 @@ class Client:
         self.start()
         failures: dict[str, list[str]] = {}
         for attempt in range(2):
-            ranked = self.placement.ranked(task.req, task.excluded)
+            holders = [where.peer_id for where in task.held_args()[:1]]  # the largest argument's, if any
+            ranked = self.placement.ranked(task.req, task.excluded, holders)
             if not ranked and (attempt == 0 or failures):
                 self._wait_for_match(task.req, task.excluded)
-                ranked = self.placement.ranked(task.req, task.excluded)
+                ranked = self.placement.ranked(task.req, task.excluded, holders)
             for record in ranked:
                 conn = self._usable_connection(task.req, record, failures)
                 if conn is not None:
@@ -384,8 +592,12 @@ class Client:
 
     def on_outcome(self, conn: PeerConnection, task: SubmittedTask, msg: dict[str, Any], buffers: list[Any]) -> None:
         kind = msg["t"]
+        self.placement.contention.heard(conn.peer_id, msg)
         if kind == wire.ACTOR_END:  # the answer to a CLOSE
             task.complete(msg.get("served"))
+        elif kind == wire.RESULT and task.keep is not None and msg.get("held") == task.keep:
+            size = msg.get("size")
+            task.complete(HeldResult(self, conn, task.keep, size if isinstance(size, int) else 0, task.future))
         elif kind == wire.RESULT:
             try:
                 result = task.result_from(msg, buffers)
@@ -432,6 +644,7 @@ class Client:
         with self._lock:
             if self._connections.get(conn.peer_id) is conn:
                 del self._connections[conn.peer_id]
+                self._received_before += conn._wire.received
         if conn.silent and not self._closed.is_set():
             # cut off or frozen: skip it for a while. A reset or a close means its host answered;
             # if the peer is dead, the next connect is refused at once.
@@ -450,7 +663,7 @@ class Client:
             if task.busy_rejections <= MAX_BUSY_REJECTIONS:
                 self._helpers.submit(self._place_again, task, cause, task.busy_delay)
                 return
-        elif code == "no-match":  # its advert was stale, or only the peer knew: try the others
+        elif code in ("no-match", "too-large"):  # its advert was stale, only the peer knew, or no memory: try others
             task.excluded.add(conn.peer_id)
             self.placement.refused(conn.peer_id, task.req, message)
             self._helpers.submit(self._place_again, task, cause)
@@ -467,6 +680,8 @@ class Client:
             task.complete(exc=CancelledError(message))
         elif code == "exception":
             task.complete(exc=remote_exceptions.rebuild(msg))
+        elif code == "held-lost":  # retrying elsewhere cannot bring it back
+            task.complete(exc=PeerLost(wire.printable(message, 500)))
         elif code in ("actor-died", "no-actor"):
             task.complete(exc=ActorDied(wire.printable(message, 500)))
         else:
@@ -483,6 +698,7 @@ class Client:
 
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.heartbeat):
+            self._send_releases()
             now = time.monotonic()
             for conn in list(self._connections.values()):
                 if conn.pending and now - conn.last_heard > 3 * self.heartbeat:
@@ -523,6 +739,8 @@ class Client:
                 row["busy"], row["queued"] = status["load"][:2]
                 row["actors"] = len(status.get("actors") or [])  # slots that actors hold
                 row["util"] = clean_sample(status.get("util"))
+                held_bytes = status.get("held_bytes")  # untrusted: a whole number of bytes, or unknown
+                row["held_bytes"] = held_bytes if type(held_bytes) is int and held_bytes >= 0 else None
                 row["state"], row["error"] = "up", ""
             except (OSError, GPULayerError) as exc:
                 self.mark_down(a.peer_id, str(exc))

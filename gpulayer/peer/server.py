@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import signal
 import socket
@@ -19,14 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import discovery, security, wire
-from ..errors import ProtocolError
+import psutil
+
+from .. import discovery, security, shm, wire
+from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..matching import Requirements, match
 from ..options import check_timeout
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
-from .actors import Actor
+from .actors import Actor, grace_from_env
 from .channel import AsyncChannel
+from .local import LocalLinks
+from . import held
 from .scheduler import ScheduledTask, Scheduler, default_preload, plan_slots
 
 log = logging.getLogger("gpulayer.peer")
@@ -67,6 +72,7 @@ class Connection:
         self.tasks: dict[int, ScheduledTask] = {}
         self.calls: dict[int, tuple[Actor, int]] = {}  # its actor calls in flight (peer/actors.py)
         self.last_pong = 0.0
+        self.link: socket.socket | None = None  # its local link for shared memory, if it has one (local.py)
         self.hello = wire.hello(security.new_nonce(), peer.peer_id, peer.advert.cluster, peer.advert.to_txt())
         self.channel = AsyncChannel(sock, wire.PRE_AUTH_MAX_FRAME, self.on_message, self.on_closed)
         self.channel.write(self.hello)
@@ -74,12 +80,27 @@ class Connection:
     def on_message(self, msg: wire.Message, buffers: list[Any]) -> None:
         try:
             if self.authenticated:
+                if "fds" in msg:
+                    buffers = self._attach(msg, buffers)
                 self.peer.handle(self, msg, buffers)
             else:
                 self.peer.authenticate(self, msg)
+        except shm.ShmError as exc:
+            self.peer.refuse(self, "protocol", str(exc))
+        except FrameTooLarge as exc:
+            self.peer.refuse(self, exc.code, str(exc))
         except Exception:  # a bug of ours must cost this connection, never the peer
             log.exception("failed to handle a %r message from %s", msg.get("t"), self.address)
             self.peer.refuse(self, "internal", "the peer failed to handle this message")
+
+    def _attach(self, msg: wire.Message, buffers: list[Any]) -> list[Any]:
+        """The buffers of a message with shared-memory segments on the local link, within the message limit."""
+        buffers = shm.receive_with(self.link, msg, buffers)
+        total = sum(memoryview(b).nbytes for b in buffers)
+        if total > self.channel.reader.max_frame:
+            raise FrameTooLarge(f"a message of {total} bytes exceeds the limit of {self.channel.reader.max_frame} "
+                                "bytes a message")
+        return buffers
 
     def on_closed(self, reason: str, error: ProtocolError | None) -> None:
         if error is not None:
@@ -91,13 +112,16 @@ class Connection:
 
     def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
         self.tasks.pop(task.client_id, None)
-        self.channel.write(reply, buffers)
+        if task.keep is not None and reply["t"] == wire.RESULT:  # type: ignore[typeddict-item]
+            reply, buffers = self.peer.held.keep(task.keep, self.client, reply, buffers)
+        self.send(reply, buffers)
 
     def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
         self.channel.write(msg)
 
     def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
-        self.channel.write(msg, buffers)
+        """Write a message; its segments go by descriptor over the local link, if there is one."""
+        self.channel.write(msg, shm.send_over(self.link, msg, buffers, copy=False))
 
 
 class Peer:
@@ -115,6 +139,7 @@ class Peer:
         preload = config.preload if config.preload is not None else default_preload(config.resources)
         self.scheduler = Scheduler(self.slots, config.python, preload, config.worker_start_timeout, config.workdir)
         # measured utilisation: for STATUS, and free memory for starting tasks
+        self.held = held.HeldResults(held.limit_from_env(), grace_from_env())  # results kept (keep=True)
         self.sampler = Sampler(recorded=config.measured_from, on_sample=self._on_sample)
         self.port = 0
         self._connections: set[Connection] = set()
@@ -129,6 +154,11 @@ class Peer:
         self._server: socket.socket | None = None
         self._advertiser: discovery.Advertiser | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
+        self._headroom = memory_headroom()
+
+    def _memory_refusal(self, total: int) -> str | None:
+        return memory_refusal(total, self._headroom)
 
     def _on_sample(self, sample: Sample) -> None:
         """From the sampling thread: hand a new measurement to the scheduler, on the event loop."""
@@ -151,6 +181,8 @@ class Peer:
         self._server.setblocking(False)
         self.port = self._server.getsockname()[1]
         self._loop.add_reader(self._server.fileno(), self._on_accept)
+        if shm.enabled():
+            self._local = LocalLinks(self._loop)
         self.scheduler.spawn(self._watchdog())
         self.sampler.start()
         if self.config.advertise:
@@ -179,6 +211,8 @@ class Peer:
             self._advertiser = None
         self._loop.remove_reader(self._server.fileno())
         self._server.close()
+        if self._local is not None:
+            self._local.close()
         if drain and self.load_total:
             log.info("draining %d task(s), up to %.0f s", self.load_total, self.config.drain_timeout)
             deadline = time.monotonic() + self.config.drain_timeout
@@ -217,7 +251,7 @@ class Peer:
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
-                "unreserved_gb": self.scheduler.free_memory()}
+                "unreserved_gb": self.scheduler.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held)}
 
     # ---- connections --------------------------------------------------------------------------
 
@@ -299,7 +333,11 @@ class Peer:
         self._connections.add(conn)
         conn.channel.write(reply)  # the last frame in clear: every later byte both ways is sealed
         conn.channel.secure(*keys)
+        conn.channel.reader.budget = self._memory_refusal
+        if self._local is not None:
+            conn.channel.reader.allocate = _receive_buffer
         self.scheduler.actors.connected(conn)
+        self.held.connected(conn.client)
 
     def refuse(self, conn: Connection, code: str, message: str) -> None:
         """Tell the other side why, then close (in the background)."""
@@ -317,6 +355,8 @@ class Peer:
     def drop(self, conn: Connection) -> None:
         """Forget a connection and cancel its tasks: its submitter is gone."""
         self._unauthenticated.pop(conn, None)
+        if self._local is not None:
+            self._local.forget(conn)
         if conn in self._connections:
             self._connections.discard(conn)
             for task in list(conn.tasks.values()):
@@ -324,16 +364,30 @@ class Peer:
             conn.tasks.clear()
             last = not any(other.client == conn.client for other in self._connections)
             self.scheduler.actors.disconnected(conn, last)
+            if last:
+                self.held.disconnected(conn.client)
 
     def handle(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
         """Route one message of an authenticated submitter."""
         kind = msg["t"]
+        if wire.REFUSED in msg:  # its buffers were dropped as they came: no memory for them
+            refusal = f"not received: {msg[wire.REFUSED]}"
+            if kind in (wire.SUBMIT, wire.ACTOR):
+                return self._reject(conn, msg.get("id"), "too-large", refusal)
+            return conn.channel.write(wire.error("too-large", refusal, msg.get("id")))
         if kind in (wire.SUBMIT, wire.ACTOR):
             self._admit(conn, msg, buffers)
         elif kind == wire.CALL:
             self.scheduler.actors.call(conn, msg, buffers)
         elif kind == wire.CLOSE:
             self.scheduler.actors.close(conn, msg)
+        elif kind == wire.FETCH:
+            conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
+        elif kind == wire.RELEASE:
+            self.held.release(msg.get("ref"), conn.client)
+        elif kind == wire.LOCAL:  # the submitter asks for a local link: the answer has none when there is none
+            offer = self._local.offer(conn) if self._local is not None and conn.link is None else {"t": wire.LOCAL}
+            conn.channel.write({**offer, "id": msg.get("id")})
         elif kind == wire.PING:
             conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": msg.get("id")}))
         elif kind == wire.CANCEL:
@@ -372,12 +426,33 @@ class Peer:
             return self._reject(conn, task_id, "busy", f"the queue is full ({self.config.max_queue} tasks)")
         if self.scheduler.actors_hold_all(req):
             return self._reject(conn, task_id, "busy", "actors hold the slots that fit")
+        if msg.get("keep") in self.held:
+            return self._reject(conn, task_id, "bad-request", "the keep id names a result held already")
         task = ScheduledTask(conn, task_id, msg, buffers, req, msg.get("timeout"),
-                             actor_class=wire.printable(msg["name"]) if msg["t"] == wire.ACTOR else None)
+                             actor_class=wire.printable(msg["name"]) if msg["t"] == wire.ACTOR else None,
+                             keep=msg.get("keep"))
         conn.tasks[task_id] = task
-        if not self.scheduler.enqueue(task) and not task.answered:
+        if msg.get("refs"):
+            conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id}))
+            self.scheduler.spawn(self._enqueue_with_refs(conn, task, msg["refs"]))
+        elif not self.scheduler.enqueue(task) and not task.answered:
             # it waits: say so (a task that started at once needs no ACCEPT)
             conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id}))
+
+    async def _enqueue_with_refs(self, conn: Connection, task: ScheduledTask, refs: list[dict[str, Any]]) -> None:
+        """Queue a task once the held results among its arguments are here (this peer's, or fetched
+        from their peers); a lost one fails it with "held-lost"."""
+        def fetch(ref: dict[str, Any]) -> tuple[bytes, list[Any]]:
+            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.client)
+
+        try:
+            resolved = await held.gather(self.held, refs, conn.client, self.peer_id, fetch)
+        except ConnectionError as exc:
+            self.scheduler.cancel(task, "held-lost", f"a held result among its arguments is lost: {exc}")
+            return
+        if not task.answered:  # not cancelled meanwhile
+            task.refs = resolved
+            self.scheduler.enqueue(task)
 
     def _reject(self, conn: Connection, task_id: Any, code: str, message: str) -> None:
         self.scheduler.activity.refused(conn.address, code, message)
@@ -393,7 +468,9 @@ def _check_submit(msg: wire.Message) -> str | None:
         check_timeout(msg.get("timeout"))
     except ValueError:
         return f"bad timeout {msg.get('timeout')!r}: a positive, finite number of seconds or nil"
-    return None
+    if "keep" in msg and (problem := wire.check_result_id(msg["keep"])) is not None:
+        return f"bad 'keep': {problem}"
+    return wire.check_refs(msg["refs"]) if "refs" in msg else None
 
 
 def _check_actor(msg: wire.Message) -> str | None:
@@ -409,6 +486,31 @@ def _check_actor(msg: wire.Message) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+MEMORY_HEADROOM_MB = 512  # the default of GPULAYER_MEMORY_HEADROOM_MB
+
+
+def memory_headroom() -> int:
+    """Bytes of free memory the peer keeps when it receives a message: GPULAYER_MEMORY_HEADROOM_MB."""
+    value = os.environ.get("GPULAYER_MEMORY_HEADROOM_MB", str(MEMORY_HEADROOM_MB))
+    if not value.isdigit():
+        raise ConfigError(f"GPULAYER_MEMORY_HEADROOM_MB must be a whole number of MiB, not {value!r}")
+    return int(value) << 20
+
+
+def memory_refusal(total: int, headroom: int) -> str | None:
+    """Why a message whose buffers come to at least `total` bytes may not be received now, or None."""
+    available = psutil.virtual_memory().available
+    if available - total >= headroom:
+        return None
+    return (f"its buffers come to at least {total >> 20} MiB, and the peer has {available >> 20} MiB of memory free "
+            f"and keeps {headroom >> 20} MiB of it (GPULAYER_MEMORY_HEADROOM_MB)")
+
+
+def _receive_buffer(size: int) -> Any:
+    """Where a submitter's large frame is received: a segment, which goes on to the worker by descriptor."""
+    return shm.receive_segment(size) if size >= shm.SHM_MIN else wire.receive_buffer(size)
 
 
 def _raise_fd_limit() -> None:

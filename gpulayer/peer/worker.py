@@ -1,7 +1,8 @@
 """The warm worker: a process of the job interpreter that runs tasks one at a time.
 
-Started by the peer as `python -m gpulayer.peer.worker FD [--preload torch,mlx]`, it talks
-frames over the inherited socket FD. It needs only msgpack and cloudpickle, and it is the
+Started by the peer as `python -m gpulayer.peer.worker FD [--preload torch,mlx] [--link FD2]`, it
+talks frames over the inherited socket FD; big buffers come and go as shared-memory descriptors
+on the local link FD2 (shm.py). It needs only msgpack and cloudpickle, and it is the
 only place where task data is ever unpickled. Its stdout and stderr are pipes that the peer
 streams back to the submitter.
 """
@@ -18,7 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import remote_exceptions, serialization, wire
+from .. import held, remote_exceptions, serialization, shm, wire
 from . import spawning
 
 _FN_CACHE_SIZE = 128
@@ -45,7 +46,21 @@ class FunctionCache:
 
 def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, list]:
     """Run one SUBMIT; return the RESULT or ERROR message and its buffers."""
-    return _run(msg.get("id"), lambda: functions.load(msg["fn"]), msg["args"], buffers)
+    own, values = held_arguments(msg, buffers)
+    with held.provided(values):
+        return _run(msg.get("id"), lambda: functions.load(msg["fn"]), msg["args"], own)
+
+
+def held_arguments(msg: dict, buffers: list) -> tuple[list, dict]:
+    """The task's own buffers, and the held results among its arguments by id: (pickle, buffers).
+
+    The peer sends a held result's buffers after the task's own ("ab" of them), in the order of "refs"."""
+    start = msg.get("ab", len(buffers))
+    values = {}
+    for result_id, data, count in msg.get("refs") or ():
+        values[result_id] = (data, buffers[start:start + count])
+        start += count
+    return buffers[:msg.get("ab", len(buffers))], values
 
 
 def _invoke(task_id, target, args: bytes, buffers: list) -> tuple[object, dict | None]:
@@ -232,12 +247,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("fd", type=int)
     parser.add_argument("--preload", default="")
+    parser.add_argument("--link", type=int, default=-1)  # the local link for shared memory (shm.py)
     args = parser.parse_args(argv)
-    conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes())
+    link = socket.socket(fileno=args.link) if args.link >= 0 and shm.enabled() else None
+    conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes(), link)
     reaper = OrphanReaper() if become_subreaper() else None
     spawning.install()
     loaded = preload([n for n in args.preload.split(",") if n])
-    conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded})
+    conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None})
     functions = FunctionCache()
     while True:
         try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from .. import wire
+from .. import shm, wire
 from ..errors import ProtocolError, WorkerDied
 from ..security import KEY_ENV
 from .channel import AsyncChannel
@@ -119,10 +119,16 @@ class Worker:
         self._pipes: dict[int, str] = {}
         self._loop = asyncio.get_running_loop()
         self._started: asyncio.Future[wire.Message] = self._loop.create_future()
+        self._link: socket.socket | None = None  # the local link for shared memory (shm.py)
+        self._fds = False  # whether the worker takes segments on it
 
     async def start(self, timeout: float) -> None:
         """Spawn the process and wait for its ready message (after its preloads)."""
         parent, child = tcp_socketpair()
+        self._link, link = shm.link_pair() if shm.enabled() else (None, None)
+        if self._link is not None:
+            self._link.setblocking(False)  # the event loop's end: a full link sends inline instead
+        passed = (child.fileno(),) if link is None else (child.fileno(), link.fileno())
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         env = worker_env({**os.environ, **self.slot.env, **self.extra_env, "PYTHONUNBUFFERED": "1"})
@@ -131,7 +137,8 @@ class Worker:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 self.python, "-m", "gpulayer.peer.worker", str(child.fileno()), "--preload", ",".join(self.preload),
-                stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(child.fileno(),),
+                *(["--link", str(link.fileno())] if link is not None else []),
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=passed,
                 env=env, cwd=self.cwd, start_new_session=True,
             )
         except OSError:
@@ -141,6 +148,8 @@ class Worker:
             raise
         finally:
             child.close()
+            if link is not None:
+                link.close()
             os.close(out_w)
             os.close(err_w)
         self.pid = self._proc.pid
@@ -159,14 +168,21 @@ class Worker:
         log.debug("worker %s ready on %s", self.pid, self.slot.device)
 
     def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+        """Hand the worker a message; segments among `buffers` go by descriptor when it takes them."""
         assert self._channel is not None, "the worker has not started"
-        self._channel.write(msg, buffers)
+        self._channel.write(msg, shm.send_over(self._link if self._fds else None, msg, buffers, copy=False))
 
     def _on_message(self, msg: wire.Message, buffers: list[Any]) -> None:
         if not self._started.done():
+            self._fds = self._link is not None and msg.get("fds") is True
             self._started.set_result(msg)
         elif msg["t"] in (wire.RESULT, wire.ERROR):
             self.drain_output()
+            try:
+                buffers = shm.receive_with(self._link, msg, buffers)
+            except shm.ShmError as exc:
+                failed = wire.error("worker-died", f"the worker's reply did not arrive whole: {exc}", msg.get("id"))
+                msg, buffers = dict(failed), []
             self.on_reply(self, msg, buffers)
 
     def _on_channel_closed(self, reason: str, error: ProtocolError | None) -> None:
@@ -245,6 +261,8 @@ class Worker:
         self.drain_output()
         if self._channel is not None:
             self._channel.close()
+        if self._link is not None:
+            self._link.close()
 
 
 def worker_env(env: dict[str, str]) -> dict[str, str]:
