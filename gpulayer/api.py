@@ -18,7 +18,7 @@ from typing import Any
 
 from .backends.base import Backend, make
 from .actor_class import ActorClass
-from .options import TaskOptions, split_call
+from .options import TaskOptions, no_keep, split_call
 
 _client: Backend | None = None
 _client_lock = threading.Lock()
@@ -56,14 +56,16 @@ def shutdown() -> None:
 
 def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> Future[Any]:
     return default_client().submit(fn, args, kwargs, req=options.requirements, timeout=options.timeout,
-                                   retries=options.retries, env=options.env)
+                                   retries=options.retries, env=options.env, keep=options.keep)
 
 
 def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
     """Run fn(*args, **kwargs) on a matching peer; returns a concurrent.futures.Future.
 
     Keyword arguments named like a task option (see `gpulayer.options`) are task options;
-    the others go to fn.
+    the others go to fn. A future among the arguments (also inside lists and dicts) is replaced by
+    its value; with keep=True, the result stays on its peer, and a future of it passed to another
+    task travels from peer to peer, not through here (docs/data.md).
     """
     options, kwargs = split_call(kwargs)
     return _submit(fn, args, kwargs, options)
@@ -71,7 +73,9 @@ def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
 
 def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run fn(*args, **kwargs) on a matching peer and return its result (or raise its exception)."""
-    return submit(fn, *args, **kwargs).result()
+    options, kwargs = split_call(kwargs)
+    no_keep(options, "gl.run()")
+    return _submit(fn, args, kwargs, options).result()
 
 
 def map(fn: Callable[[Any], Any], iterable: Iterable[Any], *, progress: bool | None = None, **options: Any) -> list[Any]:
@@ -82,6 +86,7 @@ def map(fn: Callable[[Any], Any], iterable: Iterable[Any], *, progress: bool | N
     drawn on a terminal (or when progress=True).
     """
     parsed = TaskOptions.parse(options)
+    no_keep(parsed, "gl.map()")
     return default_client().map(fn, list(iterable), req=parsed.requirements, timeout=parsed.timeout,
                                 retries=parsed.retries, env=parsed.env, progress=progress)
 
@@ -96,6 +101,7 @@ class RemoteFunction:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        no_keep(self._parsed, "calling a remote function (use its .submit())")
         return self.submit(*args, **kwargs).result()
 
     def submit(self, *args: Any, **kwargs: Any) -> Future[Any]:

@@ -19,7 +19,7 @@ from .wire import check_env
 REQUIREMENTS: dict[str, Any] = {"accelerator": None, "gpu_memory_gb": None, "frameworks": None,
                                 "capabilities": None, "peer": None, "devices": 1, "python": None}
 # How the submitter runs the task, with defaults.
-EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0, "env": None}
+EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0, "env": None, "keep": False}
 NAMES = frozenset(REQUIREMENTS) | frozenset(EXECUTION)
 
 
@@ -30,6 +30,20 @@ def check_timeout(timeout: Any) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
     return float(timeout)
+
+
+def check_keep(keep: Any) -> bool:
+    """True or False: whether the result stays on its peer (docs/data.md)."""
+    if not isinstance(keep, bool):
+        raise TypeError(f"keep must be True or False, not {keep!r}")
+    return keep
+
+
+def no_keep(options: TaskOptions, where: str) -> None:
+    """Refuse keep=True where the value itself is returned (run, map, calling a remote function)."""
+    if options.keep:
+        raise ValueError(f"keep=True makes no sense for {where}, which returns the value itself: use "
+                         "gl.submit(..., keep=True) (or f.submit) for a future whose result stays on its peer")
 
 
 def check_retries(retries: Any) -> int:
@@ -47,6 +61,7 @@ class TaskOptions:
     timeout: float | None = None
     retries: int = 0
     env: dict[str, str] = field(default_factory=dict)  # variables the task runs with (wire.check_env)
+    keep: bool = False  # the result stays on its peer until asked for (docs/data.md)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> TaskOptions:
@@ -57,7 +72,7 @@ class TaskOptions:
                             f"the options are {', '.join(sorted(NAMES))}")
         req = Requirements.build(**{name: options.get(name, default) for name, default in REQUIREMENTS.items()})
         return cls(req, check_timeout(options.get("timeout")), check_retries(options.get("retries", 0)),
-                   check_env(options.get("env")))
+                   check_env(options.get("env")), check_keep(options.get("keep", False)))
 
 
 def split_call(kwargs: dict[str, Any]) -> tuple[TaskOptions, dict[str, Any]]:

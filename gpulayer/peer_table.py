@@ -20,13 +20,20 @@ def format_util(sample: dict[str, Any] | None) -> str:
     return " ".join(parts) or "-"
 
 
+def format_bytes(n: int | None) -> str:
+    """Bytes held on a peer: "-" for none or unknown, else MiB or GiB."""
+    if not n:
+        return "-"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def format_peers(rows: list[dict[str, Any]]) -> str:
     """One line per row under a header, columns padded to their widest cell."""
-    header = ("NAME", "ADDRESS", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "STATE")
+    header = ("NAME", "ADDRESS", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "STATE")
     lines = [header]
     for r in rows:
         if "accelerator" not in r:  # an unreachable static peer
-            lines.append((r["name"], r["address"], "?", "?", "?", "?", "-", f"down: {r['error']}"))
+            lines.append((r["name"], r["address"], "?", "?", "?", "?", "-", "-", f"down: {r['error']}"))
             continue
         mem = r["device_memory_gb"]
         memory = f"{max(mem):g} GB {r['memory_kind']}" if mem else f"{r['ram_gb']:g} GB host"
@@ -38,6 +45,7 @@ def format_peers(rows: list[dict[str, Any]]) -> str:
         state = r["state"] if r["state"] == "up" else f"down: {r['error']}"
         frameworks = " ".join(f"{k} {v}" for k, v in sorted(r["frameworks"].items())) or "-"
         lines.append((r["name"], r["address"], r["accelerator"], memory, frameworks,
-                      f"{busy}/{r['slots']}{queued}{actors}", format_util(r.get("util")), state))
+                      f"{busy}/{r['slots']}{queued}{actors}", format_util(r.get("util")),
+                      format_bytes(r.get("held_bytes")), state))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)

@@ -517,10 +517,16 @@ class RayBackend:
 
     def submit(self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict[str, Any] | None = None, *,
                req: Requirements, timeout: float | None = None, retries: int = 0,
-               env: dict[str, str] | None = None, fn_bytes: bytes | None = None) -> RayFuture:
-        """Submit one call to a fitting node; NoMatchingPeer at once when none fits."""
+               env: dict[str, str] | None = None, fn_bytes: bytes | None = None, keep: bool = False) -> RayFuture:
+        """Submit one call to a fitting node; NoMatchingPeer at once when none fits.
+
+        keep=True (results held on the LAN's peers, docs/data.md) is refused: Ray keeps every result
+        in its own object store, and passing a future as an argument is not supported here."""
         if self.closed:
             raise ConfigError("this Ray backend is closed; call gl.configure() again")
+        if keep:
+            raise ValueError("keep=True is not supported on the Ray backend: Ray holds results in its object "
+                             "store; pass values, or use the LAN backend to chain held results peer to peer")
         timeout, retries, env = check_timeout(timeout), check_retries(retries), check_env(env)
         data, buffers = serialization.dumps((tuple(args), kwargs or {}))
         fn_bytes = fn_bytes or serialization.dumps(fn)[0]

@@ -16,6 +16,7 @@ REFUSALS_MAX = 200  # refusals kept of one reply
 NAME_MAX = 200  # characters of a name, a device or a host
 MESSAGE_MAX = 1000  # characters of a refusal's message
 TIME_MAX = 1e11  # seconds since 1970 (the year 5138)
+HELD_MAX = 1 << 50  # results or bytes a peer may say it holds
 
 
 def text(value: Any, limit: int = NAME_MAX) -> str:
@@ -69,6 +70,11 @@ def _unreserved(value: Any) -> dict[str, float]:
     return {k: v for k, v in pairs if k and v is not None}
 
 
+def _count(value: Any) -> int:
+    """A count of results or bytes held: a whole number in range, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= HELD_MAX else 0
+
+
 def _load(value: Any) -> tuple[float | None, float | None]:
     if not isinstance(value, list) or len(value) < 2:
         return None, None
@@ -92,4 +98,5 @@ def clean_status(msg: Any) -> dict[str, Any]:
         "actors": [_actor(e) for e in _entries(msg.get("actors"), RUNNING_MAX)],
         "util": util,
         "unreserved_gb": _unreserved(msg.get("unreserved_gb")),
+        "held_bytes": _count(msg.get("held_bytes")), "held": _count(msg.get("held")),
     }

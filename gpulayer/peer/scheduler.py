@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from .. import accelerators, wire
 from .activity import Activity
@@ -34,6 +34,7 @@ log = logging.getLogger("gpulayer.peer")
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 LOOKAHEAD = 256  # how deep the queue is searched for a task that fits the free slots
+CONTENDING_S = 2.0  # a submitter that queued a task this recently contends for the slots (ADR 0011)
 MEASURE_MAX_AGE_S = 5.0  # an older measurement of free memory is not used (the sampler runs at 1 Hz)
 
 
@@ -67,6 +68,9 @@ class ScheduledTask:
     actor: Actor | None = None  # that actor once its constructor returned: it holds the slot from then on
     timer: asyncio.TimerHandle | None = None
     answered: bool = False
+    keep: str | None = None  # hold its result under this id (the SUBMIT's "keep"; peer/held.py)
+    refs: list[tuple[str, bytes, list[Any]]] = field(default_factory=list)  # held results among its arguments
+    started: float = 0.0  # time.monotonic() when it started: its outcome says how long it ran ("ran")
 
 
 def plan_slots(res: Resources, concurrency: int | None) -> list[Slot]:
@@ -119,6 +123,7 @@ class Scheduler:
         self.activity = Activity()  # running and finished tasks, for STATUS
         self.stopping = False
         self._queue: deque[ScheduledTask] = deque()
+        self._contending: dict[TaskOwner, float] = {}  # submitter -> when it last queued a task
         self.measured: Sample | None = None  # the last measured utilisation (`measure`)
         self.actors = Actors(self._free_actor_slot, grace_from_env())
         self._background: set[asyncio.Task[Any]] = set()
@@ -180,10 +185,20 @@ class Scheduler:
         """Add what a reply tells the submitter about this peer: its "load" and, on a GPU peer, its
         "free" GB (the most that one task may take now on one device, `available_memory`)."""
         msg["load"] = self.load()
+        cast(dict[str, Any], msg)["submitters"] = self.submitters()  # ADR 0011; not in wire.Envelope yet
         free = self.available_memory()
         if free:
             msg["free"] = round(max(free.values()), 3)
         return msg
+
+    def submitters(self) -> int:
+        """How many submitters contend for the slots: with a task running, or one queued in the last
+        CONTENDING_S seconds. Each submitter sizes its map's window by it (ADR 0011)."""
+        cutoff = time.monotonic() - CONTENDING_S
+        for owner in [o for o, seen in self._contending.items() if seen < cutoff]:
+            del self._contending[owner]
+        running = {s.task.owner for s in self.slots if isinstance(s.task, ScheduledTask)}
+        return len(running | self._contending.keys())
 
     # ---- tasks --------------------------------------------------------------------------------
 
@@ -199,6 +214,7 @@ class Scheduler:
             self._answer(task, wire.error("bad-request", str(exc)))
             return False
         self._queue.append(task)
+        self._contending[task.owner] = time.monotonic()
         self._start_queued()
         return task.slot is not None
 
@@ -207,7 +223,8 @@ class Scheduler:
         if task.answered:
             return
         if task.slot is None:
-            self._queue.remove(task)
+            if task in self._queue:  # not while its held arguments are fetched
+                self._queue.remove(task)
         elif task.slot.task is task:
             self._replace_worker(task.slot)
         if notify:
@@ -263,10 +280,16 @@ class Scheduler:
         for slot in group:
             slot.task = task
         task.slot, task.group = lead, group
+        task.started = time.monotonic()
         self.activity.started(task, task.msg and task.msg.get("name"), task.owner.address, lead.device)
         assert task.msg is not None
         if task.actor_class is None:
             msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
+            if task.refs:  # after the task's own buffers: each held result's, in order
+                msg["ab"] = len(task.buffers or [])
+                msg["refs"] = [[rid, data, len(bufs)] for rid, data, bufs in task.refs]
+                task.buffers = [*(task.buffers or []), *(b for _, _, bufs in task.refs for b in bufs)]
+                task.refs = []
         else:
             msg = {"t": wire.ACTOR, "id": task.client_id, "cls": task.msg["cls"], "args": task.msg["args"],
                    "conc": task.msg["conc"]}
@@ -335,6 +358,8 @@ class Scheduler:
         self.tasks_done += 1
         self.activity.ended(task, reply)
         reply["id"] = task.client_id
+        if task.started:
+            cast(dict[str, Any], reply)["ran"] = round(time.monotonic() - task.started, 6)  # ADR 0011
         task.owner.task_done(task, self.report(reply), buffers or [])
 
     # ---- workers ------------------------------------------------------------------------------
