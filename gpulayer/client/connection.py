@@ -170,9 +170,8 @@ class PeerConnection:
 
     def _read_loop(self) -> None:
         try:
-            while True:
-                msg, buffers = self._wire.recv()
-                self._route(msg, buffers)
+            while True:  # no local keeps the last message's buffers (maybe mapped segments) while waiting
+                self._route(*self._wire.recv())
         except (OSError, ConnectionError, ProtocolError) as exc:
             self.fail(self.send_error or str(exc) or type(exc).__name__)
 

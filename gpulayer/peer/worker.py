@@ -269,6 +269,7 @@ def main(argv=None) -> None:
             reply, out = run_task(msg, buffers, functions)
         del msg, buffers
         conn.send(reply, out)
+        del reply, out  # a result may be a view of an argument's segment: let the mapping go now
         if reaper is not None:
             reaper.maybe_reap()
 
