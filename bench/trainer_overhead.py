@@ -419,6 +419,8 @@ def main(argv=None) -> dict:
                         help="process: this process's CPU time (all threads), for a CPU run on a machine busy "
                              "with other work")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--ways", default="raw,glt,glt_compile,lightning",
+                        help="comma-separated, of raw, glt, glt_compile, lightning (e.g. raw,glt to profile)")
     parser.add_argument("--json", default=None, help="default: bench/results/trainer_overhead_<device>.json")
     parser.add_argument("--plot", default=None, help="default: the --json path with .png")
     args = parser.parse_args(argv)
@@ -467,6 +469,10 @@ def main(argv=None) -> dict:
                                   "bf16-mixed", batches, bs))
     if not workloads:
         parser.error(f"--models {args.models!r}: choose from mlp, resnet18")
+    chosen = args.ways.split(",")
+    if not {"raw"} <= set(chosen) <= {"raw", "glt", "glt_compile", "lightning"}:
+        parser.error(f"--ways {args.ways!r}: raw and any of glt, glt_compile, lightning")
+    ways = {name: way for name, way in ways.items() if name in chosen}
 
     sections = {w.name: measure(w, ways, args, device) for w in workloads}
     first = sections[workloads[0].name]

@@ -85,8 +85,8 @@ def reduce_name(reduce_fx) -> str:
 
 def _is_metric(value) -> bool:
     """A torchmetrics Metric (or anything with its update/compute/reset), without importing torchmetrics."""
-    return all(callable(getattr(value, name, None)) for name in ("update", "compute", "reset")) \
-        and not isinstance(value, Tensor)
+    return not isinstance(value, Tensor) and all(callable(getattr(value, name, None))
+                                                 for name in ("update", "compute", "reset"))
 
 
 class _Series:
@@ -127,13 +127,16 @@ class _Series:
             weighted = self.reduce == "mean"
             total = 0.0 if self.total is None else self.total
             by_weight: dict[float, list[Tensor]] = {}
-            for value, weight in zip(self.pending, self.weights):
-                if isinstance(value, Tensor):
-                    by_weight.setdefault(weight if weighted else 1.0, []).append(value)
-                else:
-                    total = total + value * (weight if weighted else 1.0)
+            if not weighted or self.weights.count(self.weights[0]) == len(self.weights):
+                by_weight[self.weights[0] if weighted else 1.0] = self.pending  # the usual case: no Python loop
+            else:
+                for value, weight in zip(self.pending, self.weights):
+                    by_weight.setdefault(weight, []).append(value)
             for weight, values in by_weight.items():
-                part = torch.stack(values).sum(dtype=dtype)
+                tensors = [v for v in values if isinstance(v, Tensor)]
+                part = torch.stack(tensors).sum(dtype=dtype) if tensors else 0.0
+                if len(tensors) < len(values):  # numbers logged from the host
+                    part = part + sum(v for v in values if not isinstance(v, Tensor))
                 total = total + (part if weight == 1.0 else part * weight)
             self.total = total
             self.count = self.count + sum(self.weights) if weighted else 1.0

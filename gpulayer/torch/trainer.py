@@ -494,9 +494,10 @@ class Trainer:
 
     def _publish(self, values: Published) -> None:
         """Hand one sync point's host values to callback_metrics, the progress bar and the loggers."""
-        self.callback_metrics.update(_tensors({**values.plain, **values}))
+        tensors = _tensors({**values.plain, **values})
+        self.callback_metrics.update(tensors)
         logged = {k: values[k] for k in values.logger}
-        self.logged_metrics.update(_tensors(logged))
+        self.logged_metrics.update({k: tensors[k] for k in logged})
         self.progress_bar_metrics.update({k: values[k] for k in values.prog_bar})
         if logged and self.loggers and self.is_global_zero:
             row = {**logged, "epoch": self.current_epoch}
