@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 from .. import shm, wire
@@ -26,6 +27,7 @@ class ConnectionTask(Protocol):
     """What a connection needs of a task it carries."""
 
     task_id: int
+    queued: bool  # the peer queued it and said it may be withdrawn (an ACCEPT with "w")
 
     def message(self) -> tuple[wire.Outgoing, list[Any]]: ...
 
@@ -43,6 +45,9 @@ class ConnectionListener(Protocol):
 
     def on_leaving(self, conn: PeerConnection) -> None:
         """The peer said BYE: it is shutting down."""
+
+    def on_idle(self, conn: PeerConnection) -> None:
+        """The peer said, unasked, that it has a free slot and nothing queued (ADR 0011)."""
 
     def on_lost(self, conn: PeerConnection, tasks: list[Any], reason: str) -> None:
         """The connection closed; `tasks` were still in flight on it."""
@@ -84,13 +89,16 @@ class PeerConnection:
         self.name = self.advert.name
         sock.settimeout(None)
         self._asked_local = not shm.enabled()  # whether a local link was asked for (before the first big send)
+        self._local_lock = threading.Lock()  # one asks; another sender of a big buffer waits for its answer
         threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
 
     # ---- sending ----------------------------------------------------------------------------------
 
     def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
         if not self._asked_local and any(memoryview(b).nbytes >= shm.SHM_MIN for b in buffers):
-            self._ask_local()
+            with self._local_lock:
+                if not self._asked_local:
+                    self._ask_local()
         with self._send_lock:
             self._wire.send(msg, buffers)
 
@@ -99,7 +107,7 @@ class PeerConnection:
         self._asked_local = True
         try:
             reply = self.request({"t": wire.LOCAL}, shm.LINK_TIMEOUT)
-        except (PeerLost, TimeoutError):
+        except (PeerLost, TimeoutError, FutureTimeout):  # distinct classes before Python 3.11
             return
         self._wire.link = shm.open_link(reply.get("addr"), reply.get("token"))
 
@@ -185,6 +193,8 @@ class PeerConnection:
             waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
+            elif kind == wire.PONG and msg.get("id") is None:
+                self.listener.on_idle(self)
             return
         if kind == wire.BYE:
             self.listener.on_leaving(self)
@@ -195,7 +205,10 @@ class PeerConnection:
             self.refusal = f"{msg.get('code')}: {msg.get('message')}"
             return
         task = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
-        if task is None or kind == wire.ACCEPT:
+        if task is None:
+            return
+        if kind == wire.ACCEPT:
+            task.queued = msg.get("w") is True  # it waits in the peer's queue, and may be withdrawn
             return
         if kind == wire.LOG:
             task.on_output(msg.get("stream"), msg.get("data") or b"")

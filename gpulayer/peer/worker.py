@@ -54,11 +54,13 @@ def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, 
 def held_arguments(msg: dict, buffers: list) -> tuple[list, dict]:
     """The task's own buffers, and the held results among its arguments by id: (pickle, buffers).
 
-    The peer sends a held result's buffers after the task's own ("ab" of them), in the order of "refs"."""
+    The peer sends a held result's buffers after the task's own ("ab" of them), in the order of "refs".
+    They are read-only here: on one host they may be the held result's own memory, which a task must
+    not change under the tasks after it (arrays rebuilt on them are read-only, as Ray's are)."""
     start = msg.get("ab", len(buffers))
     values = {}
     for result_id, data, count in msg.get("refs") or ():
-        values[result_id] = (data, buffers[start:start + count])
+        values[result_id] = (data, [memoryview(b).toreadonly() for b in buffers[start:start + count]])
         start += count
     return buffers[:msg.get("ab", len(buffers))], values
 

@@ -15,6 +15,7 @@ function el(tag, text, cls) {
 
 function gb(x) { return x === null || x === undefined ? "?" : x.toFixed(x < 10 ? 1 : 0) + " GB"; }
 function pct(x) { return x === null || x === undefined ? "-" : Math.round(x) + "%"; }
+function bytes(n) { return !n ? "-" : n >= 2 ** 30 ? (n / 2 ** 30).toFixed(1) + " GiB" : (n / 2 ** 20).toFixed(1) + " MiB"; }
 function seconds(s) { return s < 60 ? s.toFixed(1) + " s" : Math.floor(s / 60) + " min " + Math.round(s % 60) + " s"; }
 
 function bar(percent) {
@@ -47,7 +48,7 @@ function renderPeers(peers) {
     const frameworks = Object.entries(p.frameworks).map(([k, v]) => k + " " + v).join(", ") || "-";
     [el("td", p.name, "name"), el("td", p.address), state, el("td", p.accelerator + (p.device ? " (" + p.device + ")" : "")),
      el("td", memoryText(p), "memory"), util, el("td", pct(p.cpu_percent)), el("td", slots, "slots"),
-     el("td", p.python), el("td", frameworks)].forEach(td => row.appendChild(td));
+     el("td", bytes(p.held_bytes) + (p.held ? " (" + p.held + ")" : ""), "held"), el("td", p.python), el("td", frameworks)].forEach(td => row.appendChild(td));
     return row;
   }));
 }
