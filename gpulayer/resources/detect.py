@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 PROBE = Path(__file__).with_name("probe.py")
 PROBE_TIMEOUT_S = 60
+PYTHON_VERSION_TIMEOUT_S = 30  # a bare interpreter start, when the probe failed
 NVIDIA_SMI = ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
 NVIDIA_SMI_TIMEOUT_S = 10
 GB = 2**30
@@ -62,10 +63,17 @@ def _cpu_brand(system: str) -> str | None:
 
 
 def _probe(python: str) -> dict:
-    """The probe's JSON from running probe.py in `python`, or {"error": "..."}."""
+    """The probe's JSON from running probe.py in `python`, or {"error": "..."} with at least the
+    interpreter's version when it can still be had (a probe that timed out on a loaded machine
+    must not leave the peer with an unknown Python, which no task shipped by value matches)."""
     done = _run([python, str(PROBE)], PROBE_TIMEOUT_S)
     if done["error"]:
-        return {"error": done["error"]}
+        version = _run([python, "-I", "-S", "-c", "import platform; print(platform.python_version())"],
+                       PYTHON_VERSION_TIMEOUT_S)
+        failed: dict = {"error": done["error"]}
+        if not version["error"] and version["stdout"].strip():
+            failed["python"] = {"version": version["stdout"].strip()[:40], "executable": python}
+        return failed
     try:
         return json.loads(done["stdout"])
     except ValueError:

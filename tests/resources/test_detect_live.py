@@ -52,3 +52,17 @@ def test_missing_interpreter_is_recorded_not_raised(tmp_path, caplog):
     assert "FileNotFoundError" in facts["probe"]["error"]
     assert "probe: FileNotFoundError" in caplog.text
     assert parse_facts(facts).python == ""
+
+
+def test_a_probe_that_times_out_still_gives_the_python_version(monkeypatch, tmp_path):
+    from gpulayer.resources import detect as detection
+
+    slow = tmp_path / "probe.py"
+    slow.write_text("import time\ntime.sleep(30)\n")  # a probe stuck importing on a loaded machine
+    monkeypatch.setattr(detection, "PROBE", slow)
+    monkeypatch.setattr(detection, "PROBE_TIMEOUT_S", 0.5)
+    facts = collect_facts()
+    assert "TimeoutExpired" in facts["probe"]["error"]
+    res = parse_facts(facts)
+    assert res.python == platform.python_version()  # still matches tasks shipped by value
+    assert res.frameworks == []  # nothing claimed that was not seen
