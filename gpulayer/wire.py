@@ -37,9 +37,10 @@ PING, PONG, STATUS, BYE = "ping", "pong", "status", "bye"
 ACTOR, CALL, CLOSE, ACTOR_END = "actor", "call", "close", "actor_end"  # actors (docs/actors.md)
 FETCH, RELEASE = "fetch", "release"  # held results (docs/data.md)
 LOCAL = "local"  # the peer's offer of a local link for shared memory (shm.py, ADR 0009)
+WITHDRAW = "withdraw"  # the submitter takes back a task still queued on the peer (ADR 0011)
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
-                           LOCAL})
+                           LOCAL, WITHDRAW})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
@@ -55,6 +56,9 @@ class Envelope(TypedDict, total=False):
     id: int | None
     load: list[int]
     free: float  # on a GPU peer's replies: the most GB one task may take now on one device
+    submitters: int  # on the peer's replies: how many submitters contend for its slots (ADR 0011)
+    ran: float  # on a task's outcome: the seconds it ran (ADR 0011)
+    w: bool  # on an ACCEPT: the task is queued, and WITHDRAW may take it back until it starts (ADR 0011)
 
 
 class _SubmitOptions(TypedDict, total=False):
@@ -262,6 +266,11 @@ def log(task_id: int, stream: str, data: bytes) -> LogMessage:
 
 def cancel(task_id: int) -> Message:
     return {"t": CANCEL, "id": task_id}
+
+
+def withdraw(task_id: int) -> Message:
+    """Take back a queued task: REJECT "withdrawn" if it had not started, else nothing (it runs)."""
+    return {"t": WITHDRAW, "id": task_id}
 
 
 def ping() -> Message:

@@ -178,3 +178,14 @@ def solo_peer(peer_factory, name: str, *args: str):
         yield peer, client
     finally:
         client.close()
+
+
+def authenticated(peer: PeerProcess, client_id: str = "tester"):
+    """A raw connection to `peer` on loopback, past the handshake with its cluster key."""
+    import socket
+
+    from gpulayer import wire
+
+    conn = wire.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
+    wire.client_handshake(conn, peer.key.encode(), client_id)
+    return conn

@@ -18,7 +18,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,9 +175,11 @@ class SubmittedTask:
     future: TaskFuture = field(init=False)
     conn: PeerConnection | None = None
     task_id: int = 0
-    excluded: set[str] = field(default_factory=set)
+    excluded: dict[str, str] = field(default_factory=dict)  # peers it failed on, and why
     busy_delay: float = 0.0
     busy_rejections: int = 0
+    queued: bool = False  # waiting in its peer's queue, which lets it be withdrawn (ADR 0011)
+    withdrawing: bool = False  # a WITHDRAW was sent for it
     decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
     done: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -351,7 +353,7 @@ class Client:
         except (OSError, GPULayerError) as exc:
             self.static_errors[label] = str(exc)
 
-    def _wait_for_match(self, req: Requirements, excluded: set[str]) -> None:
+    def _wait_for_match(self, req: Requirements, excluded: Collection[str]) -> None:
         self.start()
         if self.static_errors and not self.placement.candidates(req, excluded):
             for address in self.static:
@@ -609,6 +611,37 @@ class Client:
             self._on_reject(task, conn, msg.get("code", "?"), msg.get("message", ""))
         else:
             self._on_error(task, msg)
+        if kind != wire.REJECT:
+            self.on_idle(conn)
+
+    def on_idle(self, conn: PeerConnection) -> None:
+        if not conn.closed and not conn.load[1] and conn.estimated_load < conn.advert.slots:
+            self._helpers.submit(self._steal_for, conn)
+
+    def _steal_for(self, conn: PeerConnection) -> None:
+        """Work stealing (ADR 0011): the peer of `conn` has a free slot and an empty queue by its last
+        report, and none of our tasks is on its way there; take back one of our tasks that waits in
+        another peer's queue and that this peer can run, from the queue with the longest expected wait.
+        Its REJECT "withdrawn" places it again (here, most likely); a task that started meanwhile runs on."""
+        if conn.closed or conn.load[1] or conn.estimated_load >= conn.advert.slots:
+            return
+        best: tuple[float, SubmittedTask, PeerConnection] | None = None
+        for other in list(self._connections.values()):
+            if other is conn or other.closed:
+                continue
+            waiting = [t for t in list(other.pending.values()) if isinstance(t, SubmittedTask) and t.queued
+                       and not t.withdrawing and conn.peer_id not in t.excluded and not match(t.req, conn.advert)]
+            if waiting:
+                wait = self.placement.contention.typical(other.peer_id) * other.estimated_load / max(other.advert.slots, 1)
+                if best is None or wait > best[0]:
+                    best = (wait, max(waiting, key=lambda t: t.task_id), other)  # the last in its queue
+        if best is not None:
+            _, task, other = best
+            task.withdrawing = True
+            try:
+                other.send(wire.withdraw(task.task_id))
+            except OSError:
+                pass
 
     def on_actor_end(self, conn: PeerConnection, msg: dict[str, Any]) -> None:
         handle = self.actors.get(msg.get("actor"))  # type: ignore[arg-type]
@@ -657,6 +690,10 @@ class Client:
 
     def _on_reject(self, task: SubmittedTask, conn: PeerConnection, code: str, message: str) -> None:
         cause = TaskRejected(code, f"{conn.name}: {message}")
+        if code == "withdrawn" and task.withdrawing:  # taken back from its queue (`_steal_for`): place it again
+            task.queued = task.withdrawing = False
+            self._helpers.submit(self._place_again, task, cause)
+            return
         if code == "busy":  # back off, then choose again among all fitting peers
             task.busy_delay = min(task.busy_delay * 2 or 0.02, 1.0)
             task.busy_rejections += 1
@@ -664,8 +701,9 @@ class Client:
                 self._helpers.submit(self._place_again, task, cause, task.busy_delay)
                 return
         elif code in ("no-match", "too-large"):  # its advert was stale, only the peer knew, or no memory: try others
-            task.excluded.add(conn.peer_id)
-            self.placement.refused(conn.peer_id, task.req, message)
+            task.excluded[conn.peer_id] = message
+            if code == "no-match":  # it will refuse these requirements again; memory may be free for the next task
+                self.placement.refused(conn.peer_id, task.req, message)
             self._helpers.submit(self._place_again, task, cause)
             return
         task.complete(exc=cause)
@@ -692,7 +730,7 @@ class Client:
             task.complete(exc=exc)
             return
         task.retries -= 1
-        task.excluded.add(task.conn.peer_id)
+        task.excluded[task.conn.peer_id] = str(exc)
         log.info("retrying task %s elsewhere after %s", task.name, exc)
         self._helpers.submit(self._place_again, task, exc)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..accelerators import CPU
@@ -150,7 +150,8 @@ class Placement:
         for record in self.directory.records():
             why = self._why_not(req, record)
             if not why and record.advert.peer_id in excluded:
-                why = ["already failed this task"]
+                why = [f"already failed this task: {excluded[record.advert.peer_id]}" if isinstance(excluded, Mapping)
+                       else "already failed this task"]
             elif not why and not record.up:
                 why = [f"down: {record.error}"]
             reasons[f"{record.advert.name} ({record.address})"] = why

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from .. import accelerators, wire
 from .activity import Activity
@@ -35,6 +35,7 @@ log = logging.getLogger("gpulayer.peer")
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 LOOKAHEAD = 256  # how deep the queue is searched for a task that fits the free slots
 CONTENDING_S = 2.0  # a submitter that queued a task this recently contends for the slots (ADR 0011)
+IDLE_NOTICE_GAP_S = 0.02  # the least time between two rounds of telling contenders that a slot is free
 MEASURE_MAX_AGE_S = 5.0  # an older measurement of free memory is not used (the sampler runs at 1 Hz)
 
 
@@ -48,6 +49,9 @@ class TaskOwner(Protocol):
 
     def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
         """Send a piece of the task's stdout or stderr."""
+
+    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+        """Send any message to the submitter."""
 
 
 @dataclass(eq=False)
@@ -120,6 +124,8 @@ class Scheduler:
         self.workdir = workdir or tempfile.mkdtemp(prefix="gpulayer-work-")
         self._own_workdir = workdir is None
         self.tasks_done = 0
+        self.withdrawn = 0  # tasks their submitters took back from the queue (ADR 0011)
+        self._idle_told = 0.0  # when contenders were last told that a slot is free
         self.activity = Activity()  # running and finished tasks, for STATUS
         self.stopping = False
         self._queue: deque[ScheduledTask] = deque()
@@ -185,20 +191,37 @@ class Scheduler:
         """Add what a reply tells the submitter about this peer: its "load" and, on a GPU peer, its
         "free" GB (the most that one task may take now on one device, `available_memory`)."""
         msg["load"] = self.load()
-        cast(dict[str, Any], msg)["submitters"] = self.submitters()  # ADR 0011; not in wire.Envelope yet
+        msg["submitters"] = self.submitters()
         free = self.available_memory()
         if free:
             msg["free"] = round(max(free.values()), 3)
         return msg
 
     def submitters(self) -> int:
-        """How many submitters contend for the slots: with a task running, or one queued in the last
-        CONTENDING_S seconds. Each submitter sizes its map's window by it (ADR 0011)."""
+        """How many submitters contend for the slots. Each submitter sizes its map's window by it (ADR 0011)."""
+        return len(self._contenders())
+
+    def _contenders(self) -> set[TaskOwner]:
+        """The submitters' connections with a task running here, or one queued in the last CONTENDING_S seconds."""
         cutoff = time.monotonic() - CONTENDING_S
         for owner in [o for o, seen in self._contending.items() if seen < cutoff]:
             del self._contending[owner]
-        running = {s.task.owner for s in self.slots if isinstance(s.task, ScheduledTask)}
-        return len(running | self._contending.keys())
+        return {s.task.owner for s in self.slots if isinstance(s.task, ScheduledTask)} | self._contending.keys()
+
+    def _tell_idle(self, answered: TaskOwner) -> None:
+        """A slot is free and nothing waits: say so (an unsolicited PONG with the load) to the other
+        contending submitters, so that one whose task waits in a busier peer's queue may withdraw it
+        and send it here (ADR 0011). The submitter just answered knows it from its outcome. Once per
+        IDLE_NOTICE_GAP_S at most: short tasks ending back to back do not flood the contenders."""
+        now = time.monotonic()
+        if self._queue or now - self._idle_told < IDLE_NOTICE_GAP_S or not any(s.ready for s in self.slots):
+            return
+        others = self._contenders() - {answered}
+        if others:
+            self._idle_told = now
+            news = self.report({"t": wire.PONG, "id": None})
+            for owner in others:
+                owner.send(news)
 
     # ---- tasks --------------------------------------------------------------------------------
 
@@ -231,6 +254,15 @@ class Scheduler:
             self._answer(task, wire.error(code, message))
         else:
             task.answered = True
+
+    def withdraw(self, task: ScheduledTask) -> bool:
+        """Take a task out of the queue for its submitter to place elsewhere; False once it started (or ended)."""
+        if task.answered or task.slot is not None or task not in self._queue:
+            return False
+        self._queue.remove(task)
+        task.answered = True
+        self.withdrawn += 1
+        return True
 
     def free_memory(self) -> dict[str, float]:
         """GB of each GPU device not reserved: its memory less the `gpu_memory_gb` that the tasks and actors
@@ -359,7 +391,7 @@ class Scheduler:
         self.activity.ended(task, reply)
         reply["id"] = task.client_id
         if task.started:
-            cast(dict[str, Any], reply)["ran"] = round(time.monotonic() - task.started, 6)  # ADR 0011
+            reply["ran"] = round(time.monotonic() - task.started, 6)
         task.owner.task_done(task, self.report(reply), buffers or [])
 
     # ---- workers ------------------------------------------------------------------------------
@@ -390,6 +422,7 @@ class Scheduler:
             self._release(task)
         self._answer(task, reply, buffers)
         self._start_queued()
+        self._tell_idle(task.owner)
 
     def _on_worker_exit(self, worker: Worker, code: int | None) -> None:
         slot = worker.slot

@@ -247,7 +247,7 @@ class Peer:
 
     def status(self) -> dict[str, Any]:
         return {"t": wire.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
-                "done": self.tasks_done, "draining": self._draining, "actors": self.scheduler.actors.rows(),
+                "done": self.tasks_done, "withdrawn": self.scheduler.withdrawn, "draining": self._draining, "actors": self.scheduler.actors.rows(),
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
@@ -390,11 +390,17 @@ class Peer:
             conn.channel.write({**offer, "id": msg.get("id")})
         elif kind == wire.PING:
             conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": msg.get("id")}))
+        elif kind == wire.WITHDRAW:
+            task = conn.tasks.get(request_id(msg))
+            if task is not None and self.scheduler.withdraw(task):
+                del conn.tasks[task.client_id]
+                conn.channel.write(self.scheduler.report(
+                    wire.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
         elif kind == wire.CANCEL:
-            task = conn.tasks.get(msg.get("id"))  # type: ignore[arg-type]
+            task = conn.tasks.get(request_id(msg))
             if task is not None:
                 self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
-            elif msg.get("id") in conn.calls:
+            elif request_id(msg) in conn.calls:
                 self.scheduler.actors.cancel(conn, msg["id"])
         elif kind == wire.STATUS:
             conn.channel.write({**self.status(), "id": msg.get("id")})
@@ -426,18 +432,19 @@ class Peer:
             return self._reject(conn, task_id, "busy", f"the queue is full ({self.config.max_queue} tasks)")
         if self.scheduler.actors_hold_all(req):
             return self._reject(conn, task_id, "busy", "actors hold the slots that fit")
-        if msg.get("keep") in self.held:
+        keep = msg.get("keep") if msg["t"] == wire.SUBMIT else None  # checked by _check_submit; actors keep nothing
+        if keep is not None and keep in self.held:
             return self._reject(conn, task_id, "bad-request", "the keep id names a result held already")
         task = ScheduledTask(conn, task_id, msg, buffers, req, msg.get("timeout"),
                              actor_class=wire.printable(msg["name"]) if msg["t"] == wire.ACTOR else None,
-                             keep=msg.get("keep"))
+                             keep=keep)
         conn.tasks[task_id] = task
         if msg.get("refs"):
             conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id}))
             self.scheduler.spawn(self._enqueue_with_refs(conn, task, msg["refs"]))
         elif not self.scheduler.enqueue(task) and not task.answered:
-            # it waits: say so (a task that started at once needs no ACCEPT)
-            conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id}))
+            # it waits: say so, and that it may be withdrawn until it starts (a task that started needs no ACCEPT)
+            conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id, "w": msg["t"] == wire.SUBMIT}))
 
     async def _enqueue_with_refs(self, conn: Connection, task: ScheduledTask, refs: list[dict[str, Any]]) -> None:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched
@@ -457,6 +464,12 @@ class Peer:
     def _reject(self, conn: Connection, task_id: Any, code: str, message: str) -> None:
         self.scheduler.activity.refused(conn.address, code, message)
         conn.channel.write(self.scheduler.report(wire.reject(task_id, code, message)))
+
+
+def request_id(msg: wire.Message) -> int:
+    """The message's "id" when it is an int, else -1 (which names no task or call)."""
+    value = msg.get("id")
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
 def _check_submit(msg: wire.Message) -> str | None:
