@@ -41,9 +41,20 @@ def test_ioreg_of_two_accelerators_and_of_nothing():
 
 
 def test_nvml_of_the_h200():
-    readings = json.loads((UTIL / "nvml_h200.json").read_text())
-    assert parse_nvml(readings) == [{"index": 0, "util_percent": 0.0, "memory_used_gb": 0.5,
-                                     "memory_total_gb": round(143771 * 2**20 / GB, 3)}]
+    """Real NVML readings of the lent H200 (recorded 2026-12-04 by tests/hardware/record_nvml.py), idle and
+    under a bf16 matmul loop: parsed here as the sampler parsed them there."""
+    record = json.loads((UTIL / "nvml_h200.json").read_text())
+    assert record["machine"]["gpu"] == "NVIDIA H200" and record["recorded"].startswith("2026-12-04")
+    total = round(143771 * 2**20 / GB, 3)  # nvidia-smi's 143771 MiB
+    for state, util, used in (("idle", {0.0}, 0.601), ("busy", {99.0, 100.0}, 1.588)):
+        assert len(record[state]) == 3
+        for reading in record[state]:
+            [gpu] = parse_nvml(reading["nvml"])
+            assert gpu["index"] == 0 and gpu["util_percent"] in util
+            assert gpu["memory_used_gb"] == used and gpu["memory_total_gb"] == total
+            # the Sampler on the machine produced the same GPU entry, in a sample that passes the check
+            assert reading["sample"]["source"] == "nvml" and reading["sample"]["gpus"] == [gpu]
+            assert clean_sample(reading["sample"]) == reading["sample"]
 
 
 def test_nvml_with_fields_it_could_not_read():
