@@ -150,11 +150,8 @@ class HeldResult:
             self.released = True
         self._finalizer.detach()
         conn = self.client.pooled(self.peer_id)
-        if conn is not None:
-            try:
-                conn.send(wire.release(self.result_id))
-            except OSError:
-                pass  # the peer frees it when this submitter's connections are gone
+        if conn is not None:  # else the peer frees it when this submitter's connections are gone
+            _send_quietly(conn, wire.release(self.result_id))
 
 
 @dataclass(eq=False)
@@ -247,6 +244,14 @@ class FetchRequest(SubmittedTask):
 
     def message(self) -> tuple[wire.Outgoing, list[Any]]:
         return wire.fetch(self.task_id, self.result_id), []
+
+
+def _send_quietly(conn: PeerConnection, msg: wire.Outgoing) -> None:
+    """Send a message that needs no answer; a connection that is gone takes it with it."""
+    try:
+        conn.send(msg)
+    except OSError:
+        pass
 
 
 def _pickle_call(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[bytes, list[Any], list[TaskFuture]]:
@@ -433,10 +438,7 @@ class Client:
             peer_id, result_id = self._releases.popleft()
             conn = self.pooled(peer_id)
             if conn is not None:
-                try:
-                    conn.send(wire.release(result_id))
-                except OSError:
-                    pass
+                _send_quietly(conn, wire.release(result_id))
 
     def received_bytes(self) -> int:
         """Bytes this submitter has read from its peer connections so far (on the socket: records and all)."""
@@ -615,15 +617,13 @@ class Client:
             self.on_idle(conn)
 
     def on_idle(self, conn: PeerConnection) -> None:
-        if not conn.closed and not conn.load[1] and conn.estimated_load < conn.advert.slots:
-            self._helpers.submit(self._steal_for, conn)
-
-    def _steal_for(self, conn: PeerConnection) -> None:
         """Work stealing (ADR 0011): the peer of `conn` has a free slot and an empty queue by its last
         report, and none of our tasks is on its way there; take back one of our tasks that waits in
         another peer's queue and that this peer can run, from the queue with the longest expected wait.
-        Its REJECT "withdrawn" places it again (here, most likely); a task that started meanwhile runs on."""
-        if conn.closed or conn.load[1] or conn.estimated_load >= conn.advert.slots:
+        Its REJECT "withdrawn" places it again (here, most likely); a task that started meanwhile runs on.
+        Called on the connection's reader thread: the search is in memory, and the WITHDRAW is sent
+        from a helper thread (a big upload may hold the other connection's socket)."""
+        if len(self._connections) < 2 or conn.closed or conn.load[1] or conn.estimated_load >= conn.advert.slots:
             return
         best: tuple[float, SubmittedTask, PeerConnection] | None = None
         for other in list(self._connections.values()):
@@ -638,10 +638,7 @@ class Client:
         if best is not None:
             _, task, other = best
             task.withdrawing = True
-            try:
-                other.send(wire.withdraw(task.task_id))
-            except OSError:
-                pass
+            self._helpers.submit(_send_quietly, other, wire.withdraw(task.task_id))
 
     def on_actor_end(self, conn: PeerConnection, msg: dict[str, Any]) -> None:
         handle = self.actors.get(msg.get("actor"))  # type: ignore[arg-type]

@@ -121,9 +121,11 @@ class Placement:
         where its own tasks just ended (it hears of those first): shares then follow the speed of
         the peers each one happened to start on. Two random choices mix the tasks over the peers.
         """
-        kind = self._kind(req, order[0]) if order else None
+        if len(order) < 3 or self._free(order[0]):
+            return order
+        kind = self._kind(req, order[0])
         same = [r for r in order if self._kind(req, r) == kind]
-        if len(same) < 3 or self._free(order[0]):
+        if len(same) < 3:
             return order
         first = _RANDOM.choices(same, [self.contention.capacity(r) for r in same])[0]
         rest = [r for r in same if r is not first]
