@@ -112,12 +112,15 @@ class HeldResults:
         log.info("freed %d held result(s) of submitter %s, gone for %.0f s", len(gone), client, self.grace)
 
 
-def fetch(key: bytes, client_id: str, ref: dict[str, Any], owner: str) -> tuple[bytes, list[Any]]:
+def fetch(key: bytes, client_id: str, ref: dict[str, Any], owner: str,
+          receiving: Callable[[wire.MessageReader], None]) -> tuple[bytes, list[Any]]:
     """Fetch the held result that a SUBMIT's `ref` entry names from the peer holding it (blocking).
 
     The connection authenticates with the cluster key exactly as a submitter's does; the holder
-    answers only for the result's own submitter (`owner`). Raises ConnectionError with the reason
-    when the holder is unreachable, is another peer now, or holds no such result.
+    answers only for the result's own submitter (`owner`). Once authenticated, `receiving` sets how
+    big buffers are received (the peer's memory bound, and segments that go on to the worker by
+    descriptor). Raises ConnectionError with the reason when the holder is unreachable, is another
+    peer now, holds no such result, or the result does not fit in the memory free here.
     """
     errors = []
     for host, port in ref["at"]:
@@ -129,7 +132,7 @@ def fetch(key: bytes, client_id: str, ref: dict[str, Any], owner: str) -> tuple[
         wire.tune(sock)
         conn = wire.BlockingConnection(sock)
         try:
-            return _fetch_over(conn, key, client_id, ref, owner, f"{host}:{port}")
+            return _fetch_over(conn, key, client_id, ref, owner, f"{host}:{port}", receiving)
         except (OSError, GPULayerError) as exc:
             raise ConnectionError(f"peer {wire.printable(ref['peer'], 40)} at {host}:{port}: {exc}") from None
         finally:
@@ -138,13 +141,16 @@ def fetch(key: bytes, client_id: str, ref: dict[str, Any], owner: str) -> tuple[
 
 
 def _fetch_over(conn: wire.BlockingConnection, key: bytes, client_id: str, ref: dict[str, Any], owner: str,
-                address: str) -> tuple[bytes, list[Any]]:
+                address: str, receiving: Callable[[wire.MessageReader], None]) -> tuple[bytes, list[Any]]:
     hello = wire.client_handshake(conn, key, client_id)
     if hello["peer"] != ref["peer"]:
         raise ConnectionError(f"another peer ({wire.printable(hello['peer'], 40)}) answers at {address} now")
+    receiving(conn.reader)
     conn.send(wire.fetch(1, ref["ref"], owner))
     for _ in range(FETCH_MAX_MESSAGES):  # the answer, maybe after a PONG or two
         msg, buffers = conn.recv(time.monotonic() + FETCH_IDLE_TIMEOUT)
+        if wire.REFUSED in msg:
+            raise ConnectionError(f"the result was not received here: {msg[wire.REFUSED]}")
         if msg["t"] == wire.RESULT and msg.get("id") == 1 and isinstance(msg.get("data"), bytes):
             return msg["data"], buffers
         if msg["t"] == wire.ERROR:

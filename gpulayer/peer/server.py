@@ -333,11 +333,15 @@ class Peer:
         self._connections.add(conn)
         conn.channel.write(reply)  # the last frame in clear: every later byte both ways is sealed
         conn.channel.secure(*keys)
-        conn.channel.reader.budget = self._memory_refusal
-        if self._local is not None:
-            conn.channel.reader.allocate = _receive_buffer
+        self._receiving(conn.channel.reader)
         self.scheduler.actors.connected(conn)
         self.held.connected(conn.client)
+
+    def _receiving(self, reader: wire.MessageReader) -> None:
+        """Receive big buffers as this peer does: within the memory headroom, into segments where it has local links."""
+        reader.budget = self._memory_refusal
+        if self._local is not None:
+            reader.allocate = _receive_buffer
 
     def refuse(self, conn: Connection, code: str, message: str) -> None:
         """Tell the other side why, then close (in the background)."""
@@ -450,7 +454,7 @@ class Peer:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched
         from their peers); a lost one fails it with "held-lost"."""
         def fetch(ref: dict[str, Any]) -> tuple[bytes, list[Any]]:
-            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.client)
+            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.client, self._receiving)
 
         try:
             resolved = await held.gather(self.held, refs, conn.client, self.peer_id, fetch)

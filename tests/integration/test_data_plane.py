@@ -386,3 +386,20 @@ def test_a_held_argument_used_in_place_is_read_only_so_the_held_result_never_cha
     assert client.submit(first_and_writeable, (held,), req=ANY).result(60) == (0, False)
     assert held.result(60)[0] == 0 and held.result(60).flags.writeable  # fetched: the submitter's own copy
     held.release()
+
+
+def digest_of(array) -> str:
+    return hashlib.sha256(array).hexdigest()
+
+
+def test_a_held_result_fetched_by_another_peer_of_the_host_arrives_byte_exact(peer_factory, peer):
+    other = peer_factory("plane-b", "--no-mdns", "--concurrency", "1", key=peer.key)
+    c = Client(key=peer.key.encode(), peers=f"{peer.address},{other.address}", mdns=False, echo_output=False)
+    try:
+        held = c.submit(make_held, (24 * MiB,), req=Requirements.build(peer="plane"), keep=True)
+        expected = hashlib.sha256(np.arange(3 * MiB, dtype=np.int64)).hexdigest()
+        assert c.submit(digest_of, (held,), req=Requirements.build(peer="plane-b")).result(60) == expected
+        assert c.received_bytes() < MiB  # fetched by plane-b from plane, not through here
+        held.release()
+    finally:
+        c.close()
