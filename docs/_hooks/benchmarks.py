@@ -109,8 +109,8 @@ def _trainer() -> str:
     if not paths:
         return ("*No `bench/results/trainer_overhead*.json` in this checkout: run "
                 "`python bench/trainer_overhead.py --device cpu` (or cuda, mps).*\n")
-    table = ["| file | device | machine | date | hand-written loop | `glt.Trainer` | Lightning | glt / raw |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    table = ["| file | device | machine | date | steps an epoch | hand-written loop | `glt.Trainer` | Lightning | glt / raw |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     config = None
     for path in paths:
         data = _load(path)
@@ -126,7 +126,7 @@ def _trainer() -> str:
             ratio = data.get("ratios", {}).get("glt_over_raw")
             machine = f"{m['gpu']}, torch {m['torch']}" if m.get("gpu") else f"{m['cpu_count']} CPUs, torch {m['torch']}"
             table.append(f"| `{path.name}` | {data['device']} | {machine} | {m['date'][:10]} | "
-                         f"{cell(res['raw'])} | {cell(res['glt'])} | {cell(res['lightning'])} | "
+                         f"{data['config'].get('steps_per_epoch')} | {cell(res['raw'])} | {cell(res['glt'])} | {cell(res['lightning'])} | "
                          f"{'–' if ratio is None else f'{ratio:.2f}'} |")
         except (KeyError, TypeError) as exc:
             log.warning("benchmarks: %s has an unknown shape (%r); update docs/_hooks/benchmarks.py", path.name, exc)
@@ -134,7 +134,7 @@ def _trainer() -> str:
     if config:
         out += (f"\nPer-step times are medians over timed epochs (min in brackets). Model: {config.get('model')}; "
                 f"optimizer: {config.get('optimizer')}; batch size {config.get('batch_size')}, "
-                f"{config.get('steps_per_epoch')} steps an epoch, precision {config.get('precision')}.\n")
+                f"precision {config.get('precision')}.\n")
     for path in paths:
         out += _png(path.with_suffix(".png").name, f"{path.stem} plot")
     return out
