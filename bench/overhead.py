@@ -67,9 +67,9 @@ def _recv_frame(sock: socket.socket):
     return _recv_exact(sock, n)
 
 
-def raw_server(port_file: str) -> None:
+def raw_server(port_file: str, host: str = "127.0.0.1") -> None:
     """Serve calls and echoes: frame {"fn", "args"} -> frame {"r"}; frame "bulk" N -> N raw bytes back."""
-    server = socket.create_server(("127.0.0.1", 0))
+    server = socket.create_server((host, 0))
     Path(port_file).write_text(str(server.getsockname()[1]))
     conn, _ = server.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -90,13 +90,18 @@ def raw_server(port_file: str) -> None:
 
 
 class RawClient:
-    def __init__(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        port_file = Path(self.tmp.name) / "port"
-        self.proc = subprocess.Popen([sys.executable, __file__, "--raw-server", str(port_file)])
-        while not port_file.exists() or not port_file.read_text():
-            time.sleep(0.01)
-        self.sock = socket.create_connection(("127.0.0.1", int(port_file.read_text())))
+    """A client of raw_server: a server subprocess of its own, or the one listening at `address`."""
+
+    def __init__(self, address: tuple[str, int] | None = None):
+        self.tmp = self.proc = None
+        if address is None:
+            self.tmp = tempfile.TemporaryDirectory()
+            port_file = Path(self.tmp.name) / "port"
+            self.proc = subprocess.Popen([sys.executable, __file__, "--raw-server", str(port_file)])
+            while not port_file.exists() or not port_file.read_text():
+                time.sleep(0.01)
+            address = ("127.0.0.1", int(port_file.read_text()))
+        self.sock = socket.create_connection(address)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def call(self, fn, *args):
@@ -112,8 +117,9 @@ class RawClient:
 
     def close(self):
         self.sock.close()
-        self.proc.wait(10)
-        self.tmp.cleanup()
+        if self.proc is not None:
+            self.proc.wait(10)
+            self.tmp.cleanup()
 
 
 # ---- measurement helpers ----------------------------------------------------------------------------
@@ -361,12 +367,17 @@ def main(argv=None) -> int:
     result["aead"] = measure_aead(n, big, repeats)
     result["ray"] = measure_ray(n, submits, repeats)
     result["summary"] = summarize(result["raw"], result["gpulayer"], result["aead"], result["ray"])
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    if args.plot:
-        plot(result, Path(args.plot))
-    print(json.dumps(result["summary"], indent=2))
+    write_results(result, args.json, args.plot, plot)
     return 0
+
+
+def write_results(result: dict, json_path: str, plot_path: str | None, draw) -> None:
+    """Write a benchmark's JSON, draw its plot (`draw(result, path)`) when asked, and print its summary."""
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(result, indent=2))
+    if plot_path:
+        draw(result, Path(plot_path))
+    print(json.dumps(result["summary"], indent=2))
 
 
 if __name__ == "__main__":

@@ -619,12 +619,15 @@ class Client:
     def on_idle(self, conn: PeerConnection) -> None:
         """Work stealing (ADR 0011): the peer of `conn` has a free slot and an empty queue by its last
         report, and none of our tasks is on its way there; take back one of our tasks that waits in
-        another peer's queue and that this peer can run, from the queue with the longest expected wait.
-        Its REJECT "withdrawn" places it again (here, most likely); a task that started meanwhile runs on.
+        another peer's queue and that this peer can run: the last in the queue where it would end
+        latest, if it would end sooner here (by each peer's typical run time, so that a slow peer
+        going idle does not take work that a fast one is about to start). Its REJECT "withdrawn"
+        places it again (here, most likely); a task that started meanwhile runs on.
         Called on the connection's reader thread: the search is in memory, and the WITHDRAW is sent
         from a helper thread (a big upload may hold the other connection's socket)."""
         if len(self._connections) < 2 or conn.closed or conn.load[1] or conn.estimated_load >= conn.advert.slots:
             return
+        typical = self.placement.contention.typical
         best: tuple[float, SubmittedTask, PeerConnection] | None = None
         for other in list(self._connections.values()):
             if other is conn or other.closed:
@@ -632,9 +635,11 @@ class Client:
             waiting = [t for t in list(other.pending.values()) if isinstance(t, SubmittedTask) and t.queued
                        and not t.withdrawing and conn.peer_id not in t.excluded and not match(t.req, conn.advert)]
             if waiting:
-                wait = self.placement.contention.typical(other.peer_id) * other.estimated_load / max(other.advert.slots, 1)
-                if best is None or wait > best[0]:
-                    best = (wait, max(waiting, key=lambda t: t.task_id), other)  # the last in its queue
+                slots = max(other.advert.slots, 1)
+                queued = max(1, other.estimated_load - slots)  # tasks waiting there, ours at the back
+                ends = typical(other.peer_id) * (queued / slots + 1)
+                if ends > typical(conn.peer_id) and (best is None or ends > best[0]):
+                    best = (ends, max(waiting, key=lambda t: t.task_id), other)  # the last in its queue
         if best is not None:
             _, task, other = best
             task.withdrawing = True

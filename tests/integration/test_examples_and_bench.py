@@ -87,3 +87,36 @@ def test_bench_without_peers_says_so_and_fails(key):
     assert "no peers found" in out.stderr and "gpulayer join" in out.stderr
     named = run("-m", "gpulayer.cli", "bench", "--peer", "nobody", key=key)
     assert named.returncode == 1 and "no peer named 'nobody'" in named.stderr and "examples-peer" in named.stderr
+
+
+@pytest.mark.timeout(600)
+def test_data_plane_bench_quick_writes_its_figures_elsewhere_than_bench_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("ray")
+    sys.path.insert(0, str(REPO / "tests" / "lan"))
+    from lanlab import why_unavailable
+
+    results = REPO / "bench" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    report, png = tmp_path / "data_plane.json", tmp_path / "data_plane.png"
+    out = subprocess.run([sys.executable, "bench/data_plane.py", "--quick", "--json", str(report), "--plot", str(png)],
+                         cwd=REPO, capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    data = json.loads(report.read_text())
+    assert data["settings"]["quick"] and data["machine"]["host"]
+    for way in ("raw", "gpulayer_shm", "gpulayer_tcp", "ray"):
+        assert 0 < data["same_host"][way]["min"] <= data["same_host"][way]["median"]
+    reason = why_unavailable()
+    if reason:
+        assert data["namespaces"] == {"skipped": reason}
+    else:
+        assert data["namespaces"]["echo"]["gpulayer"]["median"] > 0 and data["namespaces"]["echo"]["raw"]["median"] > 0
+        chain = data["namespaces"]["chain"]
+        nbytes = data["settings"]["mib"] << 20
+        assert chain["gpulayer_keep"]["received_bytes"]["max"] < nbytes // 4  # the value went peer to peer
+        assert chain["gpulayer_through_submitter"]["received_bytes"]["min"] >= nbytes
+    if "skipped" not in data["small_tasks"]:
+        assert all(data["small_tasks"]["p50_ms"][tree]["median"] > 0 for tree in ("now", "before"))
+    assert set(data["summary"]["targets"]) >= {"same_host: gpulayer_shm >= ray"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before  # a test run never writes there
