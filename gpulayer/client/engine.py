@@ -692,7 +692,7 @@ class Client:
 
     def _on_reject(self, task: SubmittedTask, conn: PeerConnection, code: str, message: str) -> None:
         cause = TaskRejected(code, f"{conn.name}: {message}")
-        if code == "withdrawn" and task.withdrawing:  # taken back from its queue (`_steal_for`): place it again
+        if code == "withdrawn" and task.withdrawing:  # taken back from its queue (`on_idle`): place it again
             task.queued = task.withdrawing = False
             self._helpers.submit(self._place_again, task, cause)
             return

@@ -247,7 +247,8 @@ class Peer:
 
     def status(self) -> dict[str, Any]:
         return {"t": wire.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
-                "done": self.tasks_done, "withdrawn": self.scheduler.withdrawn, "draining": self._draining, "actors": self.scheduler.actors.rows(),
+                "done": self.tasks_done, "withdrawn": self.scheduler.withdrawn, "draining": self._draining,
+                "actors": self.scheduler.actors.rows(),
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
