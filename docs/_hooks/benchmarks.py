@@ -187,7 +187,9 @@ def _others() -> str:
         data = _load(path)
         if not isinstance(data, dict):
             continue
-        date = data.get("date") or data.get("written") or (data.get("machine") or {}).get("date") or ""
+        machine = data.get("machine")
+        date = str(data.get("date") or data.get("written") or data.get("when")
+                   or (machine.get("date") if isinstance(machine, dict) else "") or "")
         line = f"- `bench/results/{path.name}`{f' ({date[:10]})' if date else ''}"
         if isinstance(data.get("what"), str):
             line += f": {data['what']}"
