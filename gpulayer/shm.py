@@ -14,12 +14,18 @@ submitter and a peer of the same host and user: the peer listens on an abstract 
 its name and a one-time token over the secure channel, and admits a link only from a process of
 its own uid (SO_PEERCRED) that presents a live token. The channel's key never crosses a link.
 
+Fresh shared memory is dear (the kernel allocates and zeroes every page, and a virtual machine
+may first fetch each one from its host); copying into pages a process already has is several
+times cheaper. So a process keeps the segments it made in a bounded *pool* and writes the next
+buffer of the same size into one that no one else holds any more.
+
 Where memfd or SCM_RIGHTS are missing (macOS, an old job interpreter), or GPULAYER_SHM=0,
 everything travels inline.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -28,6 +34,8 @@ import socket
 import stat
 import struct
 import sys
+import threading
+import time
 import weakref
 from typing import Any, Iterable
 
@@ -38,7 +46,11 @@ TOKEN_BYTES = 16
 _SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) if SUPPORTED else 0
 _BATCH = struct.Struct(">BH")  # the payload of one SCM_RIGHTS record: b"F", how many descriptors it carries
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the whole mapping in at once
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)  # Linux: map pages that exist at once
 _PWRITE_MAX = 1 << 30
+_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)  # Linux 3.15: locks owned by an open file description
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+POOL_SUPPORTED = SUPPORTED and sys.maxsize > 2**32 and os.path.isdir("/proc/self/fd")
 
 
 def enabled() -> bool:
@@ -72,9 +84,13 @@ class Handle:
         self.fd, self.size = fd, size
         self._close = weakref.finalize(self, os.close, fd)
 
-    def map(self) -> Segment:
-        """A writable shared mapping of the segment (zero-copy; whoever sent it has let go of it)."""
-        segment = Segment(self.fd, self.size)
+    def map(self, populate: bool = False) -> Segment:
+        """A writable shared mapping of the segment (zero-copy; whoever sent it has let go of it).
+
+        With `populate`, the pages the segment has are mapped at once rather than one fault at a time.
+        """
+        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+        segment = Segment(self.fd, self.size, flags=flags)
         segment.handle = self
         return segment
 
@@ -82,7 +98,7 @@ class Handle:
         self._close()
 
 
-def create(size: int) -> Handle:
+def _memfd(size: int) -> int:
     """A fresh sealed memfd of `size` bytes (at least 1)."""
     fd = os.memfd_create("gpulayer", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -91,26 +107,169 @@ def create(size: int) -> Handle:
     except BaseException:
         os.close(fd)
         raise
-    return Handle(fd, size)
+    return fd
+
+
+def create(size: int) -> tuple[Handle, mmap.mmap | None]:
+    """A segment of `size` bytes to write into, and the pool's own mapping of it where it is one the
+    pool had already (its pages exist and are mapped), else None."""
+    lent = POOL.lend(size)
+    return lent if lent is not None else (Handle(_memfd(size), size), None)
 
 
 def receive_segment(size: int) -> Segment:
-    """A mapped fresh segment to receive a frame of `size` bytes into (pages faulted in at once)."""
-    segment = create(size).map()
-    try:
-        segment.madvise(_MADV_POPULATE_WRITE)
-    except OSError:
-        pass
+    """A mapped segment to receive a frame of `size` bytes into (its pages faulted in at once)."""
+    handle, kept = create(size)
+    segment = handle.map(populate=kept is not None)
+    if kept is None:
+        try:
+            segment.madvise(_MADV_POPULATE_WRITE)
+        except OSError:
+            pass
     return segment
 
 
 def copy_in(view: memoryview) -> Handle:
-    """A segment holding a copy of `view` (one pass, written by the kernel: no page faults here)."""
-    handle = create(view.nbytes)
+    """A segment holding a copy of `view`: copied into the pool's mapping of a segment it had, or
+    written by the kernel into a fresh one (one pass, no page faults here)."""
+    handle, kept = create(view.nbytes)
+    if kept is not None:
+        kept[:] = view
+        return handle
     offset = 0
     while offset < view.nbytes:
         offset += os.pwrite(handle.fd, view[offset:offset + _PWRITE_MAX], offset)
     return handle
+
+
+# ---- the pool ----------------------------------------------------------------------------------
+
+def _ofd_lock(fd: int, kind: int) -> bool:
+    """Take (or with F_UNLCK drop) an OFD lock on the whole of `fd`; False when another holds one in the way."""
+    try:
+        fcntl.fcntl(fd, _OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, 0, 0, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _setting(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
+    try:
+        number = float(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name} must be a number, not {value!r}") from None
+    if not 0 <= number < float("inf"):
+        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+    return number
+
+
+def pool_settings() -> tuple[float, float]:
+    """(the most bytes the pool keeps, the seconds a kept segment may go unused): GPULAYER_SHM_POOL_MB
+    (default 1024, and at most an eighth of physical memory) and GPULAYER_SHM_POOL_IDLE_S (default 30)."""
+    limit = min(_setting("GPULAYER_SHM_POOL_MB", 1024) * (1 << 20),
+                os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 8)
+    return limit, _setting("GPULAYER_SHM_POOL_IDLE_S", 30)
+
+
+class _Kept:
+    __slots__ = ("fd", "size", "used", "mapping")
+
+    def __init__(self, fd: int, size: int, used: float):
+        self.fd, self.size, self.used = fd, size, used
+        self.mapping: mmap.mmap | None = None  # mapped (all pages at once) when it is first reused
+
+    def close(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+        os.close(self.fd)
+
+
+class Pool:
+    """The segments this process made, kept (within `pool_settings`) to be written again once no one
+    else holds them.
+
+    A segment is lent as a descriptor of an open file description of its own that carries a shared
+    OFD lock; the lock lives as long as any process, or a local link in flight, holds a descriptor
+    of that description (mappings keep theirs: Segment.handle), and the kernel drops it with the
+    last one, kill -9 included. The pool takes a segment back only when an exclusive lock on its
+    own description succeeds: when no lent descriptor is left anywhere.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[_Kept] = []  # least recently used first
+        self._trimmer: threading.Thread | None = None
+
+    def lend(self, size: int) -> tuple[Handle, mmap.mmap | None] | None:
+        """A lent segment of `size` bytes and, where it was kept from before, the pool's mapping of it;
+        None where the pool is off or `size` is beyond its bound."""
+        if not POOL_SUPPORTED or size < SHM_MIN:
+            return None
+        limit, _ = pool_settings()
+        if size > limit:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            for kept in self._kept:
+                if kept.size == size and _ofd_lock(kept.fd, fcntl.F_WRLCK):
+                    _ofd_lock(kept.fd, fcntl.F_UNLCK)
+                    self._kept.remove(kept)
+                    if kept.mapping is None:
+                        kept.mapping = mmap.mmap(kept.fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+                    return self._lent(kept, now), kept.mapping
+            while sum(k.size for k in self._kept) + size > limit:
+                self._kept.pop(0).close()
+            kept = _Kept(_memfd(size), size, now)
+            if self._trimmer is None:
+                self._trimmer = threading.Thread(target=self._trim, name="gpulayer-shm-pool", daemon=True)
+                self._trimmer.start()
+            return self._lent(kept, now), None
+
+    def _lent(self, kept: _Kept, now: float) -> Handle:
+        kept.used = now
+        self._kept.append(kept)
+        fd = os.open(f"/proc/self/fd/{kept.fd}", os.O_RDWR | os.O_CLOEXEC)
+        _ofd_lock(fd, fcntl.F_RDLCK)
+        return Handle(fd, kept.size)
+
+    def _trim(self) -> None:
+        """Let go of segments unused for GPULAYER_SHM_POOL_IDLE_S seconds; end when none is kept."""
+        while True:
+            _, idle = pool_settings()
+            time.sleep(min(max(idle / 2, 0.05), 5))
+            with self._lock:
+                self.clear(time.monotonic() - idle)
+                if not self._kept:
+                    self._trimmer = None
+                    return
+
+    def clear(self, before: float = float("inf")) -> None:
+        """Let go of the segments last used before `before` (all by default); the caller holds the lock."""
+        for kept in [k for k in self._kept if k.used < before]:
+            self._kept.remove(kept)
+            kept.close()
+
+    def drop_free(self) -> int:
+        """Let go of every kept segment that no one holds now (memory is short); the bytes freed."""
+        with self._lock:
+            free = [k for k in self._kept if _ofd_lock(k.fd, fcntl.F_WRLCK)]
+            for kept in free:
+                self._kept.remove(kept)
+                kept.close()
+        return sum(k.size for k in free)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self.clear()
+        self._trimmer = None
+
+
+POOL = Pool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=POOL._after_fork)
 
 
 def adopt(fd: int, size: Any) -> Handle:

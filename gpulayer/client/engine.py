@@ -61,9 +61,17 @@ class TaskFuture(Future[Any]):
 
     def __init__(self, task: SubmittedTask):
         super().__init__()
-        self._task = task
+        self._task: SubmittedTask | None = task  # until it ends (then dropped: a result is freed with its future)
+        self._keep = task.keep
+        self._peer: str | None = None
         self.stdout = ""
         self.stderr = ""
+
+    def _ended(self) -> None:
+        """The task is over: keep what the future still shows of it, and let it go (no cycle holds the result)."""
+        task, self._task = self._task, None
+        if task is not None:
+            self._peer = task.peer_name
 
     def result(self, timeout: float | None = None) -> Any:
         value = super().result(timeout)
@@ -87,8 +95,8 @@ class TaskFuture(Future[Any]):
         """As another task's argument (`held.collecting`): a held result by id, else the value. A
         pending value is a placeholder until the submitter pickles the arguments again."""
         if held.met(self):
-            if self._task.keep is not None:
-                return held.resolve, (self._task.keep,)
+            if self._keep is not None:
+                return held.resolve, (self._keep,)
             ok = self.done() and not self.cancelled() and self.exception() is None
             return held.passthrough, (self.result() if ok else None,)
         return held.passthrough, (self.result(),)
@@ -96,12 +104,16 @@ class TaskFuture(Future[Any]):
     @property
     def peer(self) -> str | None:
         """The name of the peer that ran (or runs) the task."""
-        return self._task.peer_name
+        task = self._task
+        return task.peer_name if task is not None else self._peer
 
     def cancel(self) -> bool:
+        task = self._task
         if not super().cancel():
             return False
-        self._task.abandon()
+        if task is not None:
+            task.abandon()
+            self._ended()
         return True
 
 
@@ -211,6 +223,7 @@ class SubmittedTask:
             self.done = True
         self.fn = self.args = self.buffers = None
         self.deps = []
+        self.future._ended()
         if not self.future.set_running_or_notify_cancel():
             return
         if exc is not None:

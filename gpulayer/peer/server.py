@@ -156,6 +156,7 @@ class Peer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
+        check_shm_settings()
 
     def _memory_refusal(self, total: int) -> str | None:
         return memory_refusal(total, self._headroom)
@@ -517,9 +518,20 @@ def memory_headroom() -> int:
     return int(value) << 20
 
 
+def check_shm_settings() -> None:
+    """A bad GPULAYER_SHM or GPULAYER_SHM_POOL_* setting fails the peer's start, not a big message later."""
+    try:
+        shm.enabled()
+        shm.pool_settings()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def memory_refusal(total: int, headroom: int) -> str | None:
     """Why a message whose buffers come to at least `total` bytes may not be received now, or None."""
     available = psutil.virtual_memory().available
+    if available - total < headroom and shm.POOL.drop_free():  # segments kept for reuse yield first
+        available = psutil.virtual_memory().available
     if available - total >= headroom:
         return None
     return (f"its buffers come to at least {total >> 20} MiB, and the peer has {available >> 20} MiB of memory free "

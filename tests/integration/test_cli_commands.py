@@ -55,6 +55,15 @@ def test_a_bad_override_file_is_a_clear_error(tmp_path):
     assert out.returncode == 2 and "bad.json" in out.stderr and "tpu" in out.stderr
 
 
+@pytest.mark.parametrize("name, value, says", [("GPULAYER_SHM", "7", "must be 0 or 1"),
+                                               ("GPULAYER_SHM_POOL_MB", "lots", "must be a number"),
+                                               ("GPULAYER_SHM_POOL_IDLE_S", "-1", "must be a finite number >= 0")])
+def test_a_bad_shared_memory_setting_stops_the_peer_at_start_with_a_clear_error(name, value, says):
+    out = subprocess.run([sys.executable, "-m", "gpulayer.peer", "--no-mdns", "--port", "0"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "GPULAYER_KEY": new_key(), name: value})
+    assert out.returncode == 1 and f"{name} {says}" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_peers_lists_the_cluster_as_a_table_and_json(peer_factory):
     key = new_key()
     peer_factory("listed", key=key)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -298,12 +299,14 @@ SUBMITTER = textwrap.dedent("""
 """)
 
 
-def test_no_segment_is_left_after_kill_9_of_worker_submitter_or_peer(peer_factory, tmp_path):
+def test_no_segment_is_left_after_kill_9_of_worker_submitter_or_peer(peer_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPULAYER_SHM_POOL_IDLE_S", "0.5")  # live processes keep what they made only so long
     before = shm_names()
     gc.collect()
     ours = gpulayer_segments(os.getpid())  # what earlier tests of this process still map
     key = new_key()
-    victim = peer_factory("victim", "--no-mdns", "--concurrency", "1", key=key)
+    victim = peer_factory("victim", "--no-mdns", "--concurrency", "1", key=key,
+                          env={"GPULAYER_SHM_POOL_IDLE_S": "0.5"})
     client = Client(key=key.encode(), peers=victim.address, mdns=False, echo_output=False)
     try:
         array = np.ones(32 * MiB, dtype=np.uint8)
@@ -332,10 +335,92 @@ def test_no_segment_is_left_after_kill_9_of_worker_submitter_or_peer(peer_factor
         with pytest.raises(GPULayerError):
             future.result(60)
         gc.collect()
-        assert gpulayer_segments(os.getpid()) <= ours  # nor in the submitter, once its results are gone
+        wait_until(lambda: gpulayer_segments(os.getpid()) <= ours, 10)  # nor in the submitter, once its results are gone
     finally:
         client.close()
     assert shm_names() == before  # memfds have no names: nothing under /dev/shm, ever
+
+
+# ---- the pool ------------------------------------------------------------------------------------
+
+def inode(handle: shm.Handle) -> int:
+    return os.fstat(handle.fd).st_ino
+
+
+def test_the_pool_writes_a_segment_again_only_once_no_process_and_no_mapping_holds_it(monkeypatch):
+    monkeypatch.setenv("GPULAYER_SHM_POOL_IDLE_S", "60")
+    size = 3 * MiB + 5  # a size no other test pools
+    first, kept = shm.create(size)
+    assert kept is None  # a fresh segment
+    # another process holds a descriptor of it, as a worker does (kill -9 lets go of it)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=[first.fd])
+    try:
+        taken = inode(first)
+        first.close()
+        second, kept = shm.create(size)
+        assert kept is None and inode(second) != taken  # held elsewhere: not written over
+    finally:
+        holder.kill()
+        holder.wait(10)
+    # a mapping of this process holds it as long as it lives
+    other = inode(second)
+    mapping = second.map()
+    del second
+    third, kept = shm.create(size)
+    assert kept is not None and inode(third) == taken  # the first one, free again once its holder died
+    fresh = shm.copy_in(memoryview(b"x" * size))
+    assert inode(fresh) not in (taken, other)  # both are held: a new one
+    del mapping
+    third.close()
+    fourth, kept = shm.create(size)
+    assert kept is not None and inode(fourth) in (taken, other)
+
+
+def test_results_a_submitter_keeps_are_never_written_over_by_later_transfers(client):
+    arrays = [np.full(2 * MiB, i, dtype=np.uint8) for i in range(4)]
+    results = [client.submit(digest_and_echo, (a,), req=ANY).result(60)[1] for a in arrays]
+    for i, (array, back) in enumerate(zip(arrays, results)):
+        assert np.array_equal(back, array), i
+    results[1:] = []  # let go of all but the first: the next ones may reuse their segments
+    again = [client.submit(digest_and_echo, (np.full(2 * MiB, 9 + i, dtype=np.uint8),), req=ANY).result(60)[1]
+             for i in range(3)]
+    assert np.array_equal(results[0], arrays[0])
+    assert [int(a[0]) for a in again] == [9, 10, 11] and all(len(set(a[::4096])) == 1 for a in again)
+
+
+def make_array(nbytes):
+    return np.ones(nbytes, dtype=np.uint8)
+
+
+def test_a_result_is_freed_as_soon_as_the_caller_drops_it(client):
+    gc.collect()
+    gc.disable()  # no collector run: only reference counts free it
+    try:
+        result = client.submit(make_array, (2 * MiB,), req=ANY).result(60)
+        gone = weakref.ref(result)
+        del result
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+def test_the_pool_keeps_within_its_bound_and_lets_go_when_idle(monkeypatch):
+    before = gpulayer_segments(os.getpid())
+    monkeypatch.setenv("GPULAYER_SHM_POOL_MB", "0")
+    assert shm.POOL.lend(2 * MiB) is None  # off
+    monkeypatch.setenv("GPULAYER_SHM_POOL_MB", "5")
+    monkeypatch.setenv("GPULAYER_SHM_POOL_IDLE_S", "0.2")
+    assert shm.POOL.lend(6 * MiB) is None  # beyond the bound: not pooled
+    for size in (2 * MiB + 1, 2 * MiB + 2, 2 * MiB + 3):
+        shm.create(size)[0].close()
+    assert gpulayer_segments(os.getpid()) - before <= 2  # 5 MiB holds two of them
+    held = shm.create(2 * MiB + 4)[0]
+    assert shm.POOL.drop_free() == 2 * MiB + 3  # a peer short of memory takes back what no one holds (not `held`)
+    held.close()
+    wait_until(lambda: gpulayer_segments(os.getpid()) <= before, 10)  # idle: let go
+    monkeypatch.setenv("GPULAYER_SHM_POOL_MB", "lots")
+    with pytest.raises(ValueError, match="GPULAYER_SHM_POOL_MB must be a number"):
+        shm.create(2 * MiB)
 
 
 # ---- the memory bound ---------------------------------------------------------------------------
