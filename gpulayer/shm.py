@@ -219,21 +219,37 @@ class Pool:
                     self._kept.remove(kept)
                     if kept.mapping is None:
                         kept.mapping = mmap.mmap(kept.fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
-                    return self._lent(kept, now), kept.mapping
+                    lent = self._lent(kept, now)
+                    return (lent, kept.mapping) if lent is not None else None
             while sum(k.size for k in self._kept) + size > limit:
                 self._kept.pop(0).close()
-            kept = _Kept(_memfd(size), size, now)
-            if self._trimmer is None:
+            lent = self._lent(_Kept(_memfd(size), size, now), now)
+            if lent is not None and self._trimmer is None:
                 self._trimmer = threading.Thread(target=self._trim, name="gpulayer-shm-pool", daemon=True)
                 self._trimmer.start()
-            return self._lent(kept, now), None
+            return (lent, None) if lent is not None else None
 
-    def _lent(self, kept: _Kept, now: float) -> Handle:
+    def _lent(self, kept: _Kept, now: float) -> Handle | None:
+        """A descriptor of a new open file description of `kept`, with a shared OFD lock; None (and the
+        pool off for good) where /proc or OFD locks fail this process."""
+        try:
+            fd = os.open(f"/proc/self/fd/{kept.fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return self._off(kept)
+        try:
+            _ofd_lock(fd, fcntl.F_RDLCK)
+        except OSError:
+            os.close(fd)
+            return self._off(kept)
         kept.used = now
         self._kept.append(kept)
-        fd = os.open(f"/proc/self/fd/{kept.fd}", os.O_RDWR | os.O_CLOEXEC)
-        _ofd_lock(fd, fcntl.F_RDLCK)
         return Handle(fd, kept.size)
+
+    def _off(self, kept: _Kept) -> None:
+        global POOL_SUPPORTED
+        POOL_SUPPORTED = False
+        kept.close()
+        self.clear()
 
     def _trim(self) -> None:
         """Let go of segments unused for GPULAYER_SHM_POOL_IDLE_S seconds; end when none is kept."""

@@ -4,6 +4,7 @@ over, no leftovers after kill -9, and the memory bound."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import hashlib
@@ -421,6 +422,18 @@ def test_the_pool_keeps_within_its_bound_and_lets_go_when_idle(monkeypatch):
     monkeypatch.setenv("GPULAYER_SHM_POOL_MB", "lots")
     with pytest.raises(ValueError, match="GPULAYER_SHM_POOL_MB must be a number"):
         shm.create(2 * MiB)
+
+
+def test_where_ofd_locks_fail_every_segment_is_fresh_and_whole(monkeypatch):
+    monkeypatch.setattr(shm, "POOL_SUPPORTED", True)  # restored after the test
+
+    def no_locks(fd, kind):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(shm, "_ofd_lock", no_locks)
+    data = os.urandom(2 * MiB + 7)
+    handle = shm.copy_in(memoryview(data))
+    assert not shm.POOL_SUPPORTED and bytes(handle.map()) == data  # the pool turned itself off
 
 
 # ---- the memory bound ---------------------------------------------------------------------------
