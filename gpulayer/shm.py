@@ -254,7 +254,10 @@ class Pool:
     def _trim(self) -> None:
         """Let go of segments unused for GPULAYER_SHM_POOL_IDLE_S seconds; end when none is kept."""
         while True:
-            _, idle = pool_settings()
+            try:
+                _, idle = pool_settings()
+            except ValueError:  # reported where a segment is made (and at a peer's start)
+                idle = 30.0
             time.sleep(min(max(idle / 2, 0.05), 5))
             with self._lock:
                 self.clear(time.monotonic() - idle)
