@@ -199,6 +199,7 @@ class Pool:
     """
 
     def __init__(self) -> None:
+        self.working = POOL_SUPPORTED  # false for good once /proc or OFD locks failed this process
         self._lock = threading.Lock()
         self._kept: list[_Kept] = []  # least recently used first
         self._trimmer: threading.Thread | None = None
@@ -206,7 +207,7 @@ class Pool:
     def lend(self, size: int) -> tuple[Handle, mmap.mmap | None] | None:
         """A lent segment of `size` bytes and, where it was kept from before, the pool's mapping of it;
         None where the pool is off or `size` is beyond its bound."""
-        if not POOL_SUPPORTED or size < SHM_MIN:
+        if not self.working or size < SHM_MIN:
             return None
         limit, _ = pool_settings()
         if size > limit:
@@ -246,8 +247,7 @@ class Pool:
         return Handle(fd, kept.size)
 
     def _off(self, kept: _Kept) -> None:
-        global POOL_SUPPORTED
-        POOL_SUPPORTED = False
+        self.working = False
         kept.close()
         self.clear()
 

@@ -426,7 +426,7 @@ def test_the_pool_keeps_within_its_bound_and_lets_go_when_idle(monkeypatch):
 
 
 def test_where_ofd_locks_fail_every_segment_is_fresh_and_whole(monkeypatch):
-    monkeypatch.setattr(shm, "POOL_SUPPORTED", True)  # restored after the test
+    monkeypatch.setattr(shm.POOL, "working", True)  # restored after the test
 
     def no_locks(fd, kind):
         raise OSError(errno.EINVAL, "Invalid argument")
@@ -434,7 +434,7 @@ def test_where_ofd_locks_fail_every_segment_is_fresh_and_whole(monkeypatch):
     monkeypatch.setattr(shm, "_ofd_lock", no_locks)
     data = os.urandom(2 * MiB + 7)
     handle = shm.copy_in(memoryview(data))
-    assert not shm.POOL_SUPPORTED and bytes(handle.map()) == data  # the pool turned itself off
+    assert not shm.POOL.working and bytes(handle.map()) == data  # the pool turned itself off
 
 
 # ---- the memory bound ---------------------------------------------------------------------------
