@@ -104,9 +104,11 @@ def run(args: argparse.Namespace) -> int:
     def ready(peer) -> None:
         print(f"gpulayer peer {peer.name} ({peer.peer_id}) ready on port {peer.port}: "
               f"{len(peer.slots)} slot(s) on {', '.join(sorted({s.device for s in peer.slots}))}", flush=True)
-        if args.ready_file:
-            with open(args.ready_file, "w") as f:
+        if args.ready_file:  # written whole, then renamed: whoever waits for it never reads half of it
+            partial = f"{args.ready_file}.partial"
+            with open(partial, "w") as f:
                 json.dump({"port": peer.port, "peer_id": peer.peer_id, "name": peer.name}, f)
+            os.replace(partial, args.ready_file)
 
     try:
         asyncio.run(run_peer(config, ready))
