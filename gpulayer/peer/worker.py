@@ -13,10 +13,12 @@ import argparse
 import contextlib
 import importlib
 import os
+import select
 import socket
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import held, remote_exceptions, serialization, shm, wire
@@ -92,28 +94,49 @@ def _run(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
 
 class Actor:
     """This worker as an actor: one instance, whose method calls start in the order they arrive,
-    `conc` at a time (threads); a call cancelled before it started never runs."""
+    `conc` at a time (threads; one at a time runs in the thread that reads them); a call cancelled
+    before it started never runs."""
 
     def __init__(self, conn: wire.BlockingConnection, instance: object, conc: int):
         self.conn = conn
         self.instance = instance
         self.cancelled: set = set()
         self._send_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(conc, thread_name_prefix="gpulayer-actor")
+        self._pool = ThreadPoolExecutor(conc, thread_name_prefix="gpulayer-actor") if conc > 1 else None
 
     def serve(self) -> None:
-        """Run calls until BYE or the peer's end of the connection."""
-        while True:
-            try:
-                msg, buffers = self.conn.recv()
-            except (ConnectionError, OSError):
-                return
-            if msg["t"] == wire.CALL:
-                self._pool.submit(self._call, msg, buffers)
-            elif msg["t"] == wire.CANCEL:
-                self.cancelled.add(msg.get("id"))
-            elif msg["t"] == wire.BYE:
-                return
+        """Run calls until BYE or the peer's end of the connection.
+
+        Before a call starts, every message that has already arrived is read, so that a CANCEL
+        sent while an earlier call ran is known before the call it names."""
+        backlog: deque = deque()
+        try:
+            while True:
+                if not backlog and not self._take(backlog, *self.conn.recv()):
+                    return
+                while self._arrived():
+                    if not self._take(backlog, *self.conn.recv()):
+                        return
+                msg, buffers = backlog.popleft()
+                if self._pool is None:
+                    self._call(msg, buffers)
+                else:
+                    self._pool.submit(self._call, msg, buffers)
+                del msg, buffers
+        except (ConnectionError, OSError):
+            return
+
+    def _take(self, backlog: deque, msg: dict, buffers: list) -> bool:
+        """Queue a CALL or note a CANCEL; False on BYE."""
+        if msg["t"] == wire.CALL:
+            backlog.append((msg, buffers))
+        elif msg["t"] == wire.CANCEL:
+            self.cancelled.add(msg.get("id"))
+        return msg["t"] != wire.BYE
+
+    def _arrived(self) -> bool:
+        """Whether another message is here already (parsed, or bytes waiting on the socket)."""
+        return bool(self.conn.reader.messages) or bool(select.select([self.conn.sock], [], [], 0)[0])
 
     def _call(self, msg: dict, buffers: list) -> None:
         if msg.get("id") in self.cancelled:
