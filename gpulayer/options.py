@@ -7,13 +7,12 @@ decoration time, not at the first call.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .matching import Requirements
-from .wire import check_env
+from .wire import check_env, check_timeout
 
 # The requirements a peer must meet (checked together by Requirements.build), with defaults.
 REQUIREMENTS: dict[str, Any] = {"accelerator": None, "gpu_memory_gb": None, "frameworks": None,
@@ -21,15 +20,6 @@ REQUIREMENTS: dict[str, Any] = {"accelerator": None, "gpu_memory_gb": None, "fra
 # How the submitter runs the task, with defaults.
 EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0, "env": None, "keep": False}
 NAMES = frozenset(REQUIREMENTS) | frozenset(EXECUTION)
-
-
-def check_timeout(timeout: Any) -> float | None:
-    """None, or a finite positive number of seconds."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
-    return float(timeout)
 
 
 def check_keep(keep: Any) -> bool:

@@ -45,6 +45,7 @@ MAX_FDS_PER_SEND = 250  # under the kernel's SCM_MAX_FD (253)
 TOKEN_BYTES = 16
 _SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) if SUPPORTED else 0
 _BATCH = struct.Struct(">BH")  # the payload of one SCM_RIGHTS record: b"F", how many descriptors it carries
+_SOCKET_MARK = b"S"  # the payload of the SCM_RIGHTS record that carries a socket (send_socket)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the whole mapping in at once
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)  # Linux: map pages that exist at once
 _PWRITE_MAX = 1 << 30
@@ -442,6 +443,25 @@ def receive_handles(link: socket.socket, places: list[tuple[int, int]]) -> list[
             handle.close()
         raise
     return handles
+
+
+def send_socket(link: socket.socket, sock: socket.socket) -> None:
+    """Send a connected socket on a local link, before the message that names it (ADR 0012)."""
+    socket.send_fds(link, [_SOCKET_MARK], [sock.fileno()])
+
+
+def receive_socket(link: socket.socket) -> socket.socket:
+    """The socket that `send_socket` sent before the message now read; ShmError if it is not there."""
+    try:
+        data, fds, flags, _ = socket.recv_fds(link, len(_SOCKET_MARK), 1, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+    except BlockingIOError:
+        raise ShmError("a message named a socket that did not come first on the local link") from None
+    sockets = [fd for fd in fds if stat.S_ISSOCK(os.fstat(fd).st_mode)]
+    if data != _SOCKET_MARK or len(fds) != 1 or len(sockets) != 1 or flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ShmError("the local link carried something other than the message's socket")
+    return socket.socket(fileno=fds[0])
 
 
 def peer_uid(link: socket.socket) -> int:

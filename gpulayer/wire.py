@@ -11,6 +11,7 @@ and calls `feed(n)`. Large frames are read straight into their own bytearray.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import socket
@@ -38,9 +39,10 @@ ACTOR, CALL, CLOSE, ACTOR_END = "actor", "call", "close", "actor_end"  # actors 
 FETCH, RELEASE = "fetch", "release"  # held results (docs/data.md)
 LOCAL = "local"  # the peer's offer of a local link for shared memory (shm.py, ADR 0009)
 WITHDRAW = "withdraw"  # the submitter takes back a task still queued on the peer (ADR 0011)
+DIRECT = "direct"  # the submitter asks that this connection be handed to an actor's worker (ADR 0012)
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
-                           LOCAL, WITHDRAW})
+                           LOCAL, WITHDRAW, DIRECT})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
@@ -173,6 +175,11 @@ def call(call_id: int, actor_id: str, method: str, args: bytes, timeout: float |
     return {"t": CALL, "id": call_id, "actor": actor_id, "method": method, "args": args, "timeout": timeout}
 
 
+def direct(request_id: int, actor_id: str) -> Message:
+    """Ask, as the first message after AUTH_OK, that the connection go to the actor's worker (ADR 0012)."""
+    return {"t": DIRECT, "id": request_id, "actor": actor_id}
+
+
 def close(request_id: int, actor_id: str) -> Message:
     return {"t": CLOSE, "id": request_id, "actor": actor_id}
 
@@ -194,6 +201,28 @@ def check_method(value: Any) -> str | None:
     if not isinstance(value, str) or not value.isidentifier() or value.startswith("__"):
         return f"an actor method is an identifier not starting with '__', not {printable(repr(value), 60)}"
     return None
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """None, or a finite positive number of seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def check_call(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with a CALL's method, arguments or timeout, or None."""
+    problem = check_method(msg.get("method"))
+    if problem is None and not isinstance(msg.get("args"), bytes):
+        problem = "a CALL needs 'args' as a binary pickle"
+    if problem is None:
+        try:
+            check_timeout(msg.get("timeout"))
+        except ValueError:
+            problem = f"bad timeout {printable(repr(msg.get('timeout')), 60)}: a positive, finite number of seconds or nil"
+    return problem
 
 
 def check_concurrency(value: Any) -> int:
@@ -560,11 +589,15 @@ class BlockingConnection:
         self._sealer: records.Sealer | None = None
         self._opener: records.Opener | None = None
 
-    def secure(self, send_key: bytes, recv_key: bytes) -> None:
-        """Seal what is sent and open what is received from now on, with the post-auth message limit."""
-        from . import records  # here: a worker (a job interpreter that may lack cryptography) never secures
+    def secure(self, send_key: bytes, recv_key: bytes, counters: tuple[int, int] = (0, 0)) -> None:
+        """Seal what is sent and open what is received from now on, with the post-auth message limit.
+
+        `counters` (the next record's, sent and received) continue a channel that another process
+        began: an actor's worker taking a submitter's connection over from its peer (ADR 0012)."""
+        from . import records  # here: only a worker that takes a direct connection needs cryptography
 
         self._sealer, self._opener = records.Sealer(send_key), records.Opener(recv_key)
+        self._sealer.counter, self._opener.counter = counters
         self.reader.allow(max_message_bytes())
         self._opener.feed_bytes_into(self.reader.take_unread(), self.reader)
 

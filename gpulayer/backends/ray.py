@@ -44,7 +44,8 @@ from ..client import inference
 from ..client.actors import ActorMethod, ActorSpec
 from ..errors import ActorDied, ConfigError, NoMatchingPeer, PeerLost, RemoteError, TaskTimeout, WorkerDied
 from ..matching import Requirements, match
-from ..options import check_retries, check_timeout
+from ..options import check_retries
+from ..wire import check_timeout
 from ..peer.worker import task_environment
 from ..progress import MapProgressBar
 from ..resources.model import Advert, Resources

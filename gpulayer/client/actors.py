@@ -10,23 +10,31 @@ a task or another actor that receives one calls the actor directly, with its own
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import serialization, wire
+from .. import serialization, shm, wire
 from ..errors import ActorDied, ConfigError, GPULayerError, PeerLost, ProtocolError
 from ..matching import Requirements
-from ..options import check_timeout
+from ..wire import check_timeout
 from . import inference
-from .connection import CONNECT_TIMEOUT
+from .connection import CONNECT_TIMEOUT, PeerConnection
 from .engine import Client, SubmittedTask, TaskFuture
 
 log = logging.getLogger("gpulayer.client")
 
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for the peer's word that the actor ended
+DIRECT_ENV = "GPULAYER_DIRECT_CALLS"
+REASON_WAIT = 1.0  # seconds calls lost with a direct connection wait for the peer's word on why
+
+
+def direct_calls() -> bool:
+    """Whether calls go straight to the actor's worker when they can (GPULAYER_DIRECT_CALLS, default 1)."""
+    return os.environ.get(DIRECT_ENV, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,41 @@ class CloseRequest(SubmittedTask):
         return wire.close(self.task_id, self.actor_id), []
 
 
+class DirectListener:
+    """Where a direct connection (ADR 0012) reports: outcomes as any connection's; when it is lost, its
+    calls end with ActorDied, with the reason the peer or the worker gave when it comes soon enough."""
+
+    def __init__(self, client: Client):
+        self.client = client
+
+    def on_outcome(self, conn: PeerConnection, task: Any, msg: dict[str, Any], buffers: list[Any]) -> None:
+        self.client.settle(conn, task, msg, buffers)
+
+    def on_actor_end(self, conn: PeerConnection, msg: dict[str, Any]) -> None:
+        pass  # only the peer sends it
+
+    def on_leaving(self, conn: PeerConnection) -> None:
+        pass
+
+    def on_idle(self, conn: PeerConnection) -> None:
+        pass
+
+    def on_lost(self, conn: PeerConnection, tasks: list[Any], reason: str) -> None:
+        assert conn.actor_id is not None
+        if self.client.directs.get(conn.actor_id) is conn:
+            del self.client.directs[conn.actor_id]
+        said = conn.refusal.partition(": ")[2] if conn.refusal.startswith("actor-died") else ""
+        creator = self.client.actors.get(conn.actor_id)
+        if said and creator is not None:
+            creator.died(said)
+        if not tasks:
+            return
+        why = said or tasks[0].handle.death_reason(REASON_WAIT)
+        for task in tasks:
+            task.complete(exc=ActorDied(why) if why else PeerLost(
+                f"its direct connection to the actor's worker closed (the worker died, or the actor ended): {reason}"))
+
+
 class ActorHandle:
     """A live actor: `handle.method(...)` runs the method there and returns its result, and
     `handle.method.submit(...)` returns a future. `close()` (or leaving a `with` block) ends it.
@@ -130,6 +173,9 @@ class ActorHandle:
         self._restarts_left = spec.restarts if spec is not None else 0
         self._lock = threading.RLock()
         self._dead: str | None = None
+        self._ended = threading.Event()  # set with _dead
+        self._direct_off = False  # calls go through the peer (no direct connection to be had)
+        self._in_flight = {True: 0, False: 0}  # calls on their way, direct (True) and through the peer
         self.class_name = class_name
         self.req = req
         self.moved(actor_id, peer_id, peer_name, addresses, slot)
@@ -140,6 +186,8 @@ class ActorHandle:
         self.actor_id, self.peer_id, self.peer, self.addresses, self.slot = \
             actor_id, peer_id, peer_name, addresses, slot
         self._dead = None
+        self._ended = threading.Event()
+        self._direct_off = not direct_calls()
         if self._spec is not None:
             self._client.actors[actor_id] = self
 
@@ -156,9 +204,48 @@ class ActorHandle:
         conn = self._connection()
         task = ActorCall(None, data, buffers, self.req, timeout, 0, method, self._client.echo_output,
                          handle=self)
-        task.conn = conn
-        conn.submit(task)
+        with self._lock:
+            task.conn = self._direct_for(len(data) + sum(memoryview(b).nbytes for b in buffers)) or conn
+            direct = task.conn is not conn
+            self._in_flight[direct] += 1
+        task.future.add_done_callback(lambda _: self._landed(direct))
+        task.conn.submit(task)
         return task.future
+
+    def _direct_for(self, size: int) -> PeerConnection | None:
+        """The direct connection to the actor's worker for a call of `size` bytes, or None to call
+        through the peer.
+
+        Big arguments go through the peer, which bounds what it receives by its free memory and
+        passes it on in shared memory (on one host); a call never takes another way than this
+        handle's calls still in flight, which it must not overtake."""
+        if self._in_flight[False] or self._direct_off:
+            return None
+        if size >= shm.SHM_MIN and not self._in_flight[True]:
+            return None
+        conn = self._client.directs.get(self.actor_id)
+        if conn is not None and not conn.closed:
+            return conn
+        if self._in_flight[True]:  # its direct connection just closed: the calls on it say why
+            return None
+        try:
+            conn = PeerConnection(DirectListener(self._client), self.addresses, self._client.key,
+                                  self._client.client_id, direct_actor=self.actor_id)
+        except (OSError, GPULayerError) as exc:  # DirectRefused, an older peer, no route: through the peer
+            log.debug("calls on actor %s go through its peer: %s", self.actor_id[:8], exc)
+            self._direct_off = True
+            return None
+        self._client.directs[self.actor_id] = conn
+        return conn
+
+    def _landed(self, direct: bool) -> None:
+        with self._lock:
+            self._in_flight[direct] -= 1
+
+    def death_reason(self, wait: float) -> str:
+        """Why the actor ended, once this handle knows; waits up to `wait` seconds for the peer's word."""
+        self._ended.wait(wait)
+        return self._dead or ""
 
     def _connection(self) -> Any:
         """The connection to the actor's peer; re-creates a dead actor when restarts are left."""
@@ -189,7 +276,11 @@ class ActorHandle:
         with self._lock:
             if self._dead is None:
                 self._dead = reason
+            self._ended.set()
             self._client.actors.pop(self.actor_id, None)
+            direct = self._client.directs.pop(self.actor_id, None)
+        if direct is not None:
+            direct.fail(f"the actor ended: {reason}")
 
     @property
     def alive(self) -> bool:

@@ -16,11 +16,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 from .. import shm, wire
-from ..errors import PeerLost, ProtocolError
+from ..errors import GPULayerError, PeerLost, ProtocolError
 from ..resources.model import Advert
 from ..resources.utilisation import MAX_GB, finite
 
 CONNECT_TIMEOUT = 2.0
+
+
+class DirectRefused(GPULayerError):
+    """The peer did not hand the connection to the actor's worker: its calls go through the peer."""
 
 
 class ConnectionTask(Protocol):
@@ -56,8 +60,10 @@ class ConnectionListener(Protocol):
 class PeerConnection:
     """One authenticated connection to a peer; safe to use from any thread."""
 
-    def __init__(self, listener: ConnectionListener, addresses: list[tuple[str, int]], key: bytes, client_id: str):
+    def __init__(self, listener: ConnectionListener, addresses: list[tuple[str, int]], key: bytes, client_id: str,
+                 direct_actor: str | None = None):
         self.listener = listener
+        self.actor_id = direct_actor  # set when the connection goes to that actor's worker (ADR 0012)
         self.addresses = addresses  # where it was opened (an actor's handle passes them on)
         self.pending: dict[int, Any] = {}
         self.closed = False
@@ -78,6 +84,8 @@ class PeerConnection:
             self._wire = wire.BlockingConnection(sock)
             hello = wire.client_handshake(self._wire, key, client_id)
             self.advert = Advert.from_txt(hello.get("advert") or {})
+            if direct_actor is not None:
+                self._ask_direct(direct_actor)
         except ValueError as exc:  # the peer proved the key, but its advert is malformed
             sock.close()
             raise ProtocolError(f"{self.address} sent a bad advert: {exc}") from None
@@ -88,9 +96,22 @@ class PeerConnection:
         self.peer_id = self.advert.peer_id
         self.name = self.advert.name
         sock.settimeout(None)
-        self._asked_local = not shm.enabled()  # whether a local link was asked for (before the first big send)
+        # whether a local link was asked for (before the first big send); an actor's worker offers none
+        self._asked_local = not shm.enabled() or direct_actor is not None
         self._local_lock = threading.Lock()  # one asks; another sender of a big buffer waits for its answer
         threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
+
+    def _ask_direct(self, actor_id: str) -> None:
+        """Ask the peer to hand this connection to the actor's worker; DirectRefused when it does not.
+
+        The peer answers, then the worker continues the same channel (its keys and counters), so
+        nothing is sent before the answer has come (ADR 0012)."""
+        request = wire.direct(next(self._ids), actor_id)
+        self._wire.send(request)
+        reply, _ = self._wire.recv(time.monotonic() + CONNECT_TIMEOUT)
+        if reply["t"] != wire.DIRECT or reply.get("id") != request["id"]:
+            raise DirectRefused(f"{wire.printable(reply.get('code', reply['t']), 40)}: "
+                                f"{wire.printable(reply.get('message'))}")
 
     # ---- sending ----------------------------------------------------------------------------------
 

@@ -27,7 +27,8 @@ from .. import discovery, held, remote_exceptions, serialization, wire
 from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match
-from ..options import check_keep, check_retries, check_timeout
+from ..options import check_keep, check_retries
+from ..wire import check_timeout
 from ..progress import MapProgressBar
 from ..resources.utilisation import clean_sample
 from ..security import cluster_id, load_key
@@ -339,6 +340,7 @@ class Client:
         self._mdns = mdns
         self._helpers = ThreadPoolExecutor(16, thread_name_prefix="gpulayer-retry")
         self.actors: dict[str, Any] = {}  # the live actors this submitter created: id -> ActorHandle
+        self.directs: dict[str, PeerConnection] = {}  # direct connections to actors' workers, by actor id (ADR 0012)
         self._releases: deque[tuple[str, str]] = deque()  # (peer id, result id) of dropped held futures
         self._received_before = 0  # bytes read on connections closed since
         self._closed = threading.Event()
@@ -455,7 +457,8 @@ class Client:
 
     def received_bytes(self) -> int:
         """Bytes this submitter has read from its peer connections so far (on the socket: records and all)."""
-        return self._received_before + sum(conn._wire.received for conn in list(self._connections.values()))
+        return self._received_before + sum(conn._wire.received for conn in
+                                           [*self._connections.values(), *self.directs.values()])
 
     def map(self, fn: Callable[[Any], Any], items: list[Any], *, req: Requirements, timeout: float | None = None,
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
@@ -608,8 +611,14 @@ class Client:
     # ---- outcomes (the ConnectionListener of every connection) ------------------------------------
 
     def on_outcome(self, conn: PeerConnection, task: SubmittedTask, msg: dict[str, Any], buffers: list[Any]) -> None:
-        kind = msg["t"]
         self.placement.contention.heard(conn.peer_id, msg)
+        self.settle(conn, task, msg, buffers)
+        if msg["t"] != wire.REJECT:
+            self.on_idle(conn)
+
+    def settle(self, conn: PeerConnection, task: SubmittedTask, msg: dict[str, Any], buffers: list[Any]) -> None:
+        """Complete a task with its outcome (RESULT, ERROR, REJECT), or place it again where that says so."""
+        kind = msg["t"]
         if kind == wire.ACTOR_END:  # the answer to a CLOSE
             task.complete(msg.get("served"))
         elif kind == wire.RESULT and task.keep is not None and msg.get("held") == task.keep:
@@ -626,8 +635,6 @@ class Client:
             self._on_reject(task, conn, msg.get("code", "?"), msg.get("message", ""))
         else:
             self._on_error(task, msg)
-        if kind != wire.REJECT:
-            self.on_idle(conn)
 
     def on_idle(self, conn: PeerConnection) -> None:
         """Work stealing (ADR 0011): the peer of `conn` has a free slot and an empty queue by its last
@@ -820,7 +827,7 @@ class Client:
             handle.close_soon()  # the peers free their slots now, not after the grace time
         if self._started:
             self.directory.save_cache()
-        for conn in list(self._connections.values()):
+        for conn in [*self._connections.values(), *self.directs.values()]:
             conn.fail("the client closed")
         if self._browser is not None:
             self._browser.close()

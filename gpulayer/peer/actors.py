@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from .. import wire
 from ..errors import ConfigError
-from ..options import check_timeout
+from ..wire import check_timeout
 from .workers import Slot, Worker
 
 log = logging.getLogger("gpulayer.peer")
@@ -72,9 +72,14 @@ class Actor:
     slot: Slot
     worker: Worker
     calls: dict[int, Call] = field(default_factory=dict)
-    served: int = 0
+    served_here: int = 0  # calls answered through this peer
+    served_direct: int = 0  # calls answered on direct connections, as its worker last reported (ADR 0012)
     grace: asyncio.TimerHandle | None = None
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def served(self) -> int:
+        return self.served_here + self.served_direct
 
     @property
     def short_id(self) -> str:
@@ -156,10 +161,11 @@ class Actors:
             return None
         actor = self.live.get(msg["actor"])
         if actor is None:
-            owner.send(self._gone(msg["actor"], request_id))
+            owner.send(self.gone(msg["actor"], request_id))
         return actor
 
-    def _gone(self, actor_id: str, request_id: int) -> wire.ErrorMessage:
+    def gone(self, actor_id: str, request_id: int) -> wire.ErrorMessage:
+        """The answer to a request for an actor that is not live here: why it ended, or that it never was."""
         reason = self.ended.get(actor_id)
         if reason is not None:
             return wire.error("actor-died", reason, request_id)
@@ -198,9 +204,15 @@ class Actors:
     # ---- from its worker ----------------------------------------------------------------------
 
     def reply(self, actor: Actor, reply: wire.Message, buffers: list[Any]) -> None:
-        """A call's RESULT or ERROR, back to its connection."""
+        """A call's RESULT or ERROR, back to its connection; or the worker's count of the calls it
+        answered on direct connections (a STATUS)."""
+        if reply["t"] == wire.STATUS:
+            served = reply.get("served")
+            if isinstance(served, int) and not isinstance(served, bool) and served >= 0:
+                actor.served_direct = served
+            return
         call = actor.calls.pop(reply.get("id"), None)  # type: ignore[arg-type]
-        actor.served += 1
+        actor.served_here += 1
         if call is None or call.owner is None:
             return  # cancelled, or its submitter is gone
         _stop_timer(call)
@@ -255,16 +267,9 @@ class Actors:
 
 def _call_problem(owner: CallOwner, msg: wire.Message) -> str | None:
     """What is wrong with a CALL's method, arguments, id or timeout, or None."""
-    problem = wire.check_method(msg.get("method"))
-    if problem is None and not isinstance(msg.get("args"), bytes):
-        problem = "a CALL needs 'args' as a binary pickle"
+    problem = wire.check_call(msg)
     if problem is None and msg.get("id") in owner.calls:
         problem = f"call id {msg.get('id')} is already in use on this connection"
-    if problem is None:
-        try:
-            check_timeout(msg.get("timeout"))
-        except ValueError:
-            problem = f"bad timeout {msg.get('timeout')!r}: a positive, finite number of seconds or nil"
     return problem
 
 

@@ -58,12 +58,14 @@ class AsyncChannel:
         self._closing: asyncio.Task[None] | None = None
         self._sealer: records.Sealer | None = None
         self._opener: records.Opener | None = None
+        self._keys: tuple[bytes, bytes] | None = None
         self._unsealed: deque[Iterator[bytearray]] = deque()  # large messages, sealed as the socket takes them
         self._loop.add_reader(self._fd, self._on_readable)
 
     def secure(self, send_key: bytes, recv_key: bytes) -> None:
         """Seal what is written and open what is read from now on, with the post-auth message limit."""
         self._sealer, self._opener = records.Sealer(send_key), records.Opener(recv_key)
+        self._keys = (send_key, recv_key)
         self.reader.allow(wire.max_message_bytes())
         try:
             self._opener.feed_bytes_into(self.reader.take_unread(), self.reader)
@@ -193,6 +195,29 @@ class AsyncChannel:
         if self._flushed is not None and not self._flushed.done():
             self._flushed.set_result(None)
         self._flushed = None
+
+    # ---- handing over -----------------------------------------------------------------------------
+
+    def pause_reading(self) -> None:
+        """Read nothing more from the socket (it is about to be handed over)."""
+        if not self.closed:
+            self._loop.remove_reader(self._fd)
+
+    def hand_over(self) -> tuple[socket.socket, tuple[bytes, bytes], tuple[int, int]]:
+        """Give up the connection, whole, to another process that continues its channel (ADR 0012):
+        the socket, the session keys (send, receive) and the counters of the next records.
+
+        Only a secure channel with nothing still to send, nothing received and not yet handled
+        and no record half read can be handed over; ProtocolError otherwise. The channel is closed
+        after, without closing the socket, which is the caller's."""
+        opener, sealer = self._opener, self._sealer
+        if self.closed or opener is None or sealer is None or self._keys is None:
+            raise ProtocolError("only an open, authenticated connection can be handed over")
+        if self._out or self._unsealed or opener.mid_record or self.reader.messages or self.reader.mid_message:
+            raise ProtocolError("the connection carried more than its DIRECT request")
+        handed = (self.sock.dup(), self._keys, (sealer.counter, opener.counter))
+        self.close()
+        return handed
 
     # ---- closing ----------------------------------------------------------------------------------
 

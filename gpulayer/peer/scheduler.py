@@ -414,6 +414,8 @@ class Scheduler:
         if task.actor is not None:
             self.actors.reply(task.actor, reply, buffers)
             return
+        if reply["t"] not in (wire.RESULT, wire.ERROR):
+            return
         if task.actor_class is not None and reply["t"] == wire.RESULT:  # its constructor returned: it lives
             self._go_live(task, worker, reply)
         elif task.one_off:
@@ -431,8 +433,8 @@ class Scheduler:
         task = slot.task
         log.warning("worker %s of slot %d died (%s)", worker.pid, slot.index, describe_exit(code))
         if isinstance(task, ScheduledTask) and task.actor is not None:
-            self.actors.end(task.actor, "died", f"its worker process {worker.pid} died "
-                                                          f"({describe_exit(code)})")
+            self.actors.end(task.actor, "died", f"the actor was stopped: {worker.last_words}" if worker.last_words
+                            else f"its worker process {worker.pid} died ({describe_exit(code)})")
             return
         self._replace_worker(slot)
         if isinstance(task, ScheduledTask):

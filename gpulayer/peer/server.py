@@ -25,7 +25,7 @@ import psutil
 from .. import discovery, security, shm, wire
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..matching import Requirements, match
-from ..options import check_timeout
+from ..wire import check_timeout
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
 from .actors import Actor, grace_from_env
@@ -368,10 +368,12 @@ class Peer:
             for task in list(conn.tasks.values()):
                 self.scheduler.cancel(task, "cancelled", "the submitter disconnected", notify=False)
             conn.tasks.clear()
-            last = not any(other.client == conn.client for other in self._connections)
-            self.scheduler.actors.disconnected(conn, last)
-            if last:
+            remaining = next((other for other in self._connections if other.client == conn.client), None)
+            self.scheduler.actors.disconnected(conn, remaining is None)
+            if remaining is None:
                 self.held.disconnected(conn.client)
+            else:  # its actors' ACTOR_END goes there now (the connection that went was handed over, say)
+                self.scheduler.actors.connected(remaining)
 
     def handle(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
         """Route one message of an authenticated submitter."""
@@ -391,6 +393,8 @@ class Peer:
             conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
         elif kind == wire.RELEASE:
             self.held.release(msg.get("ref"), conn.client)
+        elif kind == wire.DIRECT:
+            self._direct(conn, msg)
         elif kind == wire.LOCAL:  # the submitter asks for a local link: the answer has none when there is none
             offer = self._local.offer(conn) if self._local is not None and conn.link is None else {"t": wire.LOCAL}
             conn.channel.write({**offer, "id": msg.get("id")})
@@ -466,6 +470,43 @@ class Peer:
         if not task.answered:  # not cancelled meanwhile
             task.refs = resolved
             self.scheduler.enqueue(task)
+
+    def _direct(self, conn: Connection, msg: wire.Message) -> None:
+        """Hand the connection to the worker of the actor it names, which answers its calls from then
+        on without this peer in the way (ADR 0012); or answer why not (the connection stays ours)."""
+        request_id = msg.get("id")
+        problem = None if isinstance(request_id, int) and not isinstance(request_id, bool) else \
+            "a DIRECT needs an integer 'id'"
+        problem = problem or wire.check_actor_id(msg.get("actor"))
+        if problem is None and (conn.tasks or conn.calls or conn.link is not None):
+            problem = "a DIRECT needs a connection with nothing in flight on it"
+        if problem is not None:
+            return conn.channel.write(wire.error("bad-request", problem, request_id))
+        assert isinstance(request_id, int)
+        actor = self.scheduler.actors.live.get(msg["actor"])
+        if actor is None:
+            return conn.channel.write(self.scheduler.actors.gone(msg["actor"], request_id))
+        if not actor.worker.direct:
+            return conn.channel.write(wire.error(
+                "no-direct", "the actor's worker cannot take a connection (no local link, or no cryptography "
+                             "in its interpreter): call through the peer", request_id))
+        conn.channel.pause_reading()
+        conn.channel.write({"t": wire.DIRECT, "id": request_id})
+        self.scheduler.spawn(self._hand_over(conn, actor))
+
+    async def _hand_over(self, conn: Connection, actor: Actor) -> None:
+        """Once the DIRECT answer is sent, give the socket and its channel to the actor's worker."""
+        await conn.channel.drain()
+        self.drop(conn)
+        try:
+            sock, keys, counters = conn.channel.hand_over()
+        except ProtocolError as exc:
+            log.warning("not handing the connection from %s to actor %s: %s", conn.address, actor.short_id, exc)
+            conn.channel.close()
+            return
+        with sock:  # the worker has its own copy once it is sent
+            if actor.actor_id in self.scheduler.actors.live:
+                actor.worker.hand_over(sock, keys, counters)
 
     def _reject(self, conn: Connection, task_id: Any, code: str, message: str) -> None:
         self.scheduler.activity.refused(conn.address, code, message)

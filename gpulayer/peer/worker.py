@@ -2,8 +2,9 @@
 
 Started by the peer as `python -m gpulayer.peer.worker FD [--preload torch,mlx] [--link FD2]`, it
 talks frames over the inherited socket FD; big buffers come and go as shared-memory descriptors
-on the local link FD2 (shm.py). It needs only msgpack and cloudpickle, and it is the
-only place where task data is ever unpickled. Its stdout and stderr are pipes that the peer
+on the local link FD2 (shm.py). It needs only msgpack and cloudpickle (and cryptography, where it
+has it, to take an actor's direct connections: actor_worker.py), and it is the only place where
+task data is ever unpickled. Its stdout and stderr are pipes that the peer
 streams back to the submitter.
 """
 
@@ -12,14 +13,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import os
-import select
 import socket
 import sys
-import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 from .. import held, remote_exceptions, serialization, shm, wire
 from . import spawning
@@ -90,86 +88,6 @@ def _run(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
     except Exception as exc:
         return _error(task_id, exc, note=f"the result ({type(result).__name__}) could not be pickled"), []
     return {"t": wire.RESULT, "id": task_id, "data": data}, out
-
-
-class Actor:
-    """This worker as an actor: one instance, whose method calls start in the order they arrive,
-    `conc` at a time (threads; one at a time runs in the thread that reads them); a call cancelled
-    before it started never runs."""
-
-    def __init__(self, conn: wire.BlockingConnection, instance: object, conc: int):
-        self.conn = conn
-        self.instance = instance
-        self.cancelled: set = set()
-        self._send_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(conc, thread_name_prefix="gpulayer-actor") if conc > 1 else None
-
-    def serve(self) -> None:
-        """Run calls until BYE or the peer's end of the connection.
-
-        Before a call starts, every message that has already arrived is read, so that a CANCEL
-        sent while an earlier call ran is known before the call it names."""
-        backlog: deque = deque()
-        try:
-            while True:
-                if not backlog and not self._take(backlog, *self.conn.recv()):
-                    return
-                while self._arrived():
-                    if not self._take(backlog, *self.conn.recv()):
-                        return
-                msg, buffers = backlog.popleft()
-                if self._pool is None:
-                    self._call(msg, buffers)
-                else:
-                    self._pool.submit(self._call, msg, buffers)
-                del msg, buffers
-        except (ConnectionError, OSError):
-            return
-
-    def _take(self, backlog: deque, msg: dict, buffers: list) -> bool:
-        """Queue a CALL or note a CANCEL; False on BYE."""
-        if msg["t"] == wire.CALL:
-            backlog.append((msg, buffers))
-        elif msg["t"] == wire.CANCEL:
-            self.cancelled.add(msg.get("id"))
-        return msg["t"] != wire.BYE
-
-    def _arrived(self) -> bool:
-        """Whether another message is here already (parsed, or bytes waiting on the socket)."""
-        return bool(self.conn.reader.messages) or bool(select.select([self.conn.sock], [], [], 0)[0])
-
-    def _call(self, msg: dict, buffers: list) -> None:
-        if msg.get("id") in self.cancelled:
-            self.cancelled.discard(msg.get("id"))
-            return
-        reply, out = _run(msg.get("id"), lambda: self._method(msg.get("method")), msg.get("args"), buffers)
-        del msg, buffers
-        with self._send_lock:
-            self.conn.send(reply, out)
-
-    def _method(self, name: str):
-        method = getattr(self.instance, name)
-        if not callable(method):
-            raise TypeError(f"{type(self.instance).__qualname__}.{name} is a {type(method).__name__}, not a method")
-        return method
-
-
-def become_actor(conn: wire.BlockingConnection, msg: dict, buffers: list) -> None:
-    """Build the actor's instance from an ACTOR message and serve its calls; this worker runs no task
-    after it (the peer starts a fresh one for the slot when the actor ends)."""
-    def construct():
-        cls = serialization.loads(msg["cls"])
-        return getattr(cls, "__gpulayer_class__", cls)  # an @gl.remote class pickled by reference
-
-    instance, failed = _invoke(msg.get("id"), construct, msg["args"], buffers)
-    del buffers
-    if failed is not None:
-        conn.send(failed)
-    else:
-        conn.send({"t": wire.RESULT, "id": msg.get("id"), "data": serialization.dumps(None)[0]})
-        Actor(conn, instance, msg.get("conc", 1)).serve()
-    _flush()
-    os._exit(0)  # without waiting for calls still running in threads: the peer ends this process anyway
 
 
 @contextlib.contextmanager
@@ -279,7 +197,8 @@ def main(argv=None) -> None:
     reaper = OrphanReaper() if become_subreaper() else None
     spawning.install()
     loaded = preload([n for n in args.preload.split(",") if n])
-    conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None})
+    conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None,
+               "direct": link is not None and importlib.util.find_spec("cryptography") is not None})
     functions = FunctionCache()
     while True:
         try:
@@ -289,6 +208,8 @@ def main(argv=None) -> None:
         if msg["t"] == wire.BYE:
             return
         if msg["t"] == wire.ACTOR:  # its environment was set when the peer started this worker for it
+            from .actor_worker import become_actor
+
             become_actor(conn, msg, buffers)
         with task_environment(msg.get("env")):
             reply, out = run_task(msg, buffers, functions)

@@ -121,6 +121,8 @@ class Worker:
         self._started: asyncio.Future[wire.Message] = self._loop.create_future()
         self._link: socket.socket | None = None  # the local link for shared memory (shm.py)
         self._fds = False  # whether the worker takes segments on it
+        self.direct = False  # whether it takes connections handed over to it (an actor's; ADR 0012)
+        self.last_words = ""  # why it is about to exit, when it said so (an actor's call past its timeout)
 
     async def start(self, timeout: float) -> None:
         """Spawn the process and wait for its ready message (after its preloads)."""
@@ -172,10 +174,26 @@ class Worker:
         assert self._channel is not None, "the worker has not started"
         self._channel.write(msg, shm.send_over(self._link if self._fds else None, msg, buffers, copy=False))
 
+    def hand_over(self, sock: socket.socket, keys: tuple[bytes, bytes], counters: tuple[int, int]) -> None:
+        """Give the worker a submitter's connection with its channel's state (ADR 0012); it sends the
+        descriptor on the local link, then the message that names it."""
+        assert self._channel is not None and self._link is not None
+        try:
+            shm.send_socket(self._link, sock)
+        except OSError as exc:  # the connection closes with our copy: its submitter calls through the peer
+            log.warning("could not hand a connection to worker %s: %s", self.pid, exc)
+            return
+        self._channel.write({"t": wire.DIRECT, "keys": list(keys), "counters": list(counters)})
+
     def _on_message(self, msg: wire.Message, buffers: list[Any]) -> None:
         if not self._started.done():
             self._fds = self._link is not None and msg.get("fds") is True
+            self.direct = self._fds and msg.get("direct") is True
             self._started.set_result(msg)
+        elif msg["t"] == wire.BYE:
+            self.last_words = wire.printable(msg.get("reason"), 500)
+        elif msg["t"] == wire.STATUS:  # an actor's count of the calls it answered on its direct connections
+            self.on_reply(self, msg, buffers)
         elif msg["t"] in (wire.RESULT, wire.ERROR):
             self.drain_output()
             try:

@@ -3,6 +3,7 @@ isolation from tasks, handles passed on, and hostile input aimed at the actor me
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,12 +14,14 @@ import textwrap
 import threading
 import time
 from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gpulayer as gl
-from gpulayer import serialization, wire
+from gpulayer import serialization, shm, wire
 from gpulayer.errors import TaskRejected, TaskTimeout
 from gpulayer.peer_table import format_peers
 from support import wait_until, write_override
@@ -403,3 +406,88 @@ def test_a_peer_that_stops_ends_its_actors_without_waiting_for_them(peer_factory
         pending.result(30)
     with pytest.raises(gl.ActorDied):
         rec.history()
+
+
+# ---- direct calls: the peer hands the connection to the actor's worker (ADR 0012) ---------------
+
+@pytest.fixture()
+def frozen(peer):
+    """A context that stops the peer process (SIGSTOP) while it lasts: only its workers run."""
+    @contextlib.contextmanager
+    def freeze():
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+    return freeze
+
+
+def test_calls_go_straight_to_the_actors_worker_while_its_peer_is_frozen(peer, frozen):
+    big = np.arange(shm.SHM_MIN // 8 * 2, dtype=np.int64)  # over the shared-memory threshold
+    with Recorder() as rec:
+        rec.record("through the connection the peer handed over")
+        with frozen():
+            assert [rec.record.submit(i).result(10) for i in range(50)] == list(range(2, 52))
+            future = rec.fail.submit("still direct")
+            with pytest.raises(ValueError, match="still direct"):
+                future.result(10)
+            assert future.stdout == "about to fail\n"  # a direct call's output comes on its connection
+        # big arguments take the peer's way (shared memory on one host), and no call overtakes another
+        mixed = [rec.record.submit(big if i % 2 else i) for i in range(8)]
+        assert [f.result(30) for f in mixed] == list(range(52, 60))
+        assert rec.history()[-8:-7] == [0] and np.array_equal(rec.history()[-7], big)
+        assert wait_until(lambda: gl.actors()[0]["calls"] >= 60, 10)  # the worker reports direct calls
+
+
+def test_with_direct_calls_off_every_call_goes_through_the_peer(peer, frozen, monkeypatch):
+    monkeypatch.setenv("GPULAYER_DIRECT_CALLS", "0")
+    with Recorder() as rec:
+        rec.record("first")
+        with frozen():
+            waiting = rec.record.submit("second")
+            with pytest.raises(FutureTimeout):
+                waiting.result(1.0)  # the frozen peer holds it
+        assert waiting.result(20) == 2
+
+
+def direct_connection(peer, key: str, actor_id: str) -> wire.BlockingConnection:
+    conn = raw_connection(peer, key, "fedcba987654")
+    handed = answer(conn, wire.direct(1, actor_id))
+    assert (handed["t"], handed["id"]) == (wire.DIRECT, 1)
+    return conn
+
+
+def test_hostile_input_on_a_direct_connection_costs_that_connection_only(peer, cluster_key):
+    rec = Recorder()
+    rec.record("before")
+    args = serialization.dumps(((), {}))[0]
+    conn = raw_connection(peer, cluster_key, "fedcba987654")
+    try:
+        assert answer(conn, wire.direct(1, "f" * 32))["code"] == "no-actor"
+        assert answer(conn, wire.direct(2, "nope"))["code"] == "bad-request"
+        conn.send(wire.call(3, rec.actor_id, "sleep", serialization.dumps(((0.5,), {}))[0], None))
+        busy = answer(conn, wire.direct(4, rec.actor_id))  # a call of its own is in flight
+        assert (busy["code"], busy["id"]) == ("bad-request", 4)
+        assert answer(conn, {"t": wire.STATUS, "id": 5})["t"] in (wire.RESULT, wire.STATUS)  # not handed over
+    finally:
+        conn.close()
+    conn = direct_connection(peer, cluster_key, rec.actor_id)
+    try:
+        for bad in [wire.call(2, rec.actor_id, "__class__", args, None),
+                    wire.call(3, rec.actor_id, "history", "not bytes", None),  # type: ignore[arg-type]
+                    wire.call(4, rec.actor_id, "history", args, float("nan"))]:
+            reply = answer(conn, bad)
+            assert (reply["t"], reply["code"], reply["id"]) == (wire.ERROR, "bad-request", bad["id"])
+        conn.send(wire.ping())
+        assert conn.recv(time.monotonic() + 10)[0]["t"] == wire.PONG  # the worker answers it
+        called = answer(conn, wire.call(5, rec.actor_id, "record", serialization.dumps((("raw",), {}))[0], None))
+        assert called["t"] == wire.RESULT and serialization.loads(called["data"]) == 2
+        refused = answer(conn, wire.submit(6, args, args, {}, None, "task"))
+        assert (refused["t"], refused["code"]) == (wire.ERROR, "protocol")
+        with pytest.raises(ConnectionError):
+            conn.recv(time.monotonic() + 10)
+    finally:
+        conn.close()
+    assert rec.history() == ["before", "raw"]
+    rec.close()
