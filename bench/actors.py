@@ -3,7 +3,8 @@
     python bench/actors.py [--quick] [--json bench/results/actors.json] [--plot bench/results/actors.png]
 
 One run on one machine, on loopback: a local peer subprocess (mDNS bound to 127.0.0.1) with 11
-slots, and Ray bound to 127.0.0.1. Reported for each: the sync call's p50/p99 (one call at a time),
+slots, and Ray bound to 127.0.0.1. Reported for each: the sync call's p50/p99 (one call at a time;
+for GPUlayer both on the direct connection to the actor's worker and through the peer, ADR 0012),
 calls/s when many are pipelined (submitted at once, then awaited), repeated for the spread (min and
 max of the repeats); and the memory of the peer daemon and of its workers with 10 live actors (each
 actor's worker takes the place of its slot's warm worker, so the workers' count stays 11).
@@ -23,6 +24,7 @@ import psutil
 from overhead import latencies, machine  # this folder's: the same measurement as for tasks
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DIRECT_ENV = "GPULAYER_DIRECT_CALLS"
 TARGETS = {"p50_ms": 0.3, "calls_per_s": 10_000}
 ACTORS_FOR_MEMORY = 10
 
@@ -68,6 +70,13 @@ def rss_mb(pid: int) -> dict:
             "workers": len(proc.children(recursive=True))}
 
 
+def burst(counter, k: int) -> None:
+    """k calls submitted at once, then awaited."""
+    futures = [counter.bump.submit() for _ in range(k)]
+    for f in futures:
+        f.result()
+
+
 def measure_gpulayer(n: int, calls: int, repeats: int) -> dict:
     import gpulayer as gl
     from gpulayer.demo import local_peer
@@ -76,15 +85,15 @@ def measure_gpulayer(n: int, calls: int, repeats: int) -> dict:
         gl.configure(interfaces=["127.0.0.1"], echo_output=False)
         remote_counter = gl.remote(Counter)
         task = repeated_latencies(lambda: gl.run(trivial), n, repeats)
+        os.environ[DIRECT_ENV] = "0"  # a handle made now calls through the peer: the path before ADR 0012
+        relayed = remote_counter()
+        os.environ.pop(DIRECT_ENV)
+        via_peer = repeated_latencies(relayed.bump, n, repeats)
+        via_peer_pipelined = rates(lambda k: burst(relayed, k), calls, repeats)
+        relayed.close()
         counter = remote_counter()
         sync = repeated_latencies(counter.bump, n, repeats)
-
-        def burst(k):
-            futures = [counter.bump.submit() for _ in range(k)]
-            for f in futures:
-                f.result()
-
-        pipelined = rates(burst, calls, repeats)
+        pipelined = rates(lambda k: burst(counter, k), calls, repeats)
         counter.close()
         time.sleep(1.0)
         before = rss_mb(proc.pid)
@@ -95,7 +104,8 @@ def measure_gpulayer(n: int, calls: int, repeats: int) -> dict:
         for actor in held:
             actor.close()
         gl.api.shutdown()
-    return {"task_latency": task, "latency": sync, **pipelined,
+    return {"task_latency": task, "latency": sync, "via_peer_latency": via_peer, **pipelined,
+            "via_peer_pipelined": via_peer_pipelined,
             "memory": {"no_actors": before, f"{ACTORS_FOR_MEMORY}_actors": with_actors}}
 
 
@@ -119,7 +129,10 @@ def measure_ray(n: int, calls: int, repeats: int) -> dict | None:
 def summarize(glr: dict, ray: dict | None) -> dict:
     summary = {"p50_ms": glr["latency"]["p50_ms"], "p50_ms_range": glr["latency"]["p50_ms_range"],
                "p99_ms": glr["latency"]["p99_ms"], "p99_ms_range": glr["latency"]["p99_ms_range"],
-               "task_p50_ms": glr["task_latency"]["p50_ms"], "calls_per_s": glr["calls_per_s"],
+               "task_p50_ms": glr["task_latency"]["p50_ms"], "via_peer_p50_ms": glr["via_peer_latency"]["p50_ms"],
+               "via_peer_p50_ms_range": glr["via_peer_latency"]["p50_ms_range"],
+               "via_peer_calls_per_s": glr["via_peer_pipelined"]["calls_per_s"],
+               "via_peer_calls_per_s_range": glr["via_peer_pipelined"]["calls_per_s_range"], "calls_per_s": glr["calls_per_s"],
                "calls_per_s_range": glr["calls_per_s_range"],
                "peer_mb_with_actors": glr["memory"][f"{ACTORS_FOR_MEMORY}_actors"]["peer_mb"],
                "peer_mb_without": glr["memory"]["no_actors"]["peer_mb"]}
@@ -141,16 +154,16 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     glr, ray = result["gpulayer"], result.get("ray")
-    names = ["GL task", "GL actor"] + (["Ray actor"] if ray else [])
-    lats = [glr["task_latency"], glr["latency"]] + ([ray["latency"]] if ray else [])
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    names = ["task", "actor\nvia peer", "actor"] + (["Ray\nactor"] if ray else [])
+    lats = [glr["task_latency"], glr["via_peer_latency"], glr["latency"]] + ([ray["latency"]] if ray else [])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [1.6, 1, 1]})
     axes[0].bar([f"{n}\np50" for n in names], [x["p50_ms"] for x in lats], color="tab:blue")
     axes[0].bar([f"{n}\np99" for n in names], [x["p99_ms"] for x in lats], color="tab:orange")
     axes[0].axhline(TARGETS["p50_ms"], color="gray", linestyle="--", label="p50 target")
-    axes[0].set_ylabel("ms per sync call")
+    axes[0].set_ylabel("ms per sync call (GPUlayer unless Ray)")
     axes[0].tick_params(axis="x", labelsize=8)
     axes[0].legend()
-    runs = [("GPUlayer", glr)] + ([("Ray", ray)] if ray else [])
+    runs = [("GPUlayer\nvia peer", glr["via_peer_pipelined"]), ("GPUlayer\ndirect", glr)] + ([("Ray", ray)] if ray else [])
     best = [r["calls_per_s"] for _, r in runs]
     low = [r["calls_per_s"] - r["calls_per_s_range"][0] for _, r in runs]
     axes[1].bar([n for n, _ in runs], best, yerr=[low, [0] * len(runs)], color="tab:green", capsize=4)

@@ -604,7 +604,10 @@ class BlockingConnection:
     def send(self, msg: Outgoing, buffers: Buffers = ()) -> None:
         if self.link is not None:
             buffers = shm.send_over(self.link, msg, buffers, copy=True)
-        parts = encode(msg, buffers)
+        self.send_encoded(encode(msg, buffers))
+
+    def send_encoded(self, parts: list[Any]) -> None:
+        """Send what `encode` made: one message, or several one after another (sealed together)."""
         if self._sealer is None:
             send_parts(self.sock, parts)
             return

@@ -33,10 +33,26 @@ class Stream:
         self.direct = direct
         self.cancelled: set = set()
         self._send_lock = threading.Lock()
+        self._held: list = []  # encoded replies kept back (`send(..., hold=True)`)
 
-    def send(self, msg: dict, buffers=()) -> None:
+    def send(self, msg: dict, buffers=(), hold: bool = False) -> None:
+        """Send a message. With `hold`, a reply without buffers waits for `flush` (or the next message),
+        so that the replies to calls that came together go out together: one record, one write."""
         with self._send_lock:
+            if hold and not buffers:
+                self._held += wire.encode(msg)
+                return
+            self._flush()
             self.conn.send(msg, buffers)
+
+    def flush(self) -> None:
+        with self._send_lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            self.conn.send_encoded(held)
 
 
 class RoutedOutput:
@@ -81,8 +97,10 @@ class Actor:
         backlog: deque = deque()
         try:
             while True:
-                if not backlog and not self._take(stream, backlog, *stream.conn.recv()):
-                    return
+                if not backlog:
+                    stream.flush()  # nothing waits: the replies kept back go now
+                    if not self._take(stream, backlog, *stream.conn.recv()):
+                        return
                 while _arrived(stream.conn):
                     if not self._take(stream, backlog, *stream.conn.recv()):
                         return
@@ -155,9 +173,10 @@ class Actor:
         with self._turn, self._watched(stream, msg), _output_to(stream, call_id):
             reply, out = _run(call_id, lambda: self._method(name), args, buffers)
         del msg, args, buffers
-        stream.send(reply, out)
+        more = stream.direct and self._pool is None and _arrived(stream.conn)  # calls that came with it wait
+        stream.send(reply, out, hold=more)
         if stream.direct:
-            self._count(stream)
+            self._count(report=not more)
 
     def _method(self, name: str):
         method = getattr(self.instance, name)
@@ -165,12 +184,13 @@ class Actor:
             raise TypeError(f"{type(self.instance).__qualname__}.{name} is a {type(method).__name__}, not a method")
         return method
 
-    def _count(self, stream: Stream) -> None:
-        """Tell the peer how many calls came direct (for its STATUS), once no other call waits here."""
+    def _count(self, report: bool) -> None:
+        """Count a call answered on a direct connection; with `report`, tell the peer the count (for
+        its STATUS): once no other call waits here."""
         with self._lock:
             self._served_direct += 1
             served = self._served_direct
-        if not _arrived(stream.conn):
+        if report:
             self.peer.send({"t": wire.STATUS, "served": served})
 
     @contextlib.contextmanager
