@@ -151,7 +151,7 @@ class DirectListener:
             creator.died(said)
         if not tasks:
             return
-        why = said or tasks[0].handle.death_reason(REASON_WAIT)
+        why = said or tasks[0].handle.death_reason(0 if conn.silent else REASON_WAIT)
         for task in tasks:
             task.complete(exc=ActorDied(why) if why else PeerLost(
                 f"its direct connection to the actor's worker closed (the worker died, or the actor ended): {reason}"))

@@ -704,6 +704,8 @@ class Client:
             # cut off or frozen: skip it for a while. A reset or a close means its host answered;
             # if the peer is dead, the next connect is refused at once.
             self.mark_down(conn.peer_id, reason)
+            for direct in [d for d in list(self.directs.values()) if d.peer_id == conn.peer_id]:
+                direct.fail(f"its peer {conn.name} went silent: {reason}", silent=True)  # its host, most likely
         for task in tasks:
             if conn.refusal:  # the peer refused what we sent: retrying elsewhere would fail the same way
                 task.complete(exc=ProtocolError(f"peer {conn.name} closed the connection: {conn.refusal}"))
@@ -760,8 +762,10 @@ class Client:
         while not self._closed.wait(self.heartbeat):
             self._send_releases()
             now = time.monotonic()
+            calling = {direct.peer_id for direct in list(self.directs.values()) if direct.pending}
             for conn in list(self._connections.values()):
-                if conn.pending and now - conn.last_heard > 3 * self.heartbeat:
+                # a peer whose actors' workers have our calls counts as busy: its silence ends them too
+                if (conn.pending or conn.peer_id in calling) and now - conn.last_heard > 3 * self.heartbeat:
                     conn.fail(f"no answer for {now - conn.last_heard:.1f} s", silent=True)
                     continue
                 try:
