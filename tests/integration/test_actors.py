@@ -22,6 +22,7 @@ import pytest
 
 import gpulayer as gl
 from gpulayer import serialization, shm, wire
+from gpulayer.client.engine import DOWN_BACKOFF
 from gpulayer.errors import TaskRejected, TaskTimeout
 from gpulayer.peer_table import format_peers
 from support import wait_until, write_override
@@ -438,6 +439,20 @@ def test_calls_go_straight_to_the_actors_worker_while_its_peer_is_frozen(peer, f
         assert [f.result(30) for f in mixed] == list(range(52, 60))
         assert rec.history()[-8:-7] == [0] and np.array_equal(rec.history()[-7], big)
         assert wait_until(lambda: gl.actors()[0]["calls"] >= 60, 10)  # the worker reports direct calls
+
+
+def test_a_peer_silent_for_three_heartbeats_ends_the_direct_calls_in_flight(peer, frozen):
+    rec = Recorder()
+    rec.record("direct")
+    pending = rec.sleep.submit(30)
+    started = time.monotonic()
+    with frozen():
+        with pytest.raises(gl.ActorDied, match="silent"):
+            pending.result(25)
+    assert time.monotonic() - started < 20  # 3 heartbeats of 1 s, and a little
+    rec.close()  # the actor itself lived on: its submitter connected again
+    assert not actors_on(peer)
+    time.sleep(DOWN_BACKOFF)  # the silent peer was skipped for a while: let the next test place on it
 
 
 def test_with_direct_calls_off_every_call_goes_through_the_peer(peer, frozen, monkeypatch):
