@@ -86,7 +86,8 @@ class Actor:
         self._turn = threading.Semaphore(conc)
         self._pool = ThreadPoolExecutor(conc, thread_name_prefix="gpulayer-actor") if conc > 1 else None
         self._direct: list[Stream] = []
-        self._served_direct = 0
+        self._served_direct = 0  # calls answered on direct connections
+        self._reported = 0  # ... as the peer was last told
         self._lock = threading.Lock()
 
     def serve(self, stream: Stream) -> None:
@@ -97,8 +98,10 @@ class Actor:
         backlog: deque = deque()
         try:
             while True:
-                if not backlog:
-                    stream.flush()  # nothing waits: the replies kept back go now
+                if not backlog:  # nothing waits: the replies kept back go now, and the count of them
+                    stream.flush()
+                    if stream.direct:
+                        self._report()
                     if not self._take(stream, backlog, *stream.conn.recv()):
                         return
                 while _arrived(stream.conn):
@@ -174,9 +177,12 @@ class Actor:
             reply, out = _run(call_id, lambda: self._method(name), args, buffers)
         del msg, args, buffers
         more = stream.direct and self._pool is None and _arrived(stream.conn)  # calls that came with it wait
-        stream.send(reply, out, hold=more)
         if stream.direct:
-            self._count(report=not more)
+            with self._lock:
+                self._served_direct += 1
+            if not more:
+                self._report()  # first: the peer has the count before the submitter has the reply
+        stream.send(reply, out, hold=more)
 
     def _method(self, name: str):
         method = getattr(self.instance, name)
@@ -184,14 +190,15 @@ class Actor:
             raise TypeError(f"{type(self.instance).__qualname__}.{name} is a {type(method).__name__}, not a method")
         return method
 
-    def _count(self, report: bool) -> None:
-        """Count a call answered on a direct connection; with `report`, tell the peer the count (for
-        its STATUS): once no other call waits here."""
+    def _report(self) -> None:
+        """Tell the peer how many calls were answered on direct connections (for its STATUS), if that
+        changed since the last time: once no other call waits here."""
         with self._lock:
-            self._served_direct += 1
             served = self._served_direct
-        if report:
-            self.peer.send({"t": wire.STATUS, "served": served})
+            if served == self._reported:
+                return
+            self._reported = served
+        self.peer.send({"t": wire.STATUS, "served": served})
 
     @contextlib.contextmanager
     def _watched(self, stream: Stream, msg: dict) -> Iterator[None]:
