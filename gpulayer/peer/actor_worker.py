@@ -177,12 +177,12 @@ class Actor:
             reply, out = _run(call_id, lambda: self._method(name), args, buffers)
         del msg, args, buffers
         more = stream.direct and self._pool is None and _arrived(stream.conn)  # calls that came with it wait
+        stream.send(reply, out, hold=more)
         if stream.direct:
             with self._lock:
                 self._served_direct += 1
             if not more:
-                self._report()  # first: the peer has the count before the submitter has the reply
-        stream.send(reply, out, hold=more)
+                self._report()  # after the reply: its caller waits for nothing else
 
     def _method(self, name: str):
         method = getattr(self.instance, name)
