@@ -221,7 +221,8 @@ def check_call(msg: Mapping[str, Any]) -> str | None:
         try:
             check_timeout(msg.get("timeout"))
         except ValueError:
-            problem = f"bad timeout {printable(repr(msg.get('timeout')), 60)}: a positive, finite number of seconds or nil"
+            problem = (f"bad timeout {printable(repr(msg.get('timeout')), 60)}: "
+                       "a positive, finite number of seconds or nil")
     return problem
 
 
