@@ -577,13 +577,15 @@ class BlockingConnection:
     """A blocking socket speaking frames: used by submitters and workers.
 
     After `secure()`, every byte both ways travels in sealed records (records.py). With a local
-    `link` (shm.py), big buffers go as shared-memory descriptors over it, and arrive mapped.
+    `link` (shm.py), big buffers go as shared-memory descriptors over it, and arrive mapped (their
+    pages at once where `populate`: a worker, whose tasks read their arguments).
     """
 
     def __init__(self, sock: socket.socket, max_frame: int = PRE_AUTH_MAX_FRAME,
-                 link: socket.socket | None = None):
+                 link: socket.socket | None = None, populate: bool = False):
         self.sock = sock
         self.link = link
+        self.populate = populate
         self.reader = connection_reader(max_frame)
         self.last_received = time.monotonic()  # any bytes, not only whole messages: a big one takes time
         self.received = 0  # bytes read from the socket, records and all
@@ -635,7 +637,7 @@ class BlockingConnection:
             self.last_received = time.monotonic()
         msg, buffers = reader.messages.popleft()
         try:
-            return msg, shm.receive_with(self.link, msg, buffers)
+            return msg, shm.receive_with(self.link, msg, buffers, self.populate)
         except shm.ShmError as exc:
             raise ProtocolError(str(exc)) from None
 

@@ -193,7 +193,7 @@ def main(argv=None) -> None:
     parser.add_argument("--link", type=int, default=-1)  # the local link for shared memory (shm.py)
     args = parser.parse_args(argv)
     link = socket.socket(fileno=args.link) if args.link >= 0 and shm.enabled() else None
-    conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes(), link)
+    conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes(), link, populate=True)
     reaper = OrphanReaper() if become_subreaper() else None
     spawning.install()
     loaded = preload([n for n in args.preload.split(",") if n])

@@ -437,6 +437,19 @@ def test_where_ofd_locks_fail_every_segment_is_fresh_and_whole(monkeypatch):
     assert not shm.POOL.working and bytes(handle.map()) == data  # the pool turned itself off
 
 
+def test_big_copies_into_a_pooled_segment_are_byte_exact_on_two_threads_and_on_one(monkeypatch):
+    monkeypatch.setenv("GPULAYER_SHM_POOL_IDLE_S", "60")
+    size = shm._PARALLEL_COPY_MIN + 4099  # split in two, at no page boundary of the end
+    shm.copy_in(memoryview(bytes(size))).close()  # the pool keeps it: the next copies go into its mapping
+    writable = np.random.default_rng(1).integers(0, 255, size=size, dtype=np.uint8)
+    read_only = writable[::-1].copy()
+    read_only.flags.writeable = False  # no address for ctypes: copied on one thread
+    for array in (writable, read_only):
+        handle = shm.copy_in(memoryview(array))
+        assert bytes(handle.map()) == array.tobytes()
+        handle.close()
+
+
 # ---- the memory bound ---------------------------------------------------------------------------
 
 def test_a_message_bigger_than_free_memory_is_refused_with_the_numbers_before_it_is_received(peer_factory,
