@@ -42,6 +42,12 @@ def with_inferred(req: Requirements, fn: Callable[..., Any], *pickles: bytes) ->
     uses = req.uses if req.frameworks else frameworks_used(fn)
     if (code_python, uses) == (req.code_python, req.uses):
         return req
+    return _replaced(req, code_python, uses)
+
+
+@functools.lru_cache(maxsize=256)
+def _replaced(req: Requirements, code_python: str | None, uses: tuple[str, ...]) -> Requirements:
+    """`req` with these two fields: made once, since a loop of submits infers the same every time."""
     return dataclasses.replace(req, code_python=code_python, uses=uses)
 
 

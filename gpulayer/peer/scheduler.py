@@ -268,6 +268,8 @@ class Scheduler:
         """GB of each GPU device not reserved: its memory less the `gpu_memory_gb` that the tasks and actors
         holding its slots declared (per device: a devices=N task reserves it on each of its N devices)."""
         free = {s.device: s.memory_gb for s in self.slots if s.memory_gb is not None}
+        if not free:
+            return free
         for task in {s.task for s in self.slots if isinstance(s.task, ScheduledTask)}:
             for device in {s.device for s in task.group}:
                 if device in free:
@@ -279,6 +281,8 @@ class Scheduler:
         where the last measurement (`measure`) finds less free. Memory in use beyond what running
         tasks declared (other programs, a task using more than it asked for) so holds tasks back."""
         free = self.free_memory()
+        if not free:  # no GPU device with a known memory (a CPU peer): nothing to measure
+            return free
         for device, measured in measured_free(self.slots, self.measured).items():
             if device in free:
                 free[device] = min(free[device], measured)
