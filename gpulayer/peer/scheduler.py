@@ -268,8 +268,6 @@ class Scheduler:
         """GB of each GPU device not reserved: its memory less the `gpu_memory_gb` that the tasks and actors
         holding its slots declared (per device: a devices=N task reserves it on each of its N devices)."""
         free = {s.device: s.memory_gb for s in self.slots if s.memory_gb is not None}
-        if not free:
-            return free
         for task in {s.task for s in self.slots if isinstance(s.task, ScheduledTask)}:
             for device in {s.device for s in task.group}:
                 if device in free:
