@@ -56,6 +56,7 @@ class AsyncChannel:
         self._flushed: asyncio.Future[None] | None = None
         self._eof: asyncio.Future[None] | None = None  # set while closing: input is read and dropped
         self._closing: asyncio.Task[None] | None = None
+        self._paused = False  # reading stopped for good: the connection is being handed over
         self._sealer: records.Sealer | None = None
         self._opener: records.Opener | None = None
         self._keys: tuple[bytes, bytes] | None = None
@@ -77,7 +78,7 @@ class AsyncChannel:
     def _on_readable(self) -> None:
         reader = self.reader
         for _ in range(_READS_PER_EVENT):
-            if self.closed:  # a handler closed it
+            if self.closed or self._paused:  # a handler closed it, or is handing it over
                 return
             closing = self._eof is not None
             opener = self._opener
@@ -103,7 +104,7 @@ class AsyncChannel:
                     opener.feed_into(n, reader)
             except ProtocolError as exc:
                 return self._lost(str(exc), exc)
-            while reader.messages and not self.closed and self._eof is None:
+            while reader.messages and not self.closed and not self._paused and self._eof is None:
                 self.on_message(*reader.messages.popleft())
                 if reader.one_at_a_time and not reader.messages and not self.closed:
                     reader.feed(0)  # before the switch to records, messages are parsed one at a time
@@ -199,7 +200,9 @@ class AsyncChannel:
     # ---- handing over -----------------------------------------------------------------------------
 
     def pause_reading(self) -> None:
-        """Read nothing more from the socket (it is about to be handed over)."""
+        """Read nothing more from the socket, nor handle what was read already (the connection is
+        about to be handed over, and what came after the request goes with it, or stops it)."""
+        self._paused = True
         if not self.closed:
             self._loop.remove_reader(self._fd)
 
