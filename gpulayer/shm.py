@@ -163,6 +163,32 @@ def copy_into(dest: mmap.mmap, view: memoryview) -> None:
     helper.join()
 
 
+def _address(buf: Any) -> int | None:
+    """Where a writable buffer's memory starts; None for a read-only one (ctypes gives no address)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError):
+        return None
+
+
+def reuse(buffers: list[Any], segments: Iterable[Any]) -> list[Any]:
+    """`buffers`, each that is the whole of one of `segments` replaced by that segment, which then goes
+    on by descriptor, with no copy: a task that returns its argument, changed in place or not, sends
+    it back as it came. Only for segments that are the sender's own to give (a task's own arguments)."""
+    spans = {}
+    for segment in segments:
+        if isinstance(segment, Segment):
+            spans[(_address(segment), len(segment))] = segment
+    if not spans:
+        return buffers
+    out = []
+    for buf in buffers:
+        view = memoryview(buf)
+        span = (_address(view), view.nbytes) if view.nbytes >= SHM_MIN and view.c_contiguous else None
+        out.append(spans.get(span, buf))
+    return out
+
+
 # ---- the pool ----------------------------------------------------------------------------------
 
 def _ofd_lock(fd: int, kind: int) -> bool:

@@ -389,6 +389,35 @@ def test_results_a_submitter_keeps_are_never_written_over_by_later_transfers(cli
     assert [int(a[0]) for a in again] == [9, 10, 11] and all(len(set(a[::4096])) == 1 for a in again)
 
 
+def double_in_place(array, whole):
+    array *= 2
+    return array if whole else array[1:]
+
+
+def segment_of(array) -> shm.Segment | None:
+    """The shared-memory segment an array's memory is a mapping of, if any."""
+    base = array
+    while base is not None and not isinstance(base, shm.Segment):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return base
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_result_that_is_its_argument_comes_back_in_the_argument_segment(client, monkeypatch, whole):
+    monkeypatch.setenv("GPULAYER_SHM_POOL_IDLE_S", "60")
+    array = np.arange(MiB, dtype=np.int32)
+    back = client.submit(double_in_place, (array, whole), req=ANY).result(60)
+    assert np.array_equal(back, (array * 2)[0 if whole else 1:]) and np.array_equal(array[:3], [0, 1, 2])
+    segment = segment_of(back)
+    if client.mode == "tcp":
+        assert segment is None
+        return
+    with shm.POOL._lock:
+        ours = {os.fstat(kept.fd).st_ino for kept in shm.POOL._kept}  # what this submitter copied arguments into
+    # the whole argument returned goes back as it came (no copy in the worker); a part of it is copied
+    assert (inode(segment.handle) in ours) is whole
+
+
 def make_array(nbytes):
     return np.ones(nbytes, dtype=np.uint8)
 
