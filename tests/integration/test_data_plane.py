@@ -20,6 +20,7 @@ import weakref
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from gpulayer import records, serialization, shm, wire
@@ -86,6 +87,13 @@ def test_256_mib_round_trips_through_shared_memory_on_one_host_and_through_tcp_w
         assert conn._wire.received < MiB  # the 256 MiB came back by descriptor, not over TCP
     else:
         assert conn._wire.link is None and conn._wire.received > 256 * MiB
+
+
+@pytest.mark.skipif(psutil.virtual_memory().available < 8 << 30, reason="a 1 GiB round trip needs about 4 GiB free")
+def test_a_1_gib_array_round_trips_byte_exact(client):
+    array = np.arange((1 << 30) // 8, dtype=np.int64)
+    digest, back = client.submit(digest_and_echo, (array,), req=ANY).result(300)
+    assert digest == hashlib.sha256(array).hexdigest() and np.array_equal(back, array)
 
 
 def test_numpy_arrays_and_cpu_tensors_are_pickled_without_copies():
