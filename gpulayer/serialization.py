@@ -98,7 +98,9 @@ def _reduce_tensor(torch, tensor):
     if tensor.layout != torch.strided or tensor.is_quantized:
         return None
     t = tensor.detach()
-    if t.device.type != "cpu":
+    if t.device.type == "cuda":
+        t = _to_pinned_host(torch, t)
+    elif t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
     dtype = str(t.dtype).removeprefix("torch.")
@@ -107,6 +109,16 @@ def _reduce_tensor(torch, tensor):
     except (RuntimeError, TypeError):  # numpy missing, or a dtype numpy has no twin for
         return None
     return _rebuild_tensor, (array, dtype, tensor.requires_grad)
+
+
+def _to_pinned_host(torch, t):
+    """A CUDA tensor copied once into pinned host memory (torch's caching host allocator keeps the
+    pages for the next result): 50 GB/s on an H100 against 1.1 for `.cpu()` into fresh pageable
+    memory (bench/results/device_to_host.json). `.cpu()` where pinning fails."""
+    try:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    except RuntimeError:
+        return t.cpu()
 
 
 def _rebuild_tensor(array, dtype: str, requires_grad: bool):

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device here", allow_module_level=True)
 
 import gpulayer as gl  # noqa: E402
+from gpulayer import serialization  # noqa: E402
 from gpulayer.client import Client  # noqa: E402
 from gpulayer.matching import Requirements  # noqa: E402
 from support import new_key  # noqa: E402
@@ -58,3 +59,12 @@ def test_a_cuda_task_runs_on_the_gpu_and_its_tensors_come_back_on_the_cpu(peer_f
             client.submit(cuda_matmul, (8,), req=Requirements.build(accelerator="mps"))
     finally:
         client.close()
+
+
+def test_a_cuda_tensor_is_pickled_from_pinned_host_memory_and_comes_back_equal():
+    t = torch.randn(1024, 513, device="cuda").t()  # not contiguous
+    data, buffers = serialization.dumps({"t": t, "b": t.to(torch.bfloat16)})
+    back = serialization.loads(data, [bytearray(b) for b in buffers])
+    assert back["t"].device.type == "cpu" and torch.equal(back["t"], t.cpu())
+    assert back["b"].dtype == torch.bfloat16 and torch.equal(back["b"], t.to(torch.bfloat16).cpu())
+    assert len(buffers) == 2 and all(torch.frombuffer(b, dtype=torch.uint8).is_pinned() for b in buffers)
