@@ -177,8 +177,9 @@ def reuse(buffers: list[Any], segments: Iterable[Any]) -> list[Any]:
     it back as it came. Only for segments that are the sender's own to give (a task's own arguments)."""
     spans = {}
     for segment in segments:
-        if isinstance(segment, Segment):
-            spans[(_address(segment), len(segment))] = segment
+        address = _address(segment) if isinstance(segment, Segment) else None
+        if address is not None:
+            spans[(address, len(segment))] = segment
     if not spans:
         return buffers
     out = []
