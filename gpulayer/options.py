@@ -7,6 +7,7 @@ decoration time, not at the first call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,4 +69,10 @@ class TaskOptions:
 def split_call(kwargs: dict[str, Any]) -> tuple[TaskOptions, dict[str, Any]]:
     """Separate the task options of a `run`/`submit` call from the function's own keyword arguments."""
     options = {name: kwargs.pop(name) for name in NAMES & kwargs.keys()}
-    return TaskOptions.parse(options), kwargs
+    return (TaskOptions.parse(options) if options else _defaults()), kwargs
+
+
+@functools.cache
+def _defaults() -> TaskOptions:
+    """The options of a call that gives none (made once: a loop of plain calls parses nothing)."""
+    return TaskOptions.parse({})
