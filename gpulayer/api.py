@@ -34,7 +34,7 @@ def default_client() -> Backend:
 
 
 def configure(backend: str | None = None, **options: Any) -> Backend:
-    """Replace the process-wide backend: "lan" (key, interfaces, peers, mdns, echo_output, discovery_timeout)
+    """Replace the process-wide backend: "lan" (key, interfaces, peers, mdns, echo_output, discovery_timeout, leases)
     or "ray" (address, echo_output, init_options); the default is GPULAYER_BACKEND, else "lan"."""
     global _client
     with _client_lock:

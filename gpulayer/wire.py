@@ -40,9 +40,10 @@ FETCH, RELEASE = "fetch", "release"  # held results (docs/data.md)
 LOCAL = "local"  # the peer's offer of a local link for shared memory (shm.py, ADR 0009)
 WITHDRAW = "withdraw"  # the submitter takes back a task still queued on the peer (ADR 0011)
 DIRECT = "direct"  # the submitter asks that this connection be handed to an actor's worker (ADR 0012)
+LEASE, LEASE_END = "lease", "lease_end"  # a warm worker lent to one submitter's connection (ADR 0013)
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
-                           LOCAL, WITHDRAW, DIRECT})
+                           LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
@@ -178,6 +179,16 @@ def call(call_id: int, actor_id: str, method: str, args: bytes, timeout: float |
 def direct(request_id: int, actor_id: str) -> Message:
     """Ask, as the first message after AUTH_OK, that the connection go to the actor's worker (ADR 0012)."""
     return {"t": DIRECT, "id": request_id, "actor": actor_id}
+
+
+BEAT_MIN, BEAT_MAX = 0.05, 60.0  # seconds between a leased worker's signs of life, at least and at most
+
+
+def lease(request_id: int, req: dict[str, Any], beat: float) -> Message:
+    """Ask, as the first message after AUTH_OK, that the connection go to a warm worker that runs this
+    submitter's tasks of requirements `req` until the lease ends, and that says it is alive every
+    `beat` seconds while a task runs (ADR 0013)."""
+    return {"t": LEASE, "id": request_id, "req": req, "beat": beat}
 
 
 def close(request_id: int, actor_id: str) -> Message:

@@ -230,7 +230,7 @@ class ActorHandle:
             return None
         try:
             conn = PeerConnection(DirectListener(self._client), self.addresses, self._client.key,
-                                  self._client.client_id, direct_actor=self.actor_id)
+                                  self._client.client_id, wire.direct(0, self.actor_id))
         except (OSError, GPULayerError) as exc:  # DirectRefused, an older peer, no route: through the peer
             log.debug("calls on actor %s go through its peer: %s", self.actor_id[:8], exc)
             self._direct_off = True

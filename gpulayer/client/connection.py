@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .. import shm, wire
@@ -21,10 +22,12 @@ from ..resources.model import Advert
 from ..resources.utilisation import MAX_GB, finite
 
 CONNECT_TIMEOUT = 2.0
+OUTBOX_MAX = 1 << 18  # bytes of SUBMITs that a lease keeps back for one write at most
 
 
 class DirectRefused(GPULayerError):
-    """The peer did not hand the connection to the actor's worker: its calls go through the peer."""
+    """The peer did not hand the connection to a worker (an actor's, or one to lease): what would go
+    on it goes through the peer."""
 
 
 class ConnectionTask(Protocol):
@@ -61,9 +64,19 @@ class PeerConnection:
     """One authenticated connection to a peer; safe to use from any thread."""
 
     def __init__(self, listener: ConnectionListener, addresses: list[tuple[str, int]], key: bytes, client_id: str,
-                 direct_actor: str | None = None):
+                 hand_over: wire.Message | None = None):
+        """`hand_over`, a DIRECT or a LEASE request, asks the peer to give the connection to a worker."""
         self.listener = listener
-        self.actor_id = direct_actor  # set when the connection goes to that actor's worker (ADR 0012)
+        self.actor_id: str | None = None  # set when the connection goes to that actor's worker (ADR 0012)
+        self.lease_id: str | None = None  # set when it goes to a worker lent to this submitter (ADR 0013)
+        self.lease_ended = ""  # why, once the leased worker said LEASE_END
+        self.requirements: Any = None  # a lease's: what it was asked for with (client/leases.py `_fits`)
+        self.on_cancel: Callable[[int], None] | None = None  # a lease's: also asks its peer to stop a running task
+        self._outbox: list[Any] = []  # a lease's SUBMITs kept back while its worker is busy (`_send_leased`)
+        self._outbox_tasks = 0
+        self._outbox_bytes = 0
+        self._at_worker = 0  # a lease's SUBMITs written and not answered yet
+        self._busy_since = 0.0  # a lease's: when its worker last got work while it had none
         self.addresses = addresses  # where it was opened (an actor's handle passes them on)
         self.pending: dict[int, Any] = {}
         self.closed = False
@@ -84,8 +97,8 @@ class PeerConnection:
             self._wire = wire.BlockingConnection(sock)
             hello = wire.client_handshake(self._wire, key, client_id)
             self.advert = Advert.from_txt(hello.get("advert") or {})
-            if direct_actor is not None:
-                self._ask_direct(direct_actor)
+            if hand_over is not None:
+                self._ask_hand_over(hand_over)
         except ValueError as exc:  # the peer proved the key, but its advert is malformed
             sock.close()
             raise ProtocolError(f"{self.address} sent a bad advert: {exc}") from None
@@ -97,21 +110,25 @@ class PeerConnection:
         self.name = self.advert.name
         sock.settimeout(None)
         # whether a local link was asked for (before the first big send); an actor's worker offers none
-        self._asked_local = not shm.enabled() or direct_actor is not None
+        self._asked_local = not shm.enabled() or hand_over is not None
         self._local_lock = threading.Lock()  # one asks; another sender of a big buffer waits for its answer
         threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
 
-    def _ask_direct(self, actor_id: str) -> None:
-        """Ask the peer to hand this connection to the actor's worker; DirectRefused when it does not.
+    def _ask_hand_over(self, request: wire.Message) -> None:
+        """Ask the peer to hand this connection to a worker; DirectRefused when it does not.
 
         The peer answers, then the worker continues the same channel (its keys and counters), so
         nothing is sent before the answer has come (ADR 0012)."""
-        request = wire.direct(next(self._ids), actor_id)
+        request = {**request, "id": next(self._ids)}
         self._wire.send(request)
         reply, _ = self._wire.recv(time.monotonic() + CONNECT_TIMEOUT)
-        if reply["t"] != wire.DIRECT or reply.get("id") != request["id"]:
+        if reply["t"] != request["t"] or reply.get("id") != request["id"]:
             raise DirectRefused(f"{wire.printable(reply.get('code', reply['t']), 40)}: "
                                 f"{wire.printable(reply.get('message'))}")
+        if request["t"] == wire.DIRECT:
+            self.actor_id = request["actor"]
+        else:
+            self.lease_id = wire.printable(reply.get("lease"), 64)
 
     # ---- sending ----------------------------------------------------------------------------------
 
@@ -144,7 +161,10 @@ class PeerConnection:
             return
         msg, buffers = task.message()
         try:
-            self.send(msg, buffers)
+            if self.lease_id is not None:
+                self._send_leased(wire.encode(msg, buffers))
+            else:
+                self.send(msg, buffers)
         except OSError as exc:
             # leave the closing to the reader thread: the peer may have said why (an ERROR) first
             self.send_error = f"send failed: {exc}"
@@ -152,6 +172,34 @@ class PeerConnection:
                 self._wire.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 self.fail(self.send_error)
+
+    def _send_leased(self, parts: list[Any]) -> None:
+        """Send a SUBMIT on a lease: at once when its worker has nothing to do, else in one write with the
+        others that come meanwhile, when the next answer arrives (`_read_loop`): the worker cannot start
+        them sooner, and a burst of submits costs a few writes, not one each."""
+        with self._send_lock:
+            if self._at_worker and self._outbox_bytes < OUTBOX_MAX:
+                self._outbox += parts
+                self._outbox_tasks += 1
+                self._outbox_bytes += sum(memoryview(p).nbytes for p in parts)
+                return
+            self._write_outbox(parts)
+
+    def _write_outbox(self, parts: list[Any] = ()) -> None:  # type: ignore[assignment]
+        """Write the SUBMITs kept back, and `parts` (one more) after them; with the send lock held."""
+        batch, self._outbox = [*self._outbox, *parts], []
+        if not self._at_worker:
+            self._busy_since = time.monotonic()
+        self._at_worker += self._outbox_tasks + (1 if parts else 0)
+        self._outbox_tasks = self._outbox_bytes = 0
+        self._wire.send_encoded(batch)
+
+    def _answered_on_lease(self) -> None:
+        """An outcome came from the leased worker: once no other waits to be read, what was kept back goes."""
+        with self._send_lock:
+            self._at_worker = max(0, self._at_worker - 1)
+            if self._outbox and (not self._at_worker or not self._wire.reader.messages):
+                self._write_outbox()
 
     def cancel(self, task: ConnectionTask) -> None:
         """Forget the task and ask the peer to stop it."""
@@ -162,6 +210,8 @@ class PeerConnection:
                 self.send(wire.cancel(task.task_id))
             except OSError:
                 pass
+            if self.on_cancel is not None:
+                self.on_cancel(task.task_id)
 
     def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send a STATUS or PING and wait for the reply with the same id."""
@@ -195,6 +245,10 @@ class PeerConnection:
     def last_heard(self) -> float:
         return self._wire.last_received
 
+    def silent_for(self) -> float:
+        """Seconds since the other side was last heard, or since it was last given work when idle."""
+        return time.monotonic() - max(self._wire.last_received, self._busy_since)
+
     # ---- receiving --------------------------------------------------------------------------------
 
     def _read_loop(self) -> None:
@@ -220,11 +274,17 @@ class PeerConnection:
         if kind == wire.BYE:
             self.listener.on_leaving(self)
             return
+        if kind == wire.LEASE_END and self.lease_id is not None:  # no task starts on it any more
+            self.lease_ended = wire.printable(msg.get("reason"), 500) or "?"
+            self.fail(f"the lease ended: {self.lease_ended}")
+            return
         if kind == wire.ACTOR_END:
             self.listener.on_actor_end(self, msg)
         if kind == wire.ERROR and msg.get("id") is None:  # the peer is about to close this connection
             self.refusal = f"{msg.get('code')}: {msg.get('message')}"
             return
+        if self.lease_id is not None and kind in (wire.RESULT, wire.ERROR):
+            self._answered_on_lease()
         task = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
         if task is None:
             return
@@ -234,6 +294,7 @@ class PeerConnection:
         if kind == wire.LOG:
             task.on_output(msg.get("stream"), msg.get("data") or b"")
             return
+
         with self._lock:
             if self.pending.get(msg["id"]) is not task:
                 return

@@ -34,6 +34,7 @@ from ..resources.utilisation import clean_sample
 from ..security import cluster_id, load_key
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection
+from .leases import Leases
 from .placement import Placement
 
 log = logging.getLogger("gpulayer.client")
@@ -319,7 +320,7 @@ class Client:
 
     def __init__(self, key: bytes | None = None, interfaces: list[str] | None = None, peers: str | None = None,
                  mdns: bool = True, echo_output: bool = True, discovery_timeout: float | None = None,
-                 heartbeat: float | None = None):
+                 heartbeat: float | None = None, leases: bool | None = None):
         self.key = key or load_key()
         self.cluster = cluster_id(self.key)
         self.client_id = uuid.uuid4().hex[:12]
@@ -341,6 +342,7 @@ class Client:
         self._helpers = ThreadPoolExecutor(16, thread_name_prefix="gpulayer-retry")
         self.actors: dict[str, Any] = {}  # the live actors this submitter created: id -> ActorHandle
         self.directs: dict[str, PeerConnection] = {}  # direct connections to actors' workers, by actor id (ADR 0012)
+        self.leases = Leases(self, leases)  # workers that peers lent to this submitter (ADR 0013)
         self._releases: deque[tuple[str, str]] = deque()  # (peer id, result id) of dropped held futures
         self._received_before = 0  # bytes read on connections closed since
         self._closed = threading.Event()
@@ -388,7 +390,8 @@ class Client:
         conn = self._connections.get(peer_id)
         if conn is None:
             return None
-        load = self.placement.contention.load(peer_id, len(conn.pending), conn.estimated_load,
+        leased = self.leases.in_flight(peer_id)
+        load = self.placement.contention.load(peer_id, len(conn.pending) + leased, conn.estimated_load + leased,
                                               time.monotonic() - conn.last_heard)
         return load, conn.latency, conn.free
 
@@ -458,7 +461,7 @@ class Client:
     def received_bytes(self) -> int:
         """Bytes this submitter has read from its peer connections so far (on the socket: records and all)."""
         return self._received_before + sum(conn._wire.received for conn in
-                                           [*self._connections.values(), *self.directs.values()])
+                                           [*self._connections.values(), *self.directs.values(), *self.leases.all()])
 
     def map(self, fn: Callable[[Any], Any], items: list[Any], *, req: Requirements, timeout: float | None = None,
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
@@ -511,6 +514,7 @@ class Client:
             for record in ranked:
                 conn = self._usable_connection(task.req, record, failures)
                 if conn is not None:
+                    conn = self.leases.connection_for(task, conn) or conn
                     task.conn = conn
                     conn.submit(task)
                     return
@@ -545,6 +549,14 @@ class Client:
             self._place(task)
         except NoMatchingPeer as exc:
             task.complete(exc=cause if isinstance(cause, PeerLost | WorkerDied) else exc)
+
+    def run_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on a helper thread."""
+        self._helpers.submit(fn, *args)
+
+    def place_again_soon(self, task: SubmittedTask, cause: GPULayerError) -> None:
+        """Place the task again from a helper thread (its last connection ended before it started)."""
+        self._helpers.submit(self._place_again, task, cause)
 
     def _connection(self, record: discovery.PeerRecord) -> PeerConnection:
         peer_id = record.advert.peer_id
@@ -704,13 +716,13 @@ class Client:
             # cut off or frozen: skip it for a while. A reset or a close means its host answered;
             # if the peer is dead, the next connect is refused at once.
             self.mark_down(conn.peer_id, reason)
-            for direct in [d for d in list(self.directs.values()) if d.peer_id == conn.peer_id]:
+            for direct in [d for d in [*self.directs.values(), *self.leases.all()] if d.peer_id == conn.peer_id]:
                 direct.fail(f"its peer {conn.name} went silent: {reason}", silent=True)  # its host, most likely
         for task in tasks:
             if conn.refusal:  # the peer refused what we sent: retrying elsewhere would fail the same way
                 task.complete(exc=ProtocolError(f"peer {conn.name} closed the connection: {conn.refusal}"))
             else:
-                self._retry_or_fail(task, PeerLost(f"lost peer {conn.name} ({conn.address}): {reason}"))
+                self.retry_or_fail(task, PeerLost(f"lost peer {conn.name} ({conn.address}): {reason}"))
 
     def _on_reject(self, task: SubmittedTask, conn: PeerConnection, code: str, message: str) -> None:
         cause = TaskRejected(code, f"{conn.name}: {message}")
@@ -735,7 +747,7 @@ class Client:
     def _on_error(self, task: SubmittedTask, msg: dict[str, Any]) -> None:
         code, message = msg.get("code", "?"), msg.get("message", "")
         if code in RETRYABLE:
-            self._retry_or_fail(task, (WorkerDied if code == "worker-died" else PeerLost)(message))
+            self.retry_or_fail(task, (WorkerDied if code == "worker-died" else PeerLost)(message))
         elif code == "timeout":
             task.complete(exc=TaskTimeout(message))
         elif code == "cancelled":
@@ -749,7 +761,7 @@ class Client:
         else:
             task.complete(exc=TaskRejected(code, message))
 
-    def _retry_or_fail(self, task: SubmittedTask, exc: GPULayerError) -> None:
+    def retry_or_fail(self, task: SubmittedTask, exc: GPULayerError) -> None:
         if task.done or self._closed.is_set() or task.retries <= 0 or task.conn is None:
             task.complete(exc=exc)
             return
@@ -762,7 +774,8 @@ class Client:
         while not self._closed.wait(self.heartbeat):
             self._send_releases()
             now = time.monotonic()
-            calling = {direct.peer_id for direct in list(self.directs.values()) if direct.pending}
+            calling = {direct.peer_id for direct in [*self.directs.values(), *self.leases.all()] if direct.pending}
+            self.leases.check_alive(3 * self.heartbeat)
             for conn in list(self._connections.values()):
                 # a peer whose actors' workers have our calls counts as busy: its silence ends them too
                 if (conn.pending or conn.peer_id in calling) and now - conn.last_heard > 3 * self.heartbeat:
@@ -831,7 +844,7 @@ class Client:
             handle.close_soon()  # the peers free their slots now, not after the grace time
         if self._started:
             self.directory.save_cache()
-        for conn in [*self._connections.values(), *self.directs.values()]:
+        for conn in [*self._connections.values(), *self.directs.values(), *self.leases.all()]:
             conn.fail("the client closed")
         if self._browser is not None:
             self._browser.close()

@@ -77,6 +77,27 @@ class RoutedOutput:
         return getattr(self._original, name)
 
 
+def take_connection(link: wire.BlockingConnection, msg: dict) -> wire.BlockingConnection | None:
+    """The submitter's connection that the peer handed over (the socket came first on the local link),
+    continuing its channel with the keys and counters of `msg` (a DIRECT or a LEASE); None if it did not come."""
+    try:
+        sock = shm.receive_socket(link.link)  # type: ignore[arg-type]
+    except (shm.ShmError, OSError) as exc:
+        print(f"gpulayer worker: a handed-over connection did not arrive: {exc}", file=sys.__stderr__)
+        return None
+    sock.setblocking(True)  # the peer's event loop had it non-blocking (a flag of the socket, not of a descriptor)
+    conn = wire.BlockingConnection(sock, wire.max_message_bytes())
+    send_key, recv_key = msg["keys"]
+    conn.secure(send_key, recv_key, tuple(msg["counters"]))
+    return conn
+
+
+def route_output() -> None:
+    """Make sys.stdout and sys.stderr RoutedOutput (once), so that `output_to` can take a thread's output."""
+    if not isinstance(sys.stdout, RoutedOutput):
+        sys.stdout, sys.stderr = RoutedOutput(sys.stdout, "out"), RoutedOutput(sys.stderr, "err")
+
+
 class Actor:
     """The actor's instance and the connections its calls come on."""
 
@@ -104,7 +125,7 @@ class Actor:
                         self._report()
                     if not self._take(stream, backlog, *stream.conn.recv()):
                         return
-                while _arrived(stream.conn):
+                while arrived(stream.conn):
                     if not self._take(stream, backlog, *stream.conn.recv()):
                         return
                 if not backlog:
@@ -143,19 +164,12 @@ class Actor:
 
     def _open_direct(self, msg: dict) -> None:
         """Take over a submitter's connection from the peer (the socket came first on the link)."""
-        try:
-            sock = shm.receive_socket(self.peer.conn.link)  # type: ignore[arg-type]
-        except (shm.ShmError, OSError) as exc:
-            print(f"gpulayer actor: a direct connection did not arrive: {exc}", file=sys.__stderr__)
+        conn = take_connection(self.peer.conn, msg)
+        if conn is None:
             return
-        sock.setblocking(True)  # the peer's event loop had it non-blocking (a flag of the socket, not of a descriptor)
-        conn = wire.BlockingConnection(sock, wire.max_message_bytes())
-        send_key, recv_key = msg["keys"]
-        conn.secure(send_key, recv_key, tuple(msg["counters"]))
         stream = Stream(conn, direct=True)
         with self._lock:
-            if not self._direct:  # the first: from now on a direct call's output goes to its submitter
-                sys.stdout, sys.stderr = RoutedOutput(sys.stdout, "out"), RoutedOutput(sys.stderr, "err")
+            route_output()  # from now on a direct call's output goes to its submitter
             self._direct.append(stream)
         threading.Thread(target=self._serve_direct, args=(stream,), name="gpulayer-direct", daemon=True).start()
 
@@ -173,10 +187,10 @@ class Actor:
             stream.cancelled.discard(call_id)
             return
         name, args = msg.get("method"), msg.get("args")
-        with self._turn, self._watched(stream, msg), _output_to(stream, call_id):
+        with self._turn, self._watched(stream, msg), output_to(stream, call_id):
             reply, out = _run(call_id, lambda: self._method(name), args, buffers)
         del msg, args, buffers
-        more = stream.direct and self._pool is None and _arrived(stream.conn)  # calls that came with it wait
+        more = stream.direct and self._pool is None and arrived(stream.conn)  # calls that came with it wait
         stream.send(reply, out, hold=more)
         if stream.direct:
             with self._lock:
@@ -231,8 +245,9 @@ class Actor:
 
 
 @contextlib.contextmanager
-def _output_to(stream: Stream, call_id) -> Iterator[None]:
-    """While a direct call runs, what its thread prints goes to its submitter (LOG, before the result)."""
+def output_to(stream: Stream, call_id) -> Iterator[None]:
+    """While a direct call (or a leased task) runs, what its thread prints goes to its submitter (LOG,
+    before the result)."""
     if not stream.direct:
         yield
         return
@@ -246,7 +261,7 @@ def _output_to(stream: Stream, call_id) -> Iterator[None]:
         _output.sink = None
 
 
-def _arrived(conn: wire.BlockingConnection) -> bool:
+def arrived(conn: wire.BlockingConnection) -> bool:
     """Whether another message is here already (parsed, or bytes waiting on the socket, or its end)."""
     if conn.reader.messages:
         return True

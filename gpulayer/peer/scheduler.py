@@ -37,6 +37,7 @@ LOOKAHEAD = 256  # how deep the queue is searched for a task that fits the free 
 CONTENDING_S = 2.0  # a submitter that queued a task this recently contends for the slots (ADR 0011)
 IDLE_NOTICE_GAP_S = 0.02  # the least time between two rounds of telling contenders that a slot is free
 MEASURE_MAX_AGE_S = 5.0  # an older measurement of free memory is not used (the sampler runs at 1 Hz)
+LEASE_IDLE_S = 0.5  # a lease ends when no task came on it for this long (ADR 0013)
 
 
 class TaskOwner(Protocol):
@@ -75,6 +76,27 @@ class ScheduledTask:
     keep: str | None = None  # hold its result under this id (the SUBMIT's "keep"; peer/held.py)
     refs: list[tuple[str, bytes, list[Any]]] = field(default_factory=list)  # held results among its arguments
     started: float = 0.0  # time.monotonic() when it started: its outcome says how long it ran ("ran")
+    lease: str | None = None  # not a task but a lease (ADR 0013): its worker runs a submitter's tasks itself
+    yielding: bool = False  # the lease's worker was asked to end it
+
+
+class LeaseOwner:
+    """The submitter of a lease, as a TaskOwner: its connection is its worker's now, so nothing is sent
+    to it from here; output that the worker writes to its file descriptors goes to the peer's log."""
+
+    def __init__(self, address: str, client: str):
+        self.address = address
+        self.client = client
+
+    def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
+        pass
+
+    def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
+        log.info("leased worker of %s, %s: %s", self.address, msg["stream"],
+                 msg["data"].decode("utf-8", "replace").rstrip())
+
+    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+        pass
 
 
 def plan_slots(res: Resources, concurrency: int | None) -> list[Slot]:
@@ -132,6 +154,7 @@ class Scheduler:
         self._contending: dict[TaskOwner, float] = {}  # submitter -> when it last queued a task
         self.measured: Sample | None = None  # the last measured utilisation (`measure`)
         self.actors = Actors(self._free_actor_slot, grace_from_env())
+        self.leases: dict[str, ScheduledTask] = {}  # by lease id
         self._background: set[asyncio.Task[Any]] = set()
         self._pythonpath = job_pythonpath(python)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -264,6 +287,81 @@ class Scheduler:
         self.withdrawn += 1
         return True
 
+    def lease(self, owner: LeaseOwner, req: Requirements) -> ScheduledTask | str:
+        """Lend a ready warm worker of a slot that fits `req` to a submitter's connection (ADR 0013): the
+        slot counts as busy until the lease ends. Returns the lease, or why there is none: only a slot
+        that nothing waits for is lent."""
+        if self._queue:
+            return "tasks wait in the queue"
+        ready = [s for s in self.slots if s.ready and self._worker(s).direct]
+        group = _group(req, ready, self.available_memory()) if req.devices == 1 else None
+        if not group:
+            return "no free slot that fits takes a lease"
+        task = ScheduledTask(owner, 0, None, None, req, None, lease=os.urandom(8).hex())
+        slot = task.slot = group[0]
+        slot.task, task.group, task.started = task, [slot], time.monotonic()
+        self.leases[task.lease] = task  # type: ignore[index]
+        self.activity.started(task, "(lease)", owner.address, slot.device)
+        return task
+
+    def lease_message(self, task: ScheduledTask) -> wire.Message:
+        """What the leased worker is told with the connection: its device variables and idle limit."""
+        assert task.slot is not None
+        return {"t": wire.LEASE, "env": _device_env(task.req, task.slot), "idle": LEASE_IDLE_S}
+
+    def lease_failed(self, task: ScheduledTask) -> None:
+        """The connection did not reach the leased worker: the slot is free again."""
+        self._release(task)
+        task.answered = True
+        self.activity.ended(task, {"t": wire.ERROR, "code": "no-lease"})
+        self._start_queued()
+
+    def cancel_leased(self, lease_id: Any, client: str, task_id: int) -> None:
+        """Stop a task on a lease of `client` if it runs now (its worker is then killed and replaced), or
+        keep it from starting: the leased worker decides, since only it knows which task runs."""
+        task = self.leases.get(lease_id) if isinstance(lease_id, str) else None
+        if task is not None and task.slot is not None and getattr(task.owner, "client", None) == client \
+                and task_id > 0:
+            self._worker(task.slot).send(wire.cancel(task_id))
+
+    def end_leases(self) -> None:
+        """Ask every leased worker to end its lease after the task it runs (the peer stops)."""
+        for task in list(self.leases.values()):
+            self._yield(task)
+
+    def _yield(self, task: ScheduledTask) -> None:
+        if not task.yielding and task.slot is not None:
+            task.yielding = True
+            self._worker(task.slot).send({"t": wire.LEASE_END})
+
+    def _yield_for_queue(self, ready: list[Slot], free: dict[str, float]) -> None:
+        """Queued tasks cannot start: a lease whose slot would let one start ends after the task it runs.
+        A queued task, of any submitter, goes before a lease (its own submitter's are its to pace)."""
+        for task in list(self.leases.values()):
+            if task.yielding or task.slot is None:
+                continue
+            with_slot = [*ready, task.slot]
+            if any(_group(t.req, with_slot, free) for t in islice(self._queue, LOOKAHEAD)):
+                self._yield(task)
+
+    def _on_lease_message(self, task: ScheduledTask, worker: Worker, msg: wire.Message) -> None:
+        """The leased worker ended the lease (a STATUS with "lease_end"), or asks to be killed (a BYE
+        with "kill", after a timeout or a cancel of the task it ran)."""
+        served = msg.get("served")
+        if type(served) is int and served > 0:
+            self.tasks_done += served
+        if msg["t"] == wire.BYE:
+            self._replace_worker(worker.slot)
+        elif msg["t"] == wire.STATUS and "lease_end" in msg:
+            worker.send({"t": wire.LEASE_END})  # the acknowledgement: it serves this peer again
+            self._release(task)
+        else:
+            return
+        task.answered = True
+        self.activity.ended(task, {"t": wire.RESULT})
+        self._start_queued()
+        self._tell_idle(task.owner)
+
     def free_memory(self) -> dict[str, float]:
         """GB of each GPU device not reserved: its memory less the `gpu_memory_gb` that the tasks and actors
         holding its slots declared (per device: a devices=N task reserves it on each of its N devices)."""
@@ -299,11 +397,12 @@ class Scheduler:
         """
         while self._queue:
             ready = [s for s in self.slots if s.ready]
-            if not ready:
-                return
             free = self.available_memory()
-            found = next(((t, g) for t in islice(self._queue, LOOKAHEAD) if (g := _group(t.req, ready, free))), None)
+            found = next(((t, g) for t in islice(self._queue, LOOKAHEAD) if (g := _group(t.req, ready, free))), None) \
+                if ready else None
             if found is None:
+                if self.leases:
+                    self._yield_for_queue(ready, free)
                 return
             task, group = found
             self._queue.remove(task)
@@ -380,6 +479,8 @@ class Scheduler:
         for slot in task.group:
             if slot.task is task:
                 slot.task = None
+        if task.lease is not None:
+            self.leases.pop(task.lease, None)
         if task.timer is not None:
             task.timer.cancel()
             task.timer = None
@@ -412,6 +513,9 @@ class Scheduler:
         slot = worker.slot
         task = slot.task
         if not isinstance(task, ScheduledTask) or slot.worker is not worker:
+            return
+        if task.lease is not None:
+            self._on_lease_message(task, worker, reply)
             return
         if task.actor is not None:
             self.actors.reply(task.actor, reply, buffers)

@@ -31,8 +31,9 @@ from ..resources.utilisation import Sample, Sampler
 from .actors import Actor, grace_from_env
 from .channel import AsyncChannel
 from .local import LocalLinks
+from .workers import Worker
 from . import held
-from .scheduler import ScheduledTask, Scheduler, default_preload, plan_slots
+from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, plan_slots
 
 log = logging.getLogger("gpulayer.peer")
 
@@ -206,6 +207,7 @@ class Peer:
             return
         assert self._loop is not None and self._server is not None and self._stopped is not None
         self._draining = self.scheduler.stopping = True
+        self.scheduler.end_leases()
         log.info("peer %s stopping: withdrawing its mDNS record", self.name)
         if self._advertiser is not None:
             await self._loop.run_in_executor(None, self._advertiser.close)
@@ -395,6 +397,8 @@ class Peer:
             self.held.release(msg.get("ref"), conn.client)
         elif kind == wire.DIRECT:
             self._direct(conn, msg)
+        elif kind == wire.LEASE:
+            self._lease(conn, msg)
         elif kind == wire.LOCAL:  # the submitter asks for a local link: the answer has none when there is none
             offer = self._local.offer(conn) if self._local is not None and conn.link is None else {"t": wire.LOCAL}
             conn.channel.write({**offer, "id": msg.get("id")})
@@ -408,7 +412,9 @@ class Peer:
                     wire.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
         elif kind == wire.CANCEL:
             task = conn.tasks.get(request_id(msg))
-            if task is not None:
+            if msg.get("lease") is not None:  # a task that runs on a lease of this submitter (ADR 0013)
+                self.scheduler.cancel_leased(msg["lease"], conn.client, request_id(msg))
+            elif task is not None:
                 self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
             elif request_id(msg) in conn.calls:
                 self.scheduler.actors.cancel(conn, msg["id"])
@@ -471,15 +477,21 @@ class Peer:
             task.refs = resolved
             self.scheduler.enqueue(task)
 
+    @staticmethod
+    def _hand_over_problem(conn: Connection, msg: wire.Message) -> str | None:
+        """Why a DIRECT or LEASE may not have this connection: it needs an integer id, and nothing in flight."""
+        request_id = msg.get("id")
+        if not isinstance(request_id, int) or isinstance(request_id, bool):
+            return f"a {wire.printable(msg['t'], 20).upper()} needs an integer 'id'"
+        if conn.tasks or conn.calls or conn.link is not None:
+            return f"a {wire.printable(msg['t'], 20).upper()} needs a connection with nothing in flight on it"
+        return None
+
     def _direct(self, conn: Connection, msg: wire.Message) -> None:
         """Hand the connection to the worker of the actor it names, which answers its calls from then
         on without this peer in the way (ADR 0012); or answer why not (the connection stays ours)."""
         request_id = msg.get("id")
-        problem = None if isinstance(request_id, int) and not isinstance(request_id, bool) else \
-            "a DIRECT needs an integer 'id'"
-        problem = problem or wire.check_actor_id(msg.get("actor"))
-        if problem is None and (conn.tasks or conn.calls or conn.link is not None):
-            problem = "a DIRECT needs a connection with nothing in flight on it"
+        problem = self._hand_over_problem(conn, msg) or wire.check_actor_id(msg.get("actor"))
         if problem is not None:
             return conn.channel.write(wire.error("bad-request", problem, request_id))
         assert isinstance(request_id, int)
@@ -492,21 +504,56 @@ class Peer:
                              "in its interpreter): call through the peer", request_id))
         conn.channel.pause_reading()
         conn.channel.write({"t": wire.DIRECT, "id": request_id})
-        self.scheduler.spawn(self._hand_over(conn, actor))
+        self.scheduler.spawn(self._hand_over(conn, actor.worker, {"t": wire.DIRECT},
+                                             lambda: actor.actor_id in self.scheduler.actors.live))
 
-    async def _hand_over(self, conn: Connection, actor: Actor) -> None:
-        """Once the DIRECT answer is sent, give the socket and its channel to the actor's worker."""
+    def _lease(self, conn: Connection, msg: wire.Message) -> None:
+        """Lend a warm worker to this connection: the worker runs the tasks sent on it and answers them
+        there, until the lease ends (ADR 0013); or answer why not (the connection stays ours)."""
+        request_id = msg.get("id")
+        problem = self._hand_over_problem(conn, msg)
+        if problem is None:
+            try:
+                req = Requirements.from_wire(msg.get("req") or {})
+            except ValueError as exc:
+                problem = str(exc)
+        if problem is not None:
+            return conn.channel.write(wire.error("bad-request", problem, request_id))
+        beat = msg.get("beat")
+        if problem is None and (isinstance(beat, bool) or not isinstance(beat, (int, float))
+                                or not wire.BEAT_MIN <= beat <= wire.BEAT_MAX):
+            problem = f"a LEASE needs 'beat', seconds from {wire.BEAT_MIN} to {wire.BEAT_MAX}"
+        if problem is not None:
+            return conn.channel.write(wire.error("bad-request", problem, request_id))
+        refusal = "the peer is shutting down" if self._draining else "; ".join(match(req, self.advert))
+        lease = refusal or self.scheduler.lease(LeaseOwner(conn.address, conn.client), req)
+        if isinstance(lease, str):
+            return conn.channel.write(wire.error("no-lease", lease, request_id))
+        assert lease.slot is not None
+        worker = lease.slot.worker
+        assert worker is not None
+        conn.channel.pause_reading()
+        conn.channel.write({"t": wire.LEASE, "id": request_id, "lease": lease.lease})
+        self.scheduler.spawn(self._hand_over(conn, worker, {**self.scheduler.lease_message(lease), "beat": beat},
+                                             lambda: lease.slot is not None and lease.slot.task is lease,
+                                             lambda: self.scheduler.lease_failed(lease)))
+
+    async def _hand_over(self, conn: Connection, worker: Worker, msg: wire.Message, still: Callable[[], bool],
+                         failed: Callable[[], None] = lambda: None) -> None:
+        """Once the answer is sent, give the socket and its channel to `worker` with `msg`, if `still()`
+        holds; `failed()` when it was not given."""
         await conn.channel.drain()
         self.drop(conn)
         try:
             sock, keys, counters = conn.channel.hand_over()
         except ProtocolError as exc:
-            log.warning("not handing the connection from %s to actor %s: %s", conn.address, actor.short_id, exc)
+            log.warning("not handing the connection from %s to worker %s: %s", conn.address, worker.pid, exc)
             conn.channel.close()
+            failed()
             return
         with sock:  # the worker has its own copy once it is sent
-            if actor.actor_id in self.scheduler.actors.live:
-                actor.worker.hand_over(sock, keys, counters)
+            if not (still() and worker.hand_over(sock, keys, counters, msg)):
+                failed()
 
     def _reject(self, conn: Connection, task_id: Any, code: str, message: str) -> None:
         self.scheduler.activity.refused(conn.address, code, message)

@@ -214,6 +214,14 @@ def main(argv=None) -> None:
             from .actor_worker import become_actor
 
             become_actor(conn, msg, buffers)
+        if msg["t"] == wire.LEASE:  # the peer lent this worker to a submitter's connection
+            from .lease_worker import serve_lease
+
+            if not serve_lease(conn, msg, functions):
+                return
+            continue
+        if msg["t"] != wire.SUBMIT:  # the peer's acknowledgement of a lease's end, or a cancel that came late
+            continue
         with task_environment(msg.get("env")):
             reply, out = run_task(msg, buffers, functions)
         del msg, buffers

@@ -174,16 +174,18 @@ class Worker:
         assert self._channel is not None, "the worker has not started"
         self._channel.write(msg, shm.send_over(self._link if self._fds else None, msg, buffers, copy=False))
 
-    def hand_over(self, sock: socket.socket, keys: tuple[bytes, bytes], counters: tuple[int, int]) -> None:
-        """Give the worker a submitter's connection with its channel's state (ADR 0012); it sends the
-        descriptor on the local link, then the message that names it."""
+    def hand_over(self, sock: socket.socket, keys: tuple[bytes, bytes], counters: tuple[int, int],
+                  msg: wire.Message) -> bool:
+        """Give the worker a submitter's connection with its channel's state (ADR 0012, 0013): the
+        descriptor on the local link, then `msg` (a DIRECT or a LEASE) with the keys and counters."""
         assert self._channel is not None and self._link is not None
         try:
             shm.send_socket(self._link, sock)
-        except OSError as exc:  # the connection closes with our copy: its submitter calls through the peer
+        except OSError as exc:  # the connection closes with our copy: its submitter goes through the peer
             log.warning("could not hand a connection to worker %s: %s", self.pid, exc)
-            return
-        self._channel.write({"t": wire.DIRECT, "keys": list(keys), "counters": list(counters)})
+            return False
+        self._channel.write({**msg, "keys": list(keys), "counters": list(counters)})
+        return True
 
     def _on_message(self, msg: wire.Message, buffers: list[Any]) -> None:
         if not self._started.done():
@@ -192,7 +194,9 @@ class Worker:
             self._started.set_result(msg)
         elif msg["t"] == wire.BYE:
             self.last_words = wire.printable(msg.get("reason"), 500)
-        elif msg["t"] == wire.STATUS:  # an actor's count of the calls it answered on its direct connections
+            if msg.get("kill") is True:  # a leased worker ended its task (timeout, cancel): kill its tree
+                self.on_reply(self, msg, buffers)
+        elif msg["t"] == wire.STATUS:  # an actor's count of its direct calls, or a lease's end
             self.on_reply(self, msg, buffers)
         elif msg["t"] in (wire.RESULT, wire.ERROR):
             self.drain_output()

@@ -378,8 +378,10 @@ def test_tampered_records_close_the_connection_and_the_task_runs_at_most_once(gu
     marker = tmp_path / "runs"
     offset = len(peer.log())
     proxy = Proxy(("127.0.0.1", peer.port), tamper(mode, marker))
-    # no PINGs: the records the proxy sees are the SUBMITs alone, so each mode acts where it means to
-    client = Client(key=peer.key.encode(), peers=proxy.address, mdns=False, echo_output=False, heartbeat=60)
+    # no PINGs: the records the proxy sees are the SUBMITs alone, so each mode acts where it means to;
+    # no lease (a second connection, ADR 0013): the tasks go through the peer's, which the proxy tampers with
+    client = Client(key=peer.key.encode(), peers=proxy.address, mdns=False, echo_output=False, heartbeat=60,
+                    leases=False)
     try:
         # a task the tampering comes after sleeps, so that the connection fails before its RESULT
         seconds, size = (3.0, 1) if expected_runs and mode != "flip-result" else (0.0, RESULT_SIZE + 100)
@@ -405,6 +407,64 @@ def test_tampered_records_close_the_connection_and_the_task_runs_at_most_once(gu
     assert peer.alive() and honest_call_works(direct)
 
 
+def test_a_tampered_record_on_a_lease_ends_the_lease_and_the_task_runs_once(guarded, tmp_path):
+    """A flipped bit in a SUBMIT sent to a leased worker (ADR 0013): the worker opens nothing of it,
+    ends the lease, and the submitter places the task again through the peer: it runs once."""
+    peer, _ = guarded
+    marker = tmp_path / "runs"
+    armed = threading.Event()
+
+    def flip_first_submit_on_the_lease(pipe: Pipe, direction: str, unit: bytes) -> None:
+        if direction == "c2p" and pipe is not proxy.pipes[0] and len(unit) > SUBMIT_MIN and armed.is_set() \
+                and not pipe.state.get("flipped"):
+            pipe.state["flipped"] = True
+            unit = unit[:-1] + bytes([unit[-1] ^ 1])  # the tag's last byte
+        pipe.send(direction, unit)
+
+    proxy = Proxy(("127.0.0.1", peer.port), flip_first_submit_on_the_lease)
+    client = Client(key=peer.key.encode(), peers=proxy.address, mdns=False, echo_output=False)
+    try:
+        wait_until(lambda: client.submit(abs, (-1,), req=ANY).result(30) and client.leases.by_peer, 20)
+        armed.set()
+        assert client.submit(mark_then, (str(marker), "once", 0.0, 3), req=ANY).result(30) == "xxx"
+        assert proxy.pipes[1].state.get("flipped")
+        time.sleep(SETTLE)
+        assert runs(marker) == ["once"]
+    finally:
+        client.close()
+        proxy.close()
+
+
+def test_a_lease_whose_path_stalls_ends_within_three_heartbeats(guarded, tmp_path):
+    """Nothing more gets through on a lease's connection (a stalled path): the submitter hears no sign of
+    life from the worker while its task runs, ends the lease after three heartbeats, fails the task that
+    may have started (PeerLost, as for a peer cut off), and places the others again."""
+    peer, _ = guarded
+    stalled = threading.Event()
+
+    def stall_the_lease(pipe: Pipe, direction: str, unit: bytes) -> None:
+        if not (stalled.is_set() and pipe is not proxy.pipes[0]):
+            pipe.send(direction, unit)
+
+    proxy = Proxy(("127.0.0.1", peer.port), stall_the_lease)
+    client = Client(key=peer.key.encode(), peers=proxy.address, mdns=False, echo_output=False, heartbeat=0.2)
+    try:
+        wait_until(lambda: client.submit(abs, (-1,), req=ANY).result(30) and client.leases.by_peer, 20)
+        marker = tmp_path / "runs"
+        first = client.submit(mark_then, (str(marker), "first", 3.0, 1), req=ANY)  # it runs on meanwhile
+        wait_until(lambda: runs(marker), 10)
+        stalled.set()
+        later = client.submit(abs, (-2,), req=ANY)
+        started = time.monotonic()
+        with pytest.raises(PeerLost, match="no word from the leased worker"):
+            first.result(30)
+        assert time.monotonic() - started < 2.5  # before the task could have ended
+        assert later.result(30) == 2
+    finally:
+        client.close()
+        proxy.close()
+
+
 def test_an_untouched_proxy_carries_the_channel(guarded, tmp_path):
     """The control: the same proxy, forwarding every record as it came, changes nothing."""
     peer, _ = guarded
@@ -414,7 +474,9 @@ def test_an_untouched_proxy_carries_the_channel(guarded, tmp_path):
     try:
         assert client.submit(mark_then, (str(marker), secret, 0.0, 3), req=ANY).result(30) == "xxx"
         assert runs(marker) == [secret]
-        assert secret.encode() not in b"".join(proxy.only_pipe().units["c2p"])  # arguments travel sealed
+        wait_until(lambda: proxy.pipes, 10)
+        for pipe in proxy.pipes:  # the peer's connection, and the lease's if one came meanwhile
+            assert secret.encode() not in b"".join(pipe.units["c2p"])  # arguments travel sealed
     finally:
         client.close()
         proxy.close()

@@ -49,7 +49,8 @@ class Agent:
 
     # ---- set-up and discovery ----------------------------------------------------------------------
 
-    def op_configure(self, key=None, mdns=True, peers=None, heartbeat=None, discovery_timeout=None, start=True):
+    def op_configure(self, key=None, mdns=True, peers=None, heartbeat=None, discovery_timeout=None, start=True,
+                     leases=None):
         """gl.configure(): with no arguments, everything comes from the environment (the key only)."""
         options = {"echo_output": False}
         if key is not None:
@@ -62,6 +63,8 @@ class Agent:
             options["heartbeat"] = heartbeat
         if discovery_timeout is not None:
             options["discovery_timeout"] = discovery_timeout
+        if leases is not None:
+            options["leases"] = leases
         self.client = gl.configure(**options)
         self.goodbyes = []
         check = self.client._on_goodbye  # mDNS goodbyes that the directory passed on to be checked

@@ -1,0 +1,262 @@
+"""A warm worker lent to one submitter: it runs the tasks that come on that submitter's own connection.
+
+The peer hands the connection over with its channel's keys and counters, as for an actor's direct
+calls (ADR 0012), and the worker runs the tasks sent on it one at a time, in order, answering each
+there: one hop each way instead of two (ADR 0013). The lease ends when no task came for `idle`
+seconds, when the peer wants the slot back (another submitter's task waits, or it stops), or when the
+submitter closes the connection. The worker then says LEASE_END to the submitter (a task it sent and
+got no answer for did not start: it places it again), tells its peer, and serves its peer again.
+
+A task's timeout, and a cancel of the task that runs, end this worker: it answers the submitter and
+asks its peer to kill its process tree and start a fresh worker, as the peer does for its own tasks.
+Messages on the local link come to a thread of their own meanwhile (a cancel, the peer's wish to end
+the lease), since the main thread runs the tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+from .. import wire
+from ..errors import ProtocolError
+from .actor_worker import Stream, arrived, output_to, route_output, take_connection
+from .worker import FunctionCache, _flush, run_task, task_environment
+from .workers import read_at_load
+
+POLL_S = 0.05  # while idle, how often the lease looks whether the peer wants the slot back
+DRAIN_S = 2.0  # after LEASE_END, how long the submitter is given to close its side
+KILL_WAIT_S = 10.0  # how long a worker that asked to be killed waits for it before it exits itself
+
+
+class Lease:
+    """One lease: the submitter's connection, and what the peer said with it."""
+
+    def __init__(self, link: wire.BlockingConnection, conn: wire.BlockingConnection, msg: dict):
+        self.link = link
+        self.stream = Stream(conn, direct=True)
+        self.env = dict(msg.get("env") or {})  # the slot's device variables, under each task's own
+        self.idle = float(msg.get("idle") or 1.0)
+        self.beat = float(msg.get("beat") or 1.0)  # seconds between signs of life while a task runs
+        self._done = threading.Event()
+        self.served = 0
+        self.ending = ""  # why the lease ends, once the peer said so
+        self.bye = False  # the peer said BYE (it stops): the worker exits after the lease
+        self._lock = threading.Lock()  # guards _running, _started and _cancelled
+        self._link_lock = threading.Lock()
+        self._running = None  # the id of the task that runs now
+        self._started = 0  # the highest task id started (ids rise on a connection)
+        self._cancelled: set[int] = set()  # ids cancelled before they started
+        self._finished = False  # the peer was told that the lease ended
+
+    def serve(self, functions: FunctionCache) -> None:
+        watcher = threading.Thread(target=self._watch_link, name="gpulayer-lease-link", daemon=True)
+        watcher.start()
+        threading.Thread(target=self._keep_alive, name="gpulayer-lease-beat", daemon=True).start()
+        reason = self._run_tasks(functions)
+        self._done.set()
+        self._end(reason)
+        watcher.join()
+
+    # ---- the submitter's connection (main thread) ----------------------------------------------------
+
+    def _run_tasks(self, functions: FunctionCache) -> str:
+        """Run the tasks that come, until the lease ends; returns why it ends."""
+        conn = self.stream.conn
+        last = time.monotonic()
+        more = False  # the last task's reply was kept back: another message is on its way
+        try:
+            while True:
+                if not more and not conn.reader.messages:
+                    self.stream.flush()  # the replies kept back go before waiting
+                    if self.ending:
+                        return self.ending
+                    if not select.select([conn.sock], [], [], POLL_S)[0]:
+                        if time.monotonic() - last >= self.idle:
+                            return f"no task came for {self.idle:g} s"
+                        continue
+                msg, buffers = conn.recv()
+                last = time.monotonic()
+                kind = msg["t"]
+                more = False
+                if kind == wire.SUBMIT:
+                    more = self._run(msg, buffers, functions)
+                elif kind == wire.CANCEL:
+                    self._cancel(msg.get("id"))
+                elif kind == wire.PING:
+                    self.stream.send({"t": wire.PONG, "id": msg.get("id")})
+                elif kind == wire.BYE:
+                    return "the submitter said bye"
+                else:
+                    self.stream.send(wire.error("protocol", f"unexpected message type {wire.printable(repr(kind), 40)} "
+                                                            "on a leased connection"))
+                    return "the submitter sent an unexpected message"
+                del msg, buffers
+        except (ConnectionError, OSError, ProtocolError) as exc:
+            return f"the connection ended: {exc}"
+
+    def _run(self, msg: dict, buffers: list, functions: FunctionCache) -> bool:
+        """Run one SUBMIT and answer it; True when its reply was kept back, since more came meanwhile."""
+        task_id = msg.get("id")
+        problem = check_leased_submit(msg)
+        if problem is not None:
+            self.stream.send(wire.error("bad-request", problem, task_id if isinstance(task_id, int) else None))
+            return False
+        with self._lock:
+            skip = task_id in self._cancelled
+            reused = task_id <= self._started
+            if not skip and not reused:
+                self._cancelled = {i for i in self._cancelled if i > task_id}
+                self._running = self._started = task_id
+        if skip or reused:  # every SUBMIT gets one answer: the submitter counts them (client/connection.py)
+            self.stream.send(wire.error("cancelled", "cancelled by the submitter before it started", task_id)
+                             if skip else wire.error("bad-request", f"task id {task_id} is not above the last one",
+                                                     task_id))
+            return False
+        started = time.monotonic()
+        with task_environment({**self.env, **(msg.get("env") or {})}), self._watched(msg), \
+                output_to(self.stream, task_id):
+            reply, out = run_task(msg, buffers, functions)
+        with self._lock:
+            self._running = None
+        del msg, buffers
+        reply["ran"] = round(time.monotonic() - started, 6)
+        self.served += 1
+        more = arrived(self.stream.conn)
+        self.stream.send(reply, out, hold=more)  # with the replies to the tasks that came with it: one write
+        return more
+
+    def _keep_alive(self) -> None:
+        """While a task runs, say every `beat` seconds that this worker is alive (a PONG without id): the
+        submitter ends a lease whose tasks wait in silence (its path or its host is down)."""
+        while not self._done.wait(self.beat):
+            if self._running is not None:
+                try:
+                    self.stream.send({"t": wire.PONG, "id": None})
+                except OSError:
+                    return
+
+    def _cancel(self, task_id) -> None:
+        """A task cancelled before it started does not run (a running one is the peer's to stop)."""
+        if isinstance(task_id, int) and not isinstance(task_id, bool):
+            with self._lock:
+                if task_id > self._started:
+                    self._cancelled.add(task_id)
+
+    @contextlib.contextmanager
+    def _watched(self, msg: dict) -> Iterator[None]:
+        timeout = msg.get("timeout")
+        if timeout is None:
+            yield
+            return
+        reason = (f"the task ran past its timeout of {timeout:g} s; its worker was killed and replaced")
+        timer = threading.Timer(timeout, self._stop_worker, (msg.get("id"), "timeout", reason))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def _end(self, reason: str) -> None:
+        """Say LEASE_END to the submitter, let it close its side, and tell the peer."""
+        conn = self.stream.conn
+        try:
+            self.stream.send({"t": wire.LEASE_END, "reason": reason})
+            conn.sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + DRAIN_S  # what it sent meanwhile is dropped: it places those again
+            while select.select([conn.sock], [], [], max(0.0, deadline - time.monotonic()))[0] and \
+                    conn.sock.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+        conn.close()
+        with self._lock:
+            self._finished = True
+        self._tell_peer({"t": wire.STATUS, "lease_end": wire.printable(reason, 200), "served": self.served})
+
+    # ---- the peer's link (a thread of its own) ---------------------------------------------------------
+
+    def _watch_link(self) -> None:
+        """Take the peer's messages while the lease lasts: a cancel, its wish to end the lease, its ack."""
+        try:
+            while True:
+                msg, _ = self.link.recv()
+                kind = msg["t"]
+                if kind == wire.CANCEL:
+                    self._cancel_running(msg.get("id"))
+                elif kind == wire.BYE:  # the peer stops: the worker exits after the lease
+                    self.bye = True
+                    self.ending = self.ending or "the peer is stopping"
+                    return
+                elif kind == wire.LEASE_END:  # the peer wants the slot back, or acknowledges the end
+                    self.ending = self.ending or "the peer needs the slot for another submitter"
+                    with self._lock:
+                        if self._finished:
+                            return
+        except (ConnectionError, OSError, ProtocolError):
+            self.bye = True
+            self.ending = "the peer is gone"
+
+    def _cancel_running(self, task_id) -> None:
+        with self._lock:
+            running = task_id is not None and task_id == self._running
+        if running:
+            self._stop_worker(task_id, "cancelled", "cancelled by the submitter; its worker was killed and replaced")
+        else:
+            self._cancel(task_id)
+
+    def _stop_worker(self, task_id, code: str, reason: str) -> None:
+        """End the running task with `code`, end the lease, and have the peer kill this worker's tree."""
+        try:
+            self.stream.send(wire.error(code, reason, task_id))
+            self.stream.send({"t": wire.LEASE_END, "reason": reason})
+        except OSError:
+            pass
+        self._tell_peer({"t": wire.BYE, "reason": reason, "kill": True})
+        _flush()
+        time.sleep(KILL_WAIT_S)
+        os._exit(3)
+
+    def _tell_peer(self, msg: dict) -> None:
+        try:
+            with self._link_lock:
+                self.link.send(msg)
+        except OSError:
+            pass
+
+
+def check_leased_submit(msg: dict) -> str | None:
+    """What keeps a SUBMIT from running on a lease, or None. Held results and big buffers go through
+    the peer (its shared memory and its fetches), and so do variables that need a fresh worker."""
+    if not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool) or msg["id"] < 1:
+        return "a SUBMIT needs a positive integer 'id'"
+    if not isinstance(msg.get("fn"), bytes) or not isinstance(msg.get("args"), bytes):
+        return "a SUBMIT needs 'fn' and 'args' as binary pickles"
+    if msg.get("keep") is not None or msg.get("refs"):
+        return "a task that keeps its result or takes held ones goes through the peer, not on a lease"
+    try:
+        wire.check_timeout(msg.get("timeout"))
+        env = wire.check_env(msg.get("env"))
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if any(read_at_load(name) for name in env):
+        return "a task whose env needs a fresh worker goes through the peer, not on a lease"
+    return None
+
+
+def serve_lease(link: wire.BlockingConnection, msg: dict, functions: FunctionCache) -> bool:
+    """Serve the lease that a LEASE message on the link begins; False if the worker should exit after it."""
+    conn = take_connection(link, msg)
+    if conn is None:
+        link.send({"t": wire.STATUS, "lease_end": "the connection did not arrive", "served": 0})
+        return True
+    route_output()
+    lease = Lease(link, conn, msg)
+    lease.serve(functions)
+    return not lease.bye

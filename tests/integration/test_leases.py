@@ -1,0 +1,213 @@
+"""Leases (ADR 0013) against real peers on loopback: a warm worker lent to a submitter runs its tasks
+on the submitter's own connection, with the semantics of tasks through the peer: output, exceptions,
+timeouts, cancels, worker deaths, fairness to other submitters, the idle end, and hostile input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import CancelledError
+from pathlib import Path
+
+import pytest
+
+from gpulayer import serialization, wire
+from gpulayer.client import Client
+from gpulayer.errors import TaskTimeout, WorkerDied
+from support import authenticated, solo_peer, wait_until
+
+
+@pytest.fixture(scope="module")
+def solo(peer_factory):
+    """One single-slot peer and a submitter of its cluster."""
+    yield from solo_peer(peer_factory, "lender")
+
+
+def leased(client: Client, peer):
+    """The client's lease of `peer`, once it has one (a few tasks in)."""
+    for _ in range(200):
+        lease = client.leases.by_peer.get(peer.peer_id)
+        if lease is not None and not lease.closed:
+            return lease
+        client.submit(os.getpid, req=_cpu()).result(30)
+        time.sleep(0.01)
+    return None
+
+
+def _cpu():
+    from gpulayer.matching import Requirements
+
+    return Requirements.build(accelerator="cpu")
+
+
+def status(client: Client, peer) -> dict:
+    return client.connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request(wire.status_request(), 10)
+
+
+def run(client: Client, fn, *args, **options):
+    return client.submit(fn, args, req=_cpu(), **options)
+
+
+def test_a_loop_of_tasks_runs_on_a_lease_with_the_worker_answering_directly(solo):
+    peer, client = solo
+    assert leased(client, peer) is not None
+    pids = {run(client, os.getpid).result(30) for _ in range(50)}
+    assert len(pids) == 1  # the leased warm worker ran them all
+    devices = status(client, peer)["devices"]
+    assert devices[0]["busy"] and devices[0]["pid"] in pids  # its slot counts as busy while it is lent
+    futures = [run(client, pow, 2, i) for i in range(500)]  # pipelined on the lease
+    assert [f.result(30) for f in futures] == [2 ** i for i in range(500)]
+    done = status(client, peer)["done"]
+    wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)  # it ends when idle (0.5 s)
+    assert status(client, peer)["done"] >= done + 500  # the peer counts the tasks the lease ran
+
+
+def test_output_exceptions_and_big_arguments_behave_as_through_the_peer(solo):
+    peer, client = solo
+    assert leased(client, peer) is not None
+
+    def noisy(n):
+        print("out", n)
+        print("err", n, file=sys.stderr)
+        return n
+
+    future = run(client, noisy, 7)
+    assert future.result(30) == 7
+    assert future.stdout == "out 7\n" and future.stderr == "err 7\n"
+
+    def fail():
+        raise KeyError("on the lease")
+
+    with pytest.raises(KeyError, match="on the lease") as info:
+        run(client, fail).result(30)
+    assert 'raise KeyError("on the lease")' in str(info.value.__cause__)  # the remote traceback, with source
+    big = bytes(range(256)) * 4096  # 1 MiB: through the peer, by shared memory
+    assert run(client, len, big).result(30) == len(big)
+    assert run(client, os.getpid).result(30) == run(client, os.getpid).result(30)
+
+
+def test_a_timeout_on_a_lease_kills_the_worker_and_the_next_task_runs(solo):
+    peer, client = solo
+    assert leased(client, peer) is not None
+    before = run(client, os.getpid).result(30)
+    with pytest.raises(TaskTimeout, match="timeout of 0.5 s"):
+        run(client, time.sleep, 30, timeout=0.5).result(30)
+    wait_until(lambda: not _alive(before), 15)  # the peer killed the leased worker
+    assert run(client, os.getpid).result(30) != before
+
+
+def test_cancelling_a_task_that_runs_on_a_lease_stops_it(solo, tmp_path):
+    peer, client = solo
+    assert leased(client, peer) is not None
+    marker = tmp_path / "finished"
+
+    def slow(path):
+        import os
+        import time
+
+        time.sleep(3)
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+
+    future = run(client, slow, str(marker))
+    worker = run(client, os.getpid)  # queued behind it on the lease
+    time.sleep(0.5)
+    assert future.cancel()
+    with pytest.raises(CancelledError):
+        future.result(1)
+    assert isinstance(worker.result(30), int)  # placed again: it did not start on the killed worker
+    time.sleep(3.5)
+    assert not marker.exists()
+
+
+def test_a_worker_killed_mid_lease_fails_one_task_and_the_others_are_placed_again(solo):
+    peer, client = solo
+    assert leased(client, peer) is not None
+    pid = run(client, os.getpid).result(30)
+    first = run(client, time.sleep, 2, retries=0)
+    rest = [run(client, pow, 3, i) for i in range(20)]
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerDied):
+        first.result(30)
+    assert [f.result(30) for f in rest] == [3 ** i for i in range(20)]
+
+
+def test_another_submitter_gets_the_slot_while_a_lease_holds_it(solo, tmp_path):
+    peer, client = solo
+    assert leased(client, peer) is not None
+    stop = time.monotonic() + 20
+    script = tmp_path / "other.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from gpulayer.client import Client
+        from gpulayer.matching import Requirements
+        client = Client(key={peer.key!r}.encode(), echo_output=False)
+        started = time.monotonic()
+        assert client.submit(abs, (-5,), req=Requirements.build(accelerator="cpu")).result(30) == 5
+        print(time.monotonic() - started)
+        client.close()
+    """))
+    other = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "GPULAYER_LEASES": "0"})
+    while other.poll() is None and time.monotonic() < stop:  # keep the lease busy meanwhile
+        run(client, time.sleep, 0.05).result(30)
+    out, _ = other.communicate(timeout=30)
+    assert other.returncode == 0
+    assert float(out) < 10  # it did not wait for the end of our stream of tasks
+
+
+def test_with_leases_off_every_task_goes_through_the_peer(peer_factory, monkeypatch):
+    monkeypatch.setenv("GPULAYER_LEASES", "0")
+    for peer, client in solo_peer(peer_factory, "no-lease"):
+        for _ in range(30):
+            run(client, abs, -1).result(30)
+        assert not client.leases.by_peer
+
+
+def test_hostile_input_on_a_leased_connection_gets_clear_errors(solo):
+    peer, client = solo
+    wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)
+    conn = authenticated(peer, "hostile1234")
+    try:
+        for bad in [wire.lease(1, {"acc": "cuda"}, 1.0), wire.lease(1, _cpu().to_wire(), float("nan")),
+                    {**wire.lease(1, _cpu().to_wire(), 1.0), "id": "one"}]:
+            conn.send(bad)
+            refused = conn.recv(time.monotonic() + 10)[0]  # the connection stays the peer's
+            assert refused["t"] == wire.ERROR and refused["code"] in ("no-lease", "bad-request"), refused
+        conn.send(wire.lease(2, _cpu().to_wire(), 1.0))
+        granted = conn.recv(time.monotonic() + 10)[0]
+        assert (granted["t"], granted["id"]) == (wire.LEASE, 2)
+        fn, args = serialization.dumps(abs)[0], serialization.dumps(((-3,), {}))[0]
+        for bad in [{"t": wire.SUBMIT, "id": "x", "fn": fn, "args": args},
+                    {"t": wire.SUBMIT, "id": 5, "fn": "text", "args": args},
+                    {**wire.submit(6, fn, args, {}, float("nan"), "abs")},
+                    {**wire.submit(7, fn, args, {}, None, "abs"), "keep": "a" * 32},
+                    wire.submit(8, fn, args, {}, None, "abs", env={"LD_PRELOAD": "x"})]:
+            conn.send(bad)
+            reply = conn.recv(time.monotonic() + 10)[0]
+            assert (reply["t"], reply["code"]) == (wire.ERROR, "bad-request")
+        conn.send(wire.submit(9, fn, args, {}, None, "abs"))
+        reply, _ = conn.recv(time.monotonic() + 10)
+        assert reply["t"] == wire.RESULT and serialization.loads(reply["data"]) == 3
+        conn.send(wire.submit(9, fn, args, {}, None, "abs"))  # an id used already
+        assert conn.recv(time.monotonic() + 10)[0]["code"] == "bad-request"
+        conn.send({"t": wire.ACTOR})  # not a message of a lease: it ends
+        while (msg := conn.recv(time.monotonic() + 10)[0])["t"] != wire.LEASE_END:
+            assert msg["t"] == wire.ERROR
+    finally:
+        conn.close()
+    wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)  # the worker serves its peer again
+    assert run(client, abs, -4).result(30) == 4
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
