@@ -4,11 +4,13 @@
 
 Everything runs on loopback: a local peer subprocess (mDNS bound to 127.0.0.1), and a raw
 msgpack-over-TCP server subprocess that does the same job with nothing else (cloudpickle the
-call, one frame each way, plain blocking sockets). Reported: trivial round trip p50/p99,
-tasks/s for 2,000 submits, a 256 MiB argument round trip against raw socket throughput, and
-discovery / fresh-process times; the secure channel's AEAD timed alone on the same frames (its
-share of each figure); and Ray on the same machine, bound to loopback. Repeated measurements
-give their spread (min and max). Figures are ratios from one run on one machine.
+call, one frame each way, plain blocking sockets). Reported: trivial round trip p50/p99 and
+tasks/s for 2,000 submits, in interleaved rounds of the raw socket, GPUlayer as it is (tasks on a
+lease, ADR 0013) and GPUlayer with every task through its peer (GPULAYER_LEASES=0), each round's
+ratio to the raw floor of the same round; a 256 MiB argument round trip against raw socket
+throughput, and discovery / fresh-process times; the secure channel's AEAD timed alone on the same
+frames (its share of each figure); and Ray on the same machine, bound to loopback. Repeated
+measurements give their spread (min and max). Figures are ratios from one run on one machine.
 """
 
 from __future__ import annotations
@@ -149,15 +151,71 @@ def timed(fn) -> float:
 
 # ---- the runs -----------------------------------------------------------------------------------------
 
-def measure_raw(n: int, big: np.ndarray, repeats: int) -> dict:
+def measure_raw(big: np.ndarray, repeats: int) -> dict:
     raw = RawClient()
     try:
-        lat = latencies(lambda: raw.call(trivial), n, n // 10)
         view = memoryview(big).cast("B")
         seconds = runs(repeats, lambda: timed(lambda: raw.bulk(view)))
     finally:
         raw.close()
-    return {"latency": lat, **_bulk(seconds, big)}
+    return _bulk(seconds, big)
+
+
+WAYS = {"gpulayer": "1", "through_peer": "0"}  # GPULAYER_LEASES of each way of running GPUlayer
+WARM_S = 0.5  # calls before each measurement for at least this long (a lease comes in the background)
+
+
+def measure_small(rounds: int, n: int, submits: int) -> dict:
+    """Trivial round trips (p50, p99) and bursts of `submits` tasks, in `rounds` interleaved rounds of
+    the raw socket and of each way of GPUlayer (WAYS), against one local peer. The raw floor moves
+    between runs on a small VM (by where the scheduler puts the two processes): each round's ratio
+    to the floor of that same round is the figure."""
+    import gpulayer as gl
+    from gpulayer.demo import local_peer
+
+    raw = RawClient()
+    per_round: dict[str, list[dict]] = {"raw": [], **{way: [] for way in WAYS}}
+    try:
+        with local_peer(dict(os.environ), name="bench-peer"):
+            for _ in range(rounds):
+                per_round["raw"].append(latencies(lambda: raw.call(trivial), n, n // 10))
+                for way, leases in WAYS.items():
+                    os.environ["GPULAYER_LEASES"] = leases
+                    gl.configure(interfaces=["127.0.0.1"], echo_output=False)
+                    warm_until = time.monotonic() + WARM_S
+                    while time.monotonic() < warm_until:
+                        gl.run(trivial)
+                    lat = latencies(lambda: gl.run(trivial), n, 0)
+
+                    def burst():
+                        futures = [gl.submit(trivial) for _ in range(submits)]
+                        for f in futures:
+                            f.result()
+
+                    per_round[way].append({**lat, "tasks_per_s": submits / timed(burst)})
+            gl.api.shutdown()
+    finally:
+        os.environ.pop("GPULAYER_LEASES", None)
+        raw.close()
+    result: dict = {way: _over_rounds(rows) for way, rows in per_round.items()}
+    for way in WAYS:
+        ratios = [g["p50_ms"] / r["p50_ms"] for g, r in zip(per_round[way], per_round["raw"])]
+        result[way]["p50_over_raw"] = statistics.median(ratios)
+        result[way]["p50_over_raw_range"] = [min(ratios), max(ratios)]
+        result[way]["submits"] = submits
+    result["rounds"] = per_round
+    return result
+
+
+def _over_rounds(rows: list[dict]) -> dict:
+    """Medians over the rounds, with their ranges: `latency` (p50, p99) and, where measured, tasks/s."""
+    out = {"latency": {"n": rows[0]["n"] * len(rows), "p50_ms": statistics.median(r["p50_ms"] for r in rows),
+                       "p99_ms": statistics.median(r["p99_ms"] for r in rows),
+                       "p50_ms_range": [min(r["p50_ms"] for r in rows), max(r["p50_ms"] for r in rows)]}}
+    if "tasks_per_s" in rows[0]:
+        rates = [r["tasks_per_s"] for r in rows]
+        out["tasks_per_s"], out["tasks_per_s_range"] = statistics.median(rates), [min(rates), max(rates)]
+    return out
 
 
 def _bulk(seconds: list[float], big: np.ndarray) -> dict:
@@ -166,28 +224,19 @@ def _bulk(seconds: list[float], big: np.ndarray) -> dict:
             "bulk_gb_per_s_range": [2 * big.nbytes / max(seconds) / 1e9, 2 * big.nbytes / min(seconds) / 1e9]}
 
 
-def measure_gpulayer(n: int, submits: int, big: np.ndarray, repeats: int) -> dict:
+def measure_bulk(big: np.ndarray, repeats: int) -> dict:
+    """The 256 MiB echo through a local peer, and discovery / fresh-process times."""
     import gpulayer as gl
     from gpulayer.demo import local_peer
 
     with local_peer(dict(os.environ), name="bench-peer"):
         gl.configure(interfaces=["127.0.0.1"], echo_output=False)
-        lat = latencies(lambda: gl.run(trivial), n, n // 10)
-
-        def burst():
-            futures = [gl.submit(trivial) for _ in range(submits)]
-            for f in futures:
-                f.result()
-
-        burst_s = runs(repeats, lambda: timed(burst))
         check = gl.run(echo, big)
         assert np.array_equal(check, big)
         seconds = runs(repeats, lambda: timed(lambda: gl.run(echo, big)))
         discovery = measure_discovery()
         gl.api.shutdown()
-    return {"latency": lat, "submits": submits, "tasks_per_s": submits / min(burst_s),
-            "tasks_per_s_range": [submits / max(burst_s), submits / min(burst_s)],
-            **_bulk(seconds, big), "discovery": discovery}
+    return {**_bulk(seconds, big), "discovery": discovery}
 
 
 def measure_aead(n: int, big: np.ndarray, repeats: int) -> dict:
@@ -287,15 +336,22 @@ def machine() -> dict:
             "platform": platform.platform(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def summarize(raw: dict, glr: dict, aead: dict, ray: dict | None) -> dict:
+def summarize(raw: dict, glr: dict, through_peer: dict, aead: dict, ray: dict | None) -> dict:
     fresh = glr["discovery"]["fresh_submitter"]
     summary = {
         "gpulayer_p50_ms": glr["latency"]["p50_ms"],
+        "gpulayer_p50_ms_range": glr["latency"]["p50_ms_range"],
         "gpulayer_p99_ms": glr["latency"]["p99_ms"],
         "raw_p50_ms": raw["latency"]["p50_ms"],
-        "p50_over_raw": glr["latency"]["p50_ms"] / raw["latency"]["p50_ms"],
+        "raw_p50_ms_range": raw["latency"]["p50_ms_range"],
+        "p50_over_raw": glr["p50_over_raw"],
+        "p50_over_raw_range": glr["p50_over_raw_range"],
         "tasks_per_s": glr["tasks_per_s"],
         "tasks_per_s_range": glr["tasks_per_s_range"],
+        "through_peer_p50_ms": through_peer["latency"]["p50_ms"],
+        "through_peer_p50_over_raw": through_peer["p50_over_raw"],
+        "through_peer_tasks_per_s": through_peer["tasks_per_s"],
+        "through_peer_tasks_per_s_range": through_peer["tasks_per_s_range"],
         "bulk_gb_per_s": glr["bulk_gb_per_s"],
         "bulk_gb_per_s_range": glr["bulk_gb_per_s_range"],
         "raw_bulk_gb_per_s": raw["bulk_gb_per_s"],
@@ -325,15 +381,16 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    raw, glr, ray = result["raw"], result["gpulayer"], result.get("ray")
-    names = ["raw socket", "GPUlayer"] + (["Ray"] if ray else [])
-    runs = [raw, glr] + ([ray] if ray else [])
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    raw, glr, peer, ray = result["raw"], result["gpulayer"], result["through_peer"], result.get("ray")
+    names = ["raw socket", "GPUlayer", "through\nthe peer"] + (["Ray"] if ray else [])
+    runs = [raw, glr, peer] + ([ray] if ray else [])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     axes[0].bar([f"{n}\np50" for n in names], [r["latency"]["p50_ms"] for r in runs], color="tab:blue")
     axes[0].bar([f"{n}\np99" for n in names], [r["latency"]["p99_ms"] for r in runs], color="tab:orange")
-    axes[0].set_ylabel("ms per trivial call")
+    axes[0].set_ylabel("ms per trivial call (median of rounds)")
     axes[0].set_title("round trip (lower is better)")
-    tput = [("GPUlayer", glr["tasks_per_s"])] + ([("Ray", ray["tasks_per_s"])] if ray else [])
+    tput = [("GPUlayer", glr["tasks_per_s"]), ("through\nthe peer", peer["tasks_per_s"])] + \
+        ([("Ray", ray["tasks_per_s"])] if ray else [])
     axes[1].bar([n for n, _ in tput], [v for _, v in tput], color="tab:green")
     axes[1].axhline(TARGETS["tasks_per_s"], color="gray", linestyle="--", label="target")
     axes[1].set_title(f"{glr['submits']} submits (tasks/s)")
@@ -359,14 +416,18 @@ def main(argv=None) -> int:
         raw_server(args.raw_server)
         return 0
     os.environ.update(GPULAYER_KEY=secrets.token_hex(16), GPULAYER_INTERFACES="127.0.0.1", GPULAYER_CACHE="0")
-    n, submits, repeats = (200, 500, 1) if args.quick else (2000, 2000, 3)
+    n, submits, repeats, rounds = (200, 500, 1, 1) if args.quick else (1000, 2000, 3, 7)
     big = np.random.default_rng(0).integers(0, 255, size=256 << 20, dtype=np.uint8)
     result = {"machine": machine(), "targets": TARGETS}
-    result["raw"] = measure_raw(n, big, repeats)
-    result["gpulayer"] = measure_gpulayer(n, submits, big, repeats)
+    small = measure_small(rounds, n, submits)
+    result["raw"] = {**small["raw"], **measure_raw(big, repeats)}
+    result["gpulayer"] = {**small["gpulayer"], **measure_bulk(big, repeats)}
+    result["through_peer"] = small["through_peer"]
+    result["rounds"] = small["rounds"]
     result["aead"] = measure_aead(n, big, repeats)
     result["ray"] = measure_ray(n, submits, repeats)
-    result["summary"] = summarize(result["raw"], result["gpulayer"], result["aead"], result["ray"])
+    result["summary"] = summarize(result["raw"], result["gpulayer"], result["through_peer"], result["aead"],
+                                  result["ray"])
     write_results(result, args.json, args.plot, plot)
     return 0
 
