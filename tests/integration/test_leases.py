@@ -161,6 +161,17 @@ def test_another_submitter_gets_the_slot_while_a_lease_holds_it(solo, tmp_path):
     assert float(out) < 10  # it did not wait for the end of our stream of tasks
 
 
+def test_a_peer_that_stops_lets_the_leased_task_finish_and_ends_the_lease(peer_factory):
+    for peer, client in solo_peer(peer_factory, "stopping"):
+        assert leased(client, peer) is not None
+        running = run(client, time.sleep, 1.0)
+        time.sleep(0.3)
+        started = time.monotonic()
+        assert peer.stop(timeout=20) == 0  # a clean stop: it drains what runs, then exits
+        assert time.monotonic() - started < 10
+        assert running.result(10) is None
+
+
 def test_with_leases_off_every_task_goes_through_the_peer(peer_factory, monkeypatch):
     monkeypatch.setenv("GPULAYER_LEASES", "0")
     for peer, client in solo_peer(peer_factory, "no-lease"):
