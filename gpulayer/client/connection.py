@@ -72,7 +72,8 @@ class PeerConnection:
         self.lease_ended = ""  # why, once the leased worker said LEASE_END
         self.requirements: Any = None  # a lease's: what it was asked for with (client/leases.py `_fits`)
         self.on_cancel: Callable[[int], None] | None = None  # a lease's: also asks its peer to stop a running task
-        self._outbox: list[Any] = []  # a lease's SUBMITs kept back while its worker is busy (`_send_leased`)
+        self._outbox_lock = threading.Lock()  # a lease's: guards the outbox and _at_worker
+        self._outbox: list[Any] = []  # a lease's SUBMITs kept back while its worker is busy (`_submit_leased`)
         self._outbox_tasks = 0
         self._outbox_bytes = 0
         self._at_worker = 0  # a lease's SUBMITs written and not answered yet
@@ -151,6 +152,19 @@ class PeerConnection:
 
     def submit(self, task: ConnectionTask) -> None:
         """Send the task's SUBMIT under a fresh id; its outcome reaches the listener."""
+        if self.lease_id is not None:
+            self._submit_leased(task)
+            return
+        if not self._register(task):
+            return
+        msg, buffers = task.message()
+        try:
+            self.send(msg, buffers)
+        except OSError as exc:
+            self._send_failed(exc)
+
+    def _register(self, task: ConnectionTask) -> bool:
+        """Give the task a fresh id and count it in flight; False (and the task lost) once closed."""
         with self._lock:
             closed = self.closed
             if not closed:
@@ -158,48 +172,62 @@ class PeerConnection:
                 self.pending[task.task_id] = task
         if closed:  # it closed after placement chose it: the task is lost like its others
             self.listener.on_lost(self, [task], self.send_error or "the connection closed")
-            return
-        msg, buffers = task.message()
-        try:
-            if self.lease_id is not None:
-                self._send_leased(wire.encode(msg, buffers))
-            else:
-                self.send(msg, buffers)
-        except OSError as exc:
-            # leave the closing to the reader thread: the peer may have said why (an ERROR) first
-            self.send_error = f"send failed: {exc}"
-            try:
-                self._wire.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                self.fail(self.send_error)
+        return not closed
 
-    def _send_leased(self, parts: list[Any]) -> None:
-        """Send a SUBMIT on a lease: at once when its worker has nothing to do, else in one write with the
-        others that come meanwhile, when the next answer arrives (`_read_loop`): the worker cannot start
-        them sooner, and a burst of submits costs a few writes, not one each."""
-        with self._send_lock:
+    def _send_failed(self, exc: OSError) -> None:
+        # leave the closing to the reader thread: the other side may have said why (an ERROR) first
+        self.send_error = f"send failed: {exc}"
+        try:
+            self._wire.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.fail(self.send_error)
+
+    def _submit_leased(self, task: ConnectionTask) -> None:
+        """A SUBMIT on a lease: written at once when its worker has nothing to do, else kept back and
+        written with the others that come meanwhile when the next answer arrives (`_answered_on_lease`):
+        the worker could not start them sooner, and a burst of submits costs a few writes, not one each.
+        Ids are given in the order the SUBMITs are written (the worker refuses an id not above the last)."""
+        with self._outbox_lock:
+            if not self._register(task):
+                return
+            msg, buffers = task.message()
+            parts = wire.encode(msg, buffers)
             if self._at_worker and self._outbox_bytes < OUTBOX_MAX:
                 self._outbox += parts
                 self._outbox_tasks += 1
                 self._outbox_bytes += sum(memoryview(p).nbytes for p in parts)
                 return
-            self._write_outbox(parts)
+            batch = self._take_outbox(parts)
+        try:
+            self._wire.send_encoded(batch)
+        except OSError as exc:
+            self._send_failed(exc)
+        finally:
+            self._send_lock.release()
 
-    def _write_outbox(self, parts: list[Any] = ()) -> None:  # type: ignore[assignment]
-        """Write the SUBMITs kept back, and `parts` (one more) after them; with the send lock held."""
+    def _take_outbox(self, parts: list[Any] = ()) -> list[Any]:  # type: ignore[assignment]
+        """The SUBMITs kept back, and `parts` (one more) after them, counted as at the worker; with the
+        outbox lock held. Takes the send lock (the caller writes the batch, then releases it), so that
+        batches go out in the order they were taken."""
         batch, self._outbox = [*self._outbox, *parts], []
         if not self._at_worker:
             self._busy_since = time.monotonic()
         self._at_worker += self._outbox_tasks + (1 if parts else 0)
         self._outbox_tasks = self._outbox_bytes = 0
-        self._wire.send_encoded(batch)
+        self._send_lock.acquire()
+        return batch
 
     def _answered_on_lease(self) -> None:
         """An outcome came from the leased worker: once no other waits to be read, what was kept back goes."""
-        with self._send_lock:
+        with self._outbox_lock:
             self._at_worker = max(0, self._at_worker - 1)
-            if self._outbox and (not self._at_worker or not self._wire.reader.messages):
-                self._write_outbox()
+            if not self._outbox or (self._at_worker and self._wire.reader.messages):
+                return
+            batch = self._take_outbox()
+        try:
+            self._wire.send_encoded(batch)
+        finally:
+            self._send_lock.release()
 
     def cancel(self, task: ConnectionTask) -> None:
         """Forget the task and ask the peer to stop it."""
