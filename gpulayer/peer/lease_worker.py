@@ -42,7 +42,7 @@ class Lease:
         self.stream = Stream(conn, direct=True)
         self.env = dict(msg.get("env") or {})  # the slot's device variables, under each task's own
         self.idle = float(msg.get("idle") or 1.0)
-        self.beat = float(msg.get("beat") or 1.0)  # seconds between signs of life while a task runs
+        self.beat = float(msg.get("beat") or 1.0)  # seconds between signs of life while a task runs or arrives
         self._done = threading.Event()
         self.served = 0
         self.ending = ""  # why the lease ends, once the peer said so
@@ -50,6 +50,7 @@ class Lease:
         self._lock = threading.Lock()  # guards _running, _started and _cancelled
         self._link_lock = threading.Lock()
         self._running = None  # the id of the task that runs now
+        self._receiving = False  # a message is being read: a big one takes long over a slow link
         self._started = 0  # the highest task id started (ids rise on a connection)
         self._cancelled: set[int] = set()  # ids cancelled before they started
         self._finished = False  # the peer was told that the lease ended
@@ -80,7 +81,9 @@ class Lease:
                         if time.monotonic() - last >= self.idle:
                             return f"no task came for {self.idle:g} s"
                         continue
+                self._receiving = True
                 msg, buffers = conn.recv()
+                self._receiving = False
                 last = time.monotonic()
                 kind = msg["t"]
                 more = False
@@ -132,10 +135,11 @@ class Lease:
         return more
 
     def _keep_alive(self) -> None:
-        """While a task runs, say every `beat` seconds that this worker is alive (a PONG without id): the
-        submitter ends a lease whose tasks wait in silence (its path or its host is down)."""
+        """While a task runs or arrives, say every `beat` seconds that this worker is alive (a PONG without
+        id): the submitter ends a lease whose tasks wait in silence (its path or its host is down), and a
+        big argument that crosses a slow link is not silence."""
         while not self._done.wait(self.beat):
-            if self._running is not None:
+            if self._running is not None or self._receiving:
                 try:
                     self.stream.send({"t": wire.PONG, "id": None})
                 except OSError:

@@ -465,6 +465,33 @@ def test_a_lease_whose_path_stalls_ends_within_three_heartbeats(guarded, tmp_pat
         proxy.close()
 
 
+def test_a_big_argument_that_crawls_to_a_leased_worker_is_not_taken_for_silence(guarded):
+    """Slow is not dead on a lease either: a 3 MiB argument that takes seconds to reach the leased worker
+    (far beyond three heartbeats) finds the worker saying it is alive while it arrives, and runs."""
+    peer, _ = guarded
+    piece, pause = 64 << 10, 0.05  # about 1.3 MB/s
+
+    def crawl_to_the_lease(pipe: Pipe, direction: str, unit: bytes) -> None:
+        if direction == "p2c" or pipe is proxy.pipes[0]:
+            pipe.send(direction, unit)
+            return
+        for start in range(0, len(unit), piece):
+            pipe.send(direction, unit[start:start + piece])
+            time.sleep(pause)
+
+    proxy = Proxy(("127.0.0.1", peer.port), crawl_to_the_lease)
+    client = Client(key=peer.key.encode(), peers=proxy.address, mdns=False, echo_output=False, heartbeat=0.2)
+    try:
+        wait_until(lambda: client.submit(abs, (-1,), req=ANY).result(30) and client.leases.by_peer, 20)
+        started = time.monotonic()
+        assert client.submit(len, (b"x" * (3 << 20),), req=ANY).result(60) == 3 << 20
+        assert time.monotonic() - started > 5 * client.heartbeat
+        assert sum(len(unit) for unit in proxy.pipes[1].units["c2p"]) > 3 << 20  # it went on the lease
+    finally:
+        client.close()
+        proxy.close()
+
+
 def test_an_untouched_proxy_carries_the_channel(guarded, tmp_path):
     """The control: the same proxy, forwarding every record as it came, changes nothing."""
     peer, _ = guarded
