@@ -72,19 +72,29 @@ def _overhead() -> str:
         rows = [
             ("trivial `gl.run` round trip, p50", _ms(glr["latency"]["p50_ms"]), _ms(raw["latency"]["p50_ms"])),
             ("trivial `gl.run` round trip, p99", _ms(glr["latency"]["p99_ms"]), _ms(raw["latency"]["p99_ms"])),
+            ("p50 over the raw floor of the same round (median of rounds, range)",
+             f"{glr['p50_over_raw']:.2f}x{_spread(glr['p50_over_raw_range'], '{:.2f}')}", "1"),
             (f"throughput: {glr['submits']} `gl.submit` calls, then wait for all",
              f"{glr['tasks_per_s']:,.0f} tasks/s{_spread(glr.get('tasks_per_s_range'), '{:,.0f}')}", "–"),
             ("256 MiB array echoed back (GB/s, both directions)",
              f"{glr['bulk_gb_per_s']:.2f}{_spread(glr.get('bulk_gb_per_s_range'), '{:.2f}')}",
              f"{raw['bulk_gb_per_s']:.2f}"),
-            ("a browsing client sees a newly started peer", f"{glr['discovery']['browser_sees_new_peer_s'] * 1e3:.1f} ms",
-             "–"),
+            ("a new peer: from its start command to ready / to seen by a browsing client",
+             f"{glr['discovery']['peer_ready_s']:.2f} s / {glr['discovery']['browser_sees_new_peer_s']:.2f} s", "–"),
             ("fresh process: start, discover by mDNS, first result (median of 5)",
              f"{fresh['mdns']['median_process_s']:.2f} s", "–"),
             ("fresh process with the peer cache (median of 5)", f"{fresh['cache']['median_process_s']:.2f} s", "–"),
         ]
+        free = data.get("free")
+        if free and data.get("layout") != "free":
+            gf, rf = free["gpulayer"], free["raw"]
+            rows.append(("the same rounds, processes where the OS puts them: p50, and its ratio to the floor by round",
+                         f"{_ms(gf['latency']['p50_ms'])}, {gf['p50_over_raw']:.2f}x"
+                         f"{_spread(gf['p50_over_raw_range'], '{:.2f}')}",
+                         f"{_ms(rf['latency']['p50_ms'])}{_spread(rf['latency']['p50_ms_range'], '{:.3f}')}"))
         if aead:
-            rows.append((f"the secure channel's {aead['aead']} alone: per task / per 256 MiB echo",
+            rows.append((f"the secure channel's {aead['aead']} alone: per task / per 256 MiB echo "
+                         "(between hosts; the local echo goes by shared memory)",
                          f"{aead['per_task_us']:.1f} µs / {aead['bulk_seconds'] * 1e3:.0f} ms", "–"))
         if ray:
             rows.append((f"Ray {ray['version']}: trivial task p50 / tasks per s",
@@ -92,7 +102,8 @@ def _overhead() -> str:
                          f"{_spread(ray.get('tasks_per_s_range'), '{:,.0f}')}", "–"))
         targets = data["summary"]["targets"]
         head = (f"Measured on `{m['host']}` ({m['cpus']} CPUs, Python {m['python']}, {m['platform']}) "
-                f"on {m['date'][:10]}, with {glr['latency']['n']} sequential calls. "
+                f"on {m['date'][:10]}, with {glr['latency']['n']} sequential calls, CPU layout "
+                f"`{data.get('layout', 'free')}`. "
                 f"Source: `bench/results/overhead.json`.\n\n")
     except (KeyError, TypeError) as exc:
         log.warning("benchmarks: overhead.json has an unknown shape (%r); update docs/_hooks/benchmarks.py", exc)
