@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import serialization, shm, wire
@@ -245,13 +245,15 @@ class Actor:
 
 
 @contextlib.contextmanager
-def output_to(stream: Stream, call_id) -> Iterator[None]:
+def output_to(stream: Stream, call_id, before: Callable[[], None] | None = None) -> Iterator[None]:
     """While a direct call (or a leased task) runs, what its thread prints goes to its submitter (LOG,
-    before the result)."""
+    before the result). `before` runs before each: a lease passes on what came to its descriptors."""
     if not stream.direct:
         yield
         return
     def send(name: str, text: str) -> None:
+        if before is not None:
+            before()
         stream.send(wire.log(call_id, name, text.encode("utf-8", "replace")))
 
     _output.sink = send

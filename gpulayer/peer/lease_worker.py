@@ -7,6 +7,10 @@ seconds, when the peer wants the slot back (another submitter's task waits, or i
 submitter closes the connection. The worker then says LEASE_END to the submitter (a task it sent and
 got no answer for did not start: it places it again), tells its peer, and serves its peer again.
 
+What the tasks write to file descriptors 1 and 2 (C code, `os.write`, child processes) goes to the
+submitter too, as LOG of the task that runs (`DescriptorOutput`), as the peer's pipes do for its own
+tasks.
+
 A task's timeout, and a cancel of the task that runs, end this worker: it answers the submitter and
 asks its peer to kill its process tree and start a fresh worker, as the peer does for its own tasks.
 Messages on the local link come to a thread of their own meanwhile (a cancel, the peer's wish to end
@@ -56,11 +60,13 @@ class Lease:
         self._finished = False  # the peer was told that the lease ended
 
     def serve(self, functions: FunctionCache) -> None:
+        self.output = DescriptorOutput(self)
         watcher = threading.Thread(target=self._watch_link, name="gpulayer-lease-link", daemon=True)
         watcher.start()
         threading.Thread(target=self._keep_alive, name="gpulayer-lease-beat", daemon=True).start()
         reason = self._run_tasks(functions)
         self._done.set()
+        self.output.close()
         self._end(reason)
         watcher.join()
 
@@ -123,8 +129,9 @@ class Lease:
             return False
         started = time.monotonic()
         with task_environment({**self.env, **(msg.get("env") or {})}), self._watched(msg), \
-                output_to(self.stream, task_id):
+                output_to(self.stream, task_id, self.output.drain):
             reply, out = run_task(msg, buffers, functions)
+        self.output.drain()  # what it wrote to its descriptors goes before its answer
         with self._lock:
             self._running = None
         del msg, buffers
@@ -233,6 +240,89 @@ class Lease:
                 self.link.send(msg)
         except OSError:
             pass
+
+
+class DescriptorOutput:
+    """File descriptors 1 and 2 of a leased worker, while the lease lasts: pipes whose bytes go to the
+    submitter as LOG of the task that runs (before its answer: `drain`), and on to the peer's pipes
+    (where they went before) while none runs, or after the lease, for as long as a child process that
+    a task left running holds them."""
+
+    def __init__(self, lease: Lease):
+        self._lease = lease
+        self._lock = threading.Lock()  # one passes bytes on at a time, to the task that runs then
+        self._originals: dict[int, int] = {}  # descriptor -> a copy of what it was (the peer's pipe)
+        self._pipes: dict[int, tuple[str, int]] = {}  # read end -> (stream, descriptor)
+        self._given_back = False  # descriptors 1 and 2 are the peer's pipes again (`close`)
+        for fd, name in ((1, "out"), (2, "err")):
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            self._originals[fd] = os.dup(fd)
+            os.dup2(write, fd)
+            os.close(write)
+            self._pipes[read] = (name, fd)
+        threading.Thread(target=self._pump, name="gpulayer-lease-output", daemon=True).start()
+
+    def _pump(self) -> None:
+        """Pass bytes on as they come, until no one holds the pipes any more."""
+        while True:
+            ready = select.select(list(self._pipes), [], [])[0]
+            with self._lock:
+                for read in ready:
+                    if not self._pass_on(read):
+                        del self._pipes[read]
+                        os.close(read)
+                if not self._pipes:
+                    if self._given_back:
+                        self._close_originals()
+                    return
+
+    def drain(self) -> None:
+        """Pass on what was written so far."""
+        with self._lock:
+            for read in select.select(list(self._pipes), [], [], 0)[0]:
+                self._pass_on(read)
+
+    def _pass_on(self, read: int) -> bool:
+        """Pass on what the pipe holds: to the submitter as LOG of the task that runs, or to the peer's
+        pipe when none runs (or the submitter's connection is gone). False at the pipe's end."""
+        name, fd = self._pipes[read]
+        task_id = self._lease._running
+        while True:
+            try:
+                data = os.read(read, 1 << 16)
+            except BlockingIOError:
+                return True
+            if not data:
+                return False
+            try:
+                if task_id is None:
+                    raise OSError
+                self._lease.stream.send(wire.log(task_id, name, data))
+            except OSError:
+                _write_all(self._originals[fd], data)
+
+    def close(self) -> None:
+        """Give descriptors 1 and 2 back (the pipes end once the children that hold them end)."""
+        _flush()
+        with self._lock:
+            for fd, original in self._originals.items():
+                os.dup2(original, fd)
+            self._given_back = True
+            if not self._pipes:  # a task closed both descriptors: the pump ended already
+                self._close_originals()
+
+    def _close_originals(self) -> None:
+        for original in self._originals.values():
+            os.close(original)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass
 
 
 def check_leased_submit(msg: dict) -> str | None:

@@ -72,12 +72,22 @@ def test_output_exceptions_and_big_arguments_behave_as_through_the_peer(solo):
 
     def noisy(n):
         print("out", n)
+        os.write(1, b"fd %d\n" % n)  # past sys.stdout, as C code writes
+        subprocess.run(["sh", "-c", f"echo child {n}; echo child-err {n} >&2"], check=True)
         print("err", n, file=sys.stderr)
         return n
 
     future = run(client, noisy, 7)
     assert future.result(30) == 7
-    assert future.stdout == "out 7\n" and future.stderr == "err 7\n"
+    assert future.stdout == "out 7\nfd 7\nchild 7\n" and future.stderr == "child-err 7\nerr 7\n"
+    assert "child 7" not in peer.log()
+
+    def leave_a_child(n):  # it writes after the lease ended: to the peer's log, as through the peer
+        subprocess.Popen(["sh", "-c", f"sleep 1.5; echo late child {n}"])
+        return n
+
+    assert run(client, leave_a_child, 8).result(30) == 8
+    wait_until(lambda: "late child 8" in peer.log(), 15)
 
     def fail():
         raise KeyError("on the lease")
@@ -88,6 +98,21 @@ def test_output_exceptions_and_big_arguments_behave_as_through_the_peer(solo):
     big = bytes(range(256)) * 4096  # 1 MiB: through the peer, by shared memory
     assert run(client, len, big).result(30) == len(big)
     assert run(client, os.getpid).result(30) == run(client, os.getpid).result(30)
+
+
+def test_leases_one_after_another_leave_no_descriptors_behind(solo):
+    """Each lease makes pipes for the worker's descriptors 1 and 2 and gives them back when it ends."""
+    peer, client = solo
+
+    def open_descriptors():
+        return os.getpid(), len(os.listdir("/proc/self/fd"))
+
+    seen = []
+    for _ in range(3):
+        assert leased(client, peer) is not None
+        seen.append(run(client, open_descriptors).result(30))
+        wait_until(lambda: not client.leases.by_peer.get(peer.peer_id), 10)  # it ended (idle)
+    assert len(set(seen)) == 1, seen  # the same worker, with as many descriptors open each time
 
 
 def test_a_timeout_on_a_lease_kills_the_worker_and_the_next_task_runs(solo):
