@@ -225,6 +225,7 @@ class Lease:
     def _stop_worker(self, task_id, code: str, reason: str) -> None:
         """End the running task with `code`, end the lease, and have the peer kill this worker's tree."""
         try:
+            self.output.drain()
             self.stream.send(wire.error(code, reason, task_id))
             self.stream.send({"t": wire.LEASE_END, "reason": reason})
         except OSError:
