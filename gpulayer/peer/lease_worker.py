@@ -25,7 +25,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .. import wire
 from ..errors import ProtocolError
@@ -60,7 +60,7 @@ class Lease:
         self._finished = False  # the peer was told that the lease ended
 
     def serve(self, functions: FunctionCache) -> None:
-        self.output = DescriptorOutput(self)
+        self.output = DescriptorOutput(self.stream, lambda: self._running)
         watcher = threading.Thread(target=self._watch_link, name="gpulayer-lease-link", daemon=True)
         watcher.start()
         threading.Thread(target=self._keep_alive, name="gpulayer-lease-beat", daemon=True).start()
@@ -249,8 +249,9 @@ class DescriptorOutput:
     (where they went before) while none runs, or after the lease, for as long as a child process that
     a task left running holds them."""
 
-    def __init__(self, lease: Lease):
-        self._lease = lease
+    def __init__(self, stream: Stream, running: Callable[[], int | None]):
+        self._stream = stream
+        self._running = running  # the id of the task that runs now, or None
         self._lock = threading.Lock()  # one passes bytes on at a time, to the task that runs then
         self._originals: dict[int, int] = {}  # descriptor -> a copy of what it was (the peer's pipe)
         self._pipes: dict[int, tuple[str, int]] = {}  # read end -> (stream, descriptor)
@@ -288,7 +289,7 @@ class DescriptorOutput:
         """Pass on what the pipe holds: to the submitter as LOG of the task that runs, or to the peer's
         pipe when none runs (or the submitter's connection is gone). False at the pipe's end."""
         name, fd = self._pipes[read]
-        task_id = self._lease._running
+        task_id = self._running()
         while True:
             try:
                 data = os.read(read, 1 << 16)
@@ -296,12 +297,15 @@ class DescriptorOutput:
                 return True
             if not data:
                 return False
-            try:
-                if task_id is None:
-                    raise OSError
-                self._lease.stream.send(wire.log(task_id, name, data))
-            except OSError:
+            if task_id is None or not self._to_submitter(task_id, name, data):
                 _write_all(self._originals[fd], data)
+
+    def _to_submitter(self, task_id: int, name: str, data: bytes) -> bool:
+        try:
+            self._stream.send(wire.log(task_id, name, data))
+        except OSError:
+            return False
+        return True
 
     def close(self) -> None:
         """Give descriptors 1 and 2 back (the pipes end once the children that hold them end)."""
