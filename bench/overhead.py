@@ -173,13 +173,16 @@ WARM_S = 0.5  # calls before each measurement for at least this long (a lease co
 LAYOUTS = ("split", "free")
 
 
+def layouts_here() -> list[str]:
+    """The layouts of LAYOUTS that this machine can run, the judged one first ("split" needs two CPUs)."""
+    return list(LAYOUTS) if len(os.sched_getaffinity(0)) >= 2 else ["free"]
+
+
 def layout_cpus(layout: str) -> tuple[set[int] | None, set[int] | None]:
-    """The CPUs of (the submitter, the serving side) in `layout`; None: any. "split" needs two CPUs."""
-    cpus = sorted(os.sched_getaffinity(0))
+    """The CPUs of (the submitter, the serving side) in `layout`; None: any."""
     if layout == "free":
         return None, None
-    if len(cpus) < 2:
-        raise ValueError("the split layout needs two CPUs")
+    cpus = sorted(os.sched_getaffinity(0))
     return {cpus[0]}, set(cpus[1:])
 
 
@@ -234,12 +237,17 @@ def measure_small(rounds: int, n: int, submits: int, layout: str) -> dict:
         os.environ.pop("GPULAYER_LEASES", None)
     result: dict = {way: _over_rounds(rows) for way, rows in per_round.items()}
     for way in WAYS:
-        ratios = [g["p50_ms"] / r["p50_ms"] for g, r in zip(per_round[way], per_round["raw"])]
+        ratios = p50_over_raw_by_round(per_round, way)
         result[way]["p50_over_raw"] = statistics.median(ratios)
         result[way]["p50_over_raw_range"] = [min(ratios), max(ratios)]
         result[way]["submits"] = submits
     result["rounds"] = per_round
     return result
+
+
+def p50_over_raw_by_round(rounds: dict[str, list[dict]], way: str) -> list[float]:
+    """Each round's p50 of `way` over the raw floor of that same round."""
+    return [g["p50_ms"] / r["p50_ms"] for g, r in zip(rounds[way], rounds["raw"])]
 
 
 def _over_rounds(rows: list[dict]) -> dict:
@@ -459,7 +467,7 @@ def plot(result: dict, path: Path) -> None:
     axes[2].legend()
     axes[2].set_title("256 MiB argument round trip (GB/s)")
     for name, rounds in {layout: result["rounds"], "free": free["rounds"]}.items():
-        ratios = [g["p50_ms"] / r["p50_ms"] for g, r in zip(rounds["gpulayer"], rounds["raw"])]
+        ratios = p50_over_raw_by_round(rounds, "gpulayer")
         axes[3].plot(range(1, len(ratios) + 1), ratios, marker="o", label=f"{name} CPUs")
     axes[3].axhline(TARGETS["p50_over_raw"], color="gray", linestyle="--", label="budget")
     axes[3].set_ylim(bottom=0)
@@ -485,13 +493,14 @@ def main(argv=None) -> int:
     os.environ.update(GPULAYER_KEY=secrets.token_hex(16), GPULAYER_INTERFACES="127.0.0.1", GPULAYER_CACHE="0")
     n, submits, repeats, rounds = (200, 500, 1, 1) if args.quick else (1000, 2000, 3, 7)
     big = np.random.default_rng(0).integers(0, 255, size=256 << 20, dtype=np.uint8)
-    layouts = [layout for layout in LAYOUTS if layout == "free" or len(os.sched_getaffinity(0)) >= 2]
+    layouts = layouts_here()
     result = {"machine": machine(), "targets": TARGETS, "layout": layouts[0]}
     small = {layout: measure_small(rounds, n, submits, layout) for layout in layouts}
-    result["raw"] = {**small[layouts[0]]["raw"], **measure_raw(big, repeats)}
-    result["gpulayer"] = {**small[layouts[0]]["gpulayer"], **measure_bulk(big, repeats)}
-    result["through_peer"] = small[layouts[0]]["through_peer"]
-    result["rounds"] = small[layouts[0]]["rounds"]
+    judged = small[layouts[0]]
+    result["raw"] = {**judged["raw"], **measure_raw(big, repeats)}
+    result["gpulayer"] = {**judged["gpulayer"], **measure_bulk(big, repeats)}
+    result["through_peer"] = judged["through_peer"]
+    result["rounds"] = judged["rounds"]
     result["free"] = small["free"]  # the same rounds where the OS places the processes (Ray's layout too)
     result["aead"] = measure_aead(n, big, repeats)
     result["ray"] = measure_ray(n, submits, repeats)
