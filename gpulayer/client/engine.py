@@ -340,7 +340,8 @@ class Client:
         self._browser: discovery.Browser | None = None
         self._mdns = mdns
         self._helpers = ThreadPoolExecutor(16, thread_name_prefix="gpulayer-retry")
-        self._handshakes = ThreadPoolExecutor(discovery.MAX_CLAIMS, thread_name_prefix="gpulayer-verify")
+        # the handshakes at the claims of a peer's id (`_verify`): several peers' at once
+        self._handshakes = ThreadPoolExecutor(4 * discovery.MAX_CLAIMS, thread_name_prefix="gpulayer-verify")
         self.actors: dict[str, Any] = {}  # the live actors this submitter created: id -> ActorHandle
         self.directs: dict[str, PeerConnection] = {}  # direct connections to actors' workers, by actor id (ADR 0012)
         self.leases = Leases(self, leases)  # workers that peers lent to this submitter (ADR 0013)
