@@ -1,10 +1,11 @@
 """Finding peers: mDNS advertise and browse, the peer directory, static peers and the cache.
 
 Every peer registers `<label>-<peer id>._gpulayer._tcp.local.` with its Advert in the TXT
-record, where the label is its name made fit for one DNS label (`instance_label`). Registration skips probing (the name holds a unique peer id), so a new peer is seen
-in milliseconds; browsers ask with QM questions, so a late joiner gets multicast answers at
-once instead of waiting about a second for unicast ones. zeroconf keeps a peer that died
-without a goodbye listed for up to about 19 minutes, so liveness is the client's job.
+record, the label being its name made fit for one DNS label (`instance_label`). Registration
+skips probing (the name holds a unique peer id), so a new peer is seen in milliseconds;
+browsers ask with QM questions, so a late joiner gets multicast answers at once instead of
+waiting about a second for unicast ones. zeroconf keeps a peer that died without a goodbye
+listed for up to about 19 minutes, so liveness is the client's job.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import ifaddr
 from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, InterfaceChoice, IPVersion,
@@ -112,7 +113,7 @@ class Advertiser:
             self.zc.close()
 
 
-@dataclass
+@dataclass(eq=False)  # a claim is itself: two with equal fields are still two
 class PeerRecord:
     """One claim of where a peer is: its advert, its addresses, where we heard of it, and its health.
 
@@ -151,8 +152,9 @@ class Directory:
     mDNS instance name, the cache's) and beside the claim that a handshake verified; none
     replaces another's, and a goodbye removes only the claim its own name made. The engine
     tries every claim's addresses and keeps the one whose handshake proves that id. At most
-    `max_records` unverified claims in all, and MAX_CLAIMS to one peer id, are held, so that a
-    flood of adverts cannot grow the directory, or the handshakes one peer costs, without bound.
+    `max_records` unverified claims in all, and MAX_CLAIMS to one peer id (a new one takes the
+    place of one that failed), are held, so that a flood of adverts cannot grow the directory, or
+    the handshakes one peer costs, without bound.
     """
 
     def __init__(self, cluster: str, cache_path: Path | None = None, max_records: int = MAX_RECORDS):
@@ -175,8 +177,14 @@ class Directory:
                 claims[claims.index(old)] = record
             elif record.verified:
                 claims.insert(0, record)
-            elif self._unverified >= self.max_records or len(claims) >= MAX_CLAIMS:
-                log.debug("too many claims (%d in all, %d to %s): ignoring one", self._unverified, len(claims),
+            elif sum(not c.verified for c in claims) >= MAX_CLAIMS:
+                failed = next((c for c in claims if not c.verified and not c.up), None)
+                if failed is None:
+                    log.debug("%d claims to %s already: ignoring one", MAX_CLAIMS, record.advert.peer_id)
+                    return False
+                claims[claims.index(failed)] = record  # one whose handshake failed makes room
+            elif self._unverified >= self.max_records:
+                log.debug("directory full (%d claims): ignoring the advert of %s", self.max_records,
                           record.advert.peer_id)
                 if not claims:
                     del self._claims[record.advert.peer_id]
