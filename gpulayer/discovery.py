@@ -1,10 +1,11 @@
 """Finding peers: mDNS advertise and browse, the peer directory, static peers and the cache.
 
-Every peer registers `<name>-<peer id>._gpulayer._tcp.local.` with its Advert in the TXT
-record. Registration skips probing (the name holds a unique peer id), so a new peer is seen
-in milliseconds; browsers ask with QM questions, so a late joiner gets multicast answers at
-once instead of waiting about a second for unicast ones. zeroconf keeps a peer that died
-without a goodbye listed for up to about 19 minutes, so liveness is the client's job.
+Every peer registers `<label>-<peer id>._gpulayer._tcp.local.` with its Advert in the TXT
+record, the label being its name made fit for one DNS label (`instance_label`). Registration
+skips probing (the name holds a unique peer id), so a new peer is seen in milliseconds;
+browsers ask with QM questions, so a late joiner gets multicast answers at once instead of
+waiting about a second for unicast ones. zeroconf keeps a peer that died without a goodbye
+listed for up to about 19 minutes, so liveness is the client's job.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ifaddr
 from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, InterfaceChoice, IPVersion,
                       ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf)
 
 from .errors import ConfigError
-from .resources.model import Advert
+from .resources.model import TXT_VALUE_MAX, Advert
 
 log = logging.getLogger("gpulayer.discovery")
 
@@ -37,7 +39,9 @@ PEERS_ENV = "GPULAYER_PEERS"
 CACHE_ENV = "GPULAYER_CACHE"
 _MDNS_GROUP = "224.0.0.251"
 _TYPE_PTR, _CLASS_IN = 12, 1
-MAX_RECORDS = 1024  # peers a directory holds at most
+MAX_RECORDS = 1024  # unverified claims a directory holds at most
+MAX_CLAIMS = 8  # unverified claims to one peer id at most (each costs a handshake when the peer is needed)
+LABEL_MAX = 63  # bytes in one DNS label (RFC 1035): a peer's mDNS instance name is one label
 MAX_LOOKUPS = 32  # mDNS service-info look-ups outstanding at once; more names wait for the next announcement
 LOOKUP_TIMEOUT_MS = 1500
 
@@ -66,6 +70,27 @@ def advertised_addresses(interfaces: list[str] | None) -> list[str]:
     return found or ["127.0.0.1"]
 
 
+def check_name(name: str) -> str:
+    """A peer name that its TXT record carries whole (printable, at most 253 bytes); else ConfigError."""
+    if not name.isprintable():
+        raise ConfigError(f"peer name {name!r} has control or other non-printable characters")
+    room = TXT_VALUE_MAX - len("n=")
+    if len(name.encode()) > room:
+        raise ConfigError(f"peer name {name[:40]!r}... is {len(name.encode())} bytes long; at most {room} can "
+                          "be advertised")
+    return name
+
+
+def instance_label(name: str, peer_id: str) -> str:
+    """The mDNS instance label of a peer: its name with dots and non-printable characters as '-' (a dot
+    would split the label: other browsers would not see the service), cut to fit one DNS label with
+    its peer id, which keeps it unique. The whole name travels in the TXT record."""
+    suffix = f"-{peer_id}"
+    shown = "".join(ch if ch.isprintable() and ch != "." else "-" for ch in name)
+    room = LABEL_MAX - len(suffix.encode())
+    return shown.encode()[:room].decode("utf-8", "ignore") + suffix
+
+
 class Advertiser:
     """Publishes one peer's advert over mDNS until `close()`, which sends a goodbye."""
 
@@ -73,7 +98,7 @@ class Advertiser:
         self.zc = _zeroconf(interfaces)
         self.info = ServiceInfo(
             SERVICE_TYPE,
-            f"{advert.name}-{advert.peer_id}.{SERVICE_TYPE}",
+            f"{instance_label(advert.name, advert.peer_id)}.{SERVICE_TYPE}",
             port=port,
             properties=advert.to_txt(),
             server=f"gpulayer-{advert.peer_id}.local.",
@@ -88,9 +113,14 @@ class Advertiser:
             self.zc.close()
 
 
-@dataclass
+@dataclass(eq=False)  # a claim is itself: two with equal fields are still two
 class PeerRecord:
-    """A known peer: its advert, where to reach it, where we heard of it, and its health."""
+    """One claim of where a peer is: its advert, its addresses, where we heard of it, and its health.
+
+    Several claims may carry one peer id: adverts under other instance names (a copy, or the peer's
+    own), the cache, a static address, and the handshake that verified it. Only a handshake says
+    which of them is that peer (`verified`: the advert came with its HELLO, the address is the one
+    connected to)."""
 
     advert: Advert
     addresses: list[tuple[str, int]]
@@ -109,74 +139,122 @@ class PeerRecord:
     def address(self) -> str:
         return "%s:%d" % self.addresses[0] if self.addresses else "?"
 
+    @property
+    def claim(self) -> tuple[str, str]:
+        """What a fresh record of the same origin replaces: the handshake's, or that of its source and name."""
+        return ("verified", "") if self.verified else (self.source, self.name)
+
 
 class Directory:
     """The peers of one cluster known from every source; safe to use from any thread.
 
-    Adverts are hints: an unverified record (from mDNS or the cache) never replaces a
-    verified one (from a handshake) or a static one, and the directory holds at most
-    `max_records` records, so that a flood of adverts cannot grow it without bound.
+    Adverts are hints: each one is kept as a claim beside the others of its peer id (one per
+    mDNS instance name, the cache's) and beside the claim that a handshake verified; none
+    replaces another's, and a goodbye removes only the claim its own name made. The engine
+    tries every claim's addresses and keeps the one whose handshake proves that id. At most
+    `max_records` unverified claims in all, and MAX_CLAIMS to one peer id (a new one takes the
+    place of one that failed), are held, so that a flood of adverts cannot grow the directory, or
+    the handshakes one peer costs, without bound.
     """
 
     def __init__(self, cluster: str, cache_path: Path | None = None, max_records: int = MAX_RECORDS):
         self.cluster = cluster
         self.cache_path = cache_path
         self.max_records = max_records
-        self._records: dict[str, PeerRecord] = {}
+        self._claims: dict[str, list[PeerRecord]] = {}  # peer id -> its claims, oldest first
+        self._unverified = 0
         self._changed = threading.Condition()
 
     def upsert(self, record: PeerRecord) -> bool:
-        """Add or refresh a record; False when it is ignored (another cluster, a weaker source, full)."""
+        """Add or refresh a claim; False when it is ignored (another cluster, or too many claims)."""
         if record.advert.cluster != self.cluster:
             return False
         with self._changed:
-            old = self._records.get(record.advert.peer_id)
+            claims = self._claims.setdefault(record.advert.peer_id, [])
+            old = next((c for c in claims if c.claim == record.claim), None)
             if old is not None:
-                if not record.verified and (old.verified or old.source == "static" or record.source == "cache"):
-                    return False
                 record.down_until, record.error = old.down_until, old.error
-            elif not record.verified and len(self._records) >= self.max_records:
-                log.debug("directory full (%d records): ignoring the advert of %s", self.max_records,
+                claims[claims.index(old)] = record
+            elif record.verified:
+                claims.insert(0, record)
+            elif sum(not c.verified for c in claims) >= MAX_CLAIMS:
+                failed = next((c for c in claims if not c.verified and not c.up), None)
+                if failed is None:
+                    log.debug("%d claims to %s already: ignoring one", MAX_CLAIMS, record.advert.peer_id)
+                    return False
+                claims[claims.index(failed)] = record  # one whose handshake failed makes room
+            elif self._unverified >= self.max_records:
+                log.debug("directory full (%d claims): ignoring the advert of %s", self.max_records,
                           record.advert.peer_id)
+                if not claims:
+                    del self._claims[record.advert.peer_id]
                 return False
-            self._records[record.advert.peer_id] = record
+            else:
+                claims.append(record)
+                self._unverified += 1
             self._changed.notify_all()
         return True
 
     def remove(self, peer_id: str) -> None:
+        """Forget the peer: every claim to its id."""
         with self._changed:
-            if self._records.pop(peer_id, None) is not None:
+            claims = self._claims.pop(peer_id, None)
+            if claims is not None:
+                self._unverified -= sum(not c.verified for c in claims)
+                self._changed.notify_all()
+
+    def drop(self, record: PeerRecord) -> None:
+        """Forget one claim (its endpoint failed the key, or proved another id); the peer with its last."""
+        with self._changed:
+            claims = self._claims.get(record.advert.peer_id, [])
+            if record in claims:
+                claims.remove(record)
+                self._unverified -= not record.verified
+                if not claims:
+                    del self._claims[record.advert.peer_id]
                 self._changed.notify_all()
 
     def withdraw(self, peer_id: str, name: str) -> PeerRecord | None:
-        """An mDNS goodbye for `name`: remove the record only if that name created it, unverified.
+        """An mDNS goodbye for `name`: remove the unverified claim that name made, and only that.
 
-        Returns the record the goodbye did not remove (verified or static), whose owner must
-        check for itself whether the peer is gone; None otherwise.
+        Returns the peer's verified or static claim, if it has one, whose owner must check for
+        itself whether the peer is gone; None otherwise.
         """
         with self._changed:
-            record = self._records.get(peer_id)
-            if record is None:
-                return None
-            if record.verified or record.source == "static":
-                return record
-            if record.name == name:
-                del self._records[peer_id]
-                self._changed.notify_all()
-            return None
+            claims = self._claims.get(peer_id, [])
+            made = next((c for c in claims if c.claim == ("mdns", name)), None)
+            if made is not None:
+                self.drop(made)
+            return next((c for c in claims if c.verified or c.source == "static"), None)
+
+    def mark_down(self, peer_id: str, reason: str, until: float,
+                  addresses: list[tuple[str, int]] | None = None) -> None:
+        """Skip the peer's claims at any of `addresses` (all of its claims: None) until `until` (monotonic)."""
+        for record in self.claims(peer_id):
+            if addresses is None or set(record.addresses) & set(addresses):
+                record.down_until, record.error = until, reason
+
+    def claims(self, peer_id: str) -> list[PeerRecord]:
+        """Every claim to the peer id: the verified one first, then those that are up, oldest first."""
+        with self._changed:
+            return sorted(self._claims.get(peer_id, []), key=lambda c: (not c.verified, not c.up))
 
     def get(self, peer_id: str) -> PeerRecord | None:
-        return self._records.get(peer_id)
+        """The peer's claim that stands for it: the verified one, else the first that is up."""
+        claims = self.claims(peer_id)
+        return claims[0] if claims else None
 
     def records(self) -> list[PeerRecord]:
+        """One record per peer: the claim that stands for it (`get`)."""
         with self._changed:
-            return list(self._records.values())
+            ids = list(self._claims)
+        return [record for record in map(self.get, ids) if record is not None]
 
     def wait_for(self, predicate: Callable[[list[PeerRecord]], bool], timeout: float) -> bool:
         """Wait until predicate(records) is true or `timeout` passes; returns the last verdict."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while not predicate(list(self._records.values())):
+            while not predicate(self.records()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -266,6 +344,24 @@ class Browser(ServiceListener):
         self.browser = ServiceBrowser(self.zc, SERVICE_TYPE, self, question_type=DNSQuestionType.QM)
 
     def add_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+        self._guarded(self._heard, zc, type_, name)
+
+    update_service = add_service
+
+    def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+        self._guarded(self._gone, name)
+
+    @staticmethod
+    def _guarded(handler: Callable[..., None], *args: Any) -> None:
+        """Run a handler for one name on zeroconf's browser thread: an error (a name that zeroconf
+        refuses, with a control character, say) ends that name's event, never the thread that
+        reports all the others."""
+        try:
+            handler(*args)
+        except Exception as exc:
+            log.debug("ignoring an mDNS event for %r: %r", args[-1], exc)
+
+    def _heard(self, zc: Zeroconf, type_: str, name: str) -> None:
         info = ServiceInfo(type_, name)
         if info.load_from_cache(zc):
             self._found(name, info)
@@ -276,8 +372,6 @@ class Browser(ServiceListener):
                 return
             self._lookups.add(name)
         self._pool.submit(self._look_up, zc, type_, name)
-
-    update_service = add_service
 
     def _look_up(self, zc: Zeroconf, type_: str, name: str) -> None:
         try:
@@ -302,7 +396,7 @@ class Browser(ServiceListener):
         if not addresses or advert.cluster != self.directory.cluster:
             return
         if name in self._names or len(self._names) < 4 * self.directory.max_records:
-            self._names[name] = advert.peer_id  # also when a verified record keeps it out: its goodbye counts
+            self._names[name] = advert.peer_id  # also when the directory is full: its goodbye counts
         self.directory.upsert(PeerRecord(advert, addresses, "mdns", name=name))
 
     def query_now(self, window: float = 0.5) -> None:
@@ -346,7 +440,7 @@ class Browser(ServiceListener):
             for sock in sockets.values():
                 sock.close()
 
-    def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+    def _gone(self, name: str) -> None:
         peer_id = self._names.pop(name, None)
         if peer_id is None:
             return

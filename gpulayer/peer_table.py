@@ -28,12 +28,13 @@ def format_bytes(n: int | None) -> str:
 
 
 def format_peers(rows: list[dict[str, Any]]) -> str:
-    """One line per row under a header, columns padded to their widest cell."""
-    header = ("NAME", "ADDRESS", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "STATE")
+    """One line per row under a header, columns padded to their widest cell. VERIFIED says whether a
+    handshake with the cluster key proved the row's peer at its address (else it is an advert's claim)."""
+    header = ("NAME", "ADDRESS", "VERIFIED", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "STATE")
     lines = [header]
     for r in rows:
         if "accelerator" not in r:  # an unreachable static peer
-            lines.append((r["name"], r["address"], "?", "?", "?", "?", "-", "-", f"down: {r['error']}"))
+            lines.append((r["name"], r["address"], "no", "?", "?", "?", "?", "-", "-", f"down: {r['error']}"))
             continue
         mem = r["device_memory_gb"]
         memory = f"{max(mem):g} GB {r['memory_kind']}" if mem else f"{r['ram_gb']:g} GB host"
@@ -44,7 +45,7 @@ def format_peers(rows: list[dict[str, Any]]) -> str:
         actors = f" ({r['actors']} held by actors)" if r.get("actors") else ""
         state = r["state"] if r["state"] == "up" else f"down: {r['error']}"
         frameworks = " ".join(f"{k} {v}" for k, v in sorted(r["frameworks"].items())) or "-"
-        lines.append((r["name"], r["address"], r["accelerator"], memory, frameworks,
+        lines.append((r["name"], r["address"], "yes" if r.get("verified") else "no", r["accelerator"], memory, frameworks,
                       f"{busy}/{r['slots']}{queued}{actors}", format_util(r.get("util")),
                       format_bytes(r.get("held_bytes")), state))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]

@@ -19,7 +19,7 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -340,6 +340,8 @@ class Client:
         self._browser: discovery.Browser | None = None
         self._mdns = mdns
         self._helpers = ThreadPoolExecutor(16, thread_name_prefix="gpulayer-retry")
+        # the handshakes at the claims of a peer's id (`_verify`): several peers' at once
+        self._handshakes = ThreadPoolExecutor(4 * discovery.MAX_CLAIMS, thread_name_prefix="gpulayer-verify")
         self.actors: dict[str, Any] = {}  # the live actors this submitter created: id -> ActorHandle
         self.directs: dict[str, PeerConnection] = {}  # direct connections to actors' workers, by actor id (ADR 0012)
         self.leases = Leases(self, leases)  # workers that peers lent to this submitter (ADR 0013)
@@ -559,26 +561,52 @@ class Client:
         self._helpers.submit(self._place_again, task, cause)
 
     def _connection(self, record: discovery.PeerRecord) -> PeerConnection:
+        """The live connection to the record's peer, else one opened where a handshake proves that peer."""
         peer_id = record.advert.peer_id
-        conn = self._connections.get(peer_id)
-        if conn is not None and not conn.closed:
+        conn = self.pooled(peer_id)
+        if conn is not None:
             return conn
         with self._lock:
             gate = self._connecting.setdefault(peer_id, threading.Lock())
         with gate:
-            conn = self._connections.get(peer_id)
-            if conn is not None and not conn.closed:
-                return conn
+            return self.pooled(peer_id) or self._verify(record)
+
+    def _verify(self, record: discovery.PeerRecord) -> PeerConnection:
+        """Handshake at the addresses of every claim to the record's peer id, at once; the first
+        connection that proves that id is the peer's. Raises when none does."""
+        peer_id = record.advert.peer_id
+        groups: dict[tuple[tuple[str, int], ...], list[discovery.PeerRecord]] = {}
+        for claim in self.directory.claims(peer_id) or [record]:
+            groups.setdefault(tuple(claim.addresses), []).append(claim)
+        if len(groups) == 1:
+            return self._prove(peer_id, *groups.values())
+        errors = []
+        for future in as_completed([self._handshakes.submit(self._prove, peer_id, g) for g in groups.values()]):
             try:
-                conn = self._open(record.addresses, record.source)
+                return future.result()
             except (OSError, GPULayerError) as exc:
-                if isinstance(exc, AuthError) or record.source == "cache":
-                    self.directory.remove(peer_id)
-                self.mark_down(peer_id, str(exc))
-                raise
-            if conn.peer_id != peer_id:  # a cached address now holds another peer
-                self.directory.remove(peer_id)
-            return conn
+                errors.append(str(exc))
+        raise ConnectionError("; ".join(errors))
+
+    def _prove(self, peer_id: str, claims: list[discovery.PeerRecord]) -> PeerConnection:
+        """A connection at the claims' addresses (they share them) that proves `peer_id`.
+
+        An endpoint that fails is skipped for a while. One that fails the key or proves another
+        peer's id loses its claims, and a cached address that fails its own: none of them stands
+        for this peer, nor changes its row or status."""
+        try:
+            conn = self._open(claims[0].addresses, claims[0].source)
+        except (OSError, GPULayerError) as exc:
+            for claim in claims:
+                if isinstance(exc, AuthError) or claim.source == "cache":
+                    self.directory.drop(claim)
+            self.mark_down(peer_id, str(exc), claims[0].addresses)
+            raise
+        if conn.peer_id != peer_id:  # a copied advert, or a stale one: another peer answers there
+            for claim in claims:
+                self.directory.drop(claim)
+            raise ConnectionError(f"{conn.address} is another peer, {conn.name} ({conn.peer_id})")
+        return conn
 
     def pooled(self, peer_id: str) -> PeerConnection | None:
         """The open connection to a peer, if there is one."""
@@ -614,11 +642,9 @@ class Client:
         conn.fail("a connection to this peer is already open")  # it holds no task yet
         return old
 
-    def mark_down(self, peer_id: str, reason: str) -> None:
-        record = self.directory.get(peer_id)
-        if record is not None:
-            record.down_until = time.monotonic() + DOWN_BACKOFF
-            record.error = reason
+    def mark_down(self, peer_id: str, reason: str, addresses: list[tuple[str, int]] | None = None) -> None:
+        """Skip the peer (its claims at `addresses`, or all of them) for DOWN_BACKOFF seconds."""
+        self.directory.mark_down(peer_id, reason, time.monotonic() + DOWN_BACKOFF, addresses)
 
     # ---- outcomes (the ConnectionListener of every connection) ------------------------------------
 
@@ -715,7 +741,7 @@ class Client:
         if conn.silent and not self._closed.is_set():
             # cut off or frozen: skip it for a while. A reset or a close means its host answered;
             # if the peer is dead, the next connect is refused at once.
-            self.mark_down(conn.peer_id, reason)
+            self.mark_down(conn.peer_id, reason, conn.addresses)
             for direct in [d for d in [*self.directs.values(), *self.leases.all()] if d.peer_id == conn.peer_id]:
                 direct.fail(f"its peer {conn.name} went silent: {reason}", silent=True)  # its host, most likely
         for task in tasks:
@@ -795,7 +821,7 @@ class Client:
         # itself under a second ago stays silent to the first one (a record goes out once a second)
         self._closed.wait(min(self.discovery_timeout, 1.5) if wait is None else wait)
         rows = list(self._helpers.map(lambda record: self._describe(record, probe), self.directory.records()))
-        rows += [{"name": label, "address": label, "state": "down", "error": err, "source": "static"}
+        rows += [{"name": label, "address": label, "state": "down", "error": err, "source": "static", "verified": False}
                  for label, err in self.static_errors.items()]
         return sorted(rows, key=lambda r: r["name"])
 
@@ -804,24 +830,32 @@ class Client:
         return self._connection(record).request(wire.status_request(), CONNECT_TIMEOUT)
 
     def _describe(self, record: discovery.PeerRecord, probe: bool) -> dict[str, Any]:
+        """The peer's row; with `probe`, its STATUS from a connection that proved its id, and then the
+        claim that the handshake verified (its advert and address)."""
+        status: dict[str, Any] | None = None
+        error = ""
+        if probe:
+            try:
+                status = self.status(record)
+            except (OSError, GPULayerError) as exc:
+                error = str(exc)
+                self.mark_down(record.advert.peer_id, error)
+            record = self.directory.get(record.advert.peer_id) or record
         a = record.advert
         row = {"name": a.name, "peer_id": a.peer_id, "address": record.address, "accelerator": a.accelerator,
                "device": a.device_name, "memory_kind": a.memory_kind, "device_memory_gb": list(a.device_memory_gb),
                "ram_gb": a.ram_gb, "frameworks": dict(a.frameworks), "capabilities": sorted(a.capabilities),
                "slots": a.slots, "busy": None, "queued": None, "util": None, "source": record.source,
-               "state": "up" if record.up else "down", "error": record.error}
-        if probe:
-            try:
-                status = self.status(record)
-                row["busy"], row["queued"] = status["load"][:2]
-                row["actors"] = len(status.get("actors") or [])  # slots that actors hold
-                row["util"] = clean_sample(status.get("util"))
-                held_bytes = status.get("held_bytes")  # untrusted: a whole number of bytes, or unknown
-                row["held_bytes"] = held_bytes if type(held_bytes) is int and held_bytes >= 0 else None
-                row["state"], row["error"] = "up", ""
-            except (OSError, GPULayerError) as exc:
-                self.mark_down(a.peer_id, str(exc))
-                row["state"], row["error"] = "down", str(exc)
+               "verified": record.verified, "state": "up" if record.up else "down", "error": record.error}
+        if status is not None:
+            row["busy"], row["queued"] = status["load"][:2]
+            row["actors"] = len(status.get("actors") or [])  # slots that actors hold
+            row["util"] = clean_sample(status.get("util"))
+            held_bytes = status.get("held_bytes")  # untrusted: a whole number of bytes, or unknown
+            row["held_bytes"] = held_bytes if type(held_bytes) is int and held_bytes >= 0 else None
+            row["state"], row["error"] = "up", ""
+        elif error:
+            row["state"], row["error"] = "down", error
         return row
 
     def create_actor(self, spec: Any) -> TaskFuture:
@@ -849,3 +883,4 @@ class Client:
         if self._browser is not None:
             self._browser.close()
         self._helpers.shutdown(wait=False, cancel_futures=True)
+        self._handshakes.shutdown(wait=False, cancel_futures=True)

@@ -66,8 +66,9 @@ def _workdir(text: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
-    from ..discovery import configured_interfaces
+    from ..discovery import check_name, configured_interfaces
 
+    name = check_name(args.name)  # before the slow part: a name that cannot be advertised fails at once
     if args.concurrency is not None and args.concurrency < 1:
         raise GPULayerError("--concurrency must be at least 1")
     wire.max_message_bytes()  # a bad GPULAYER_MAX_MESSAGE_MB fails here, not at the first submitter
@@ -80,7 +81,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         resources=resources,
         port=args.port,
         interfaces=configured_interfaces(args.interfaces.split(",") if args.interfaces else None),
-        name=args.name,
+        name=name,
         python=args.python,
         concurrency=args.concurrency,
         preload=args.preload.split(",") if args.preload is not None else None,

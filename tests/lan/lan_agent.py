@@ -135,7 +135,7 @@ class Agent:
         return {"ok": ok, "elapsed": time.monotonic() - started, "wall": time.time(), "records": self.records()}
 
     def op_peers(self, wait=0.0):
-        return {"peers": [{k: row.get(k) for k in ("name", "state", "busy", "queued", "error", "source", "slots",
+        return {"peers": [{k: row.get(k) for k in ("name", "state", "busy", "queued", "error", "source", "slots", "verified",
                                                    "address", "peer_id", "device", "frameworks")}
                           for row in self.client.peers(wait=wait)]}
 

@@ -53,8 +53,8 @@ import time
 
 import msgpack
 from lanserve import serve
-from zeroconf import (DNSOutgoing, DNSPointer, DNSQuestionType, InterfaceChoice, IPVersion, ServiceBrowser,
-                      ServiceInfo, ServiceListener, Zeroconf)
+from zeroconf import (BadTypeInNameException, DNSOutgoing, DNSPointer, DNSQuestionType, InterfaceChoice, IPVersion,
+                      ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf)
 
 SERVICE_TYPE = "_gpulayer._tcp.local."
 PROTOCOL_VERSION = 2  # what the peers speak now (the rogue imports nothing of gpulayer: it is not a client)
@@ -319,11 +319,16 @@ class Rogue:
         collector = Collector()
         browser = ServiceBrowser(self.zc, SERVICE_TYPE, collector, question_type=DNSQuestionType.QM)
         found: dict[str, dict] = {}
+        refused: set[str] = set()
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
-                for name in list(collector.names - set(found)):
-                    info = self.zc.get_service_info(SERVICE_TYPE, name, timeout=1000)
+                for name in list(collector.names - set(found) - refused):
+                    try:
+                        info = self.zc.get_service_info(SERVICE_TYPE, name, timeout=1000)
+                    except BadTypeInNameException:  # its own "gpu\x07box" advert, say
+                        refused.add(name)
+                        continue
                     if info is not None and info.port:
                         found[name] = {
                             "instance": name, "port": info.port, "server": info.server,

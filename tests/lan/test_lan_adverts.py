@@ -19,7 +19,7 @@ import time
 import pytest
 from lanlab import HERE, lan_env, runs
 
-from gpulayer.discovery import SERVICE_TYPE
+from gpulayer.discovery import SERVICE_TYPE, instance_label
 
 LAN_PEERS = 2
 LAN_CONCURRENCY = 2
@@ -62,7 +62,7 @@ def rogue(lan):
 
 
 def instance_of(name: str, peer_id: str) -> str:
-    return f"{name}-{peer_id}.{SERVICE_TYPE}"
+    return f"{instance_label(name, peer_id)}.{SERVICE_TYPE}"
 
 
 def canary(rogue, port: int, label: str) -> str:
