@@ -11,8 +11,8 @@ from .errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchin
                      RemoteError, TaskRejected, TaskTimeout, WorkerDied)
 
 __version__ = "0.1.0"
-_API = ("run", "submit", "map", "remote", "peers", "device", "actors", "configure", "default_client",
-        "RemoteFunction", "ActorClass")
+_API = ("run", "submit", "map", "options", "remote", "peers", "device", "actors", "configure", "default_client",
+        "RemoteFunction", "ActorClass", "Options")
 
 __all__ = [*_API, "ActorDied", "AuthError", "ConfigError", "GPULayerError", "NoMatchingPeer", "PeerLost",
            "ProtocolError", "RemoteError", "TaskRejected", "TaskTimeout", "WorkerDied"]
@@ -25,3 +25,7 @@ def __getattr__(name: str):
         value = globals()[name] = getattr(api, name)  # later lookups skip this function
         return value
     raise AttributeError(f"module 'gpulayer' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_API})  # tab completion offers the API before its first use

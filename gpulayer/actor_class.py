@@ -8,7 +8,7 @@
     g = Generator("weights/")   # the actor, on a matching peer, once __init__ ran there
     g.generate("hello")         # runs there
 
-The task options (`gpulayer.options`) apply to creating the actor; two more are the actor's own:
+The task options (`gpulayer.task_options`) apply to creating the actor; two more are the actor's own:
 `max_concurrency` (calls run at once, default 1: one at a time, in the order they were sent) and
 `restarts` (how many times a dead actor is re-created with its constructor arguments).
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 from . import wire
 from .client.actors import ActorHandle, ActorSpec
-from .options import TaskOptions
+from .task_options import TaskOptions
 
 ACTOR_OPTIONS = ("max_concurrency", "restarts")
 

@@ -1,10 +1,10 @@
-"""The submitter's API: run, submit, map, remote, peers, device, actors.
+"""The submitter's API: run, submit, map, options, remote, peers, device, actors.
 
 Every function uses one process-wide backend, made on first use from the environment: the LAN's
 Client (GPULAYER_KEY or the key file, GPULAYER_INTERFACES, GPULAYER_PEERS), or a Ray cluster when
 GPULAYER_BACKEND=ray (GPULAYER_RAY_ADDRESS; see gpulayer.backends). `configure()` replaces it.
 Task options (accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, timeout,
-retries, python, env) are defined and checked in one table, `gpulayer.options`.
+retries, python, env) are defined and checked in one table, `gpulayer.task_options`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from .backends.base import Backend, make
 from .actor_class import ActorClass
-from .options import TaskOptions, no_keep, split_call
+from .task_options import TaskOptions, check_arguments, no_keep, split_call
 
 _client: Backend | None = None
 _client_lock = threading.Lock()
@@ -59,36 +59,88 @@ def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
                                    retries=options.retries, env=options.env, keep=options.keep)
 
 
+def _map(fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], progress: bool | None,
+         options: TaskOptions) -> list[Any]:
+    if not iterables:
+        raise TypeError("map() needs at least one iterable")
+    no_keep(options, "gl.map()")
+    calls = list(zip(*iterables))
+    if calls:
+        check_arguments(fn, calls[0], {})  # a wrong count fails here, not on every peer
+    return default_client().map(fn, calls, req=options.requirements, timeout=options.timeout,
+                                retries=options.retries, env=options.env, progress=progress)
+
+
 def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
     """Run fn(*args, **kwargs) on a matching peer; returns a concurrent.futures.Future.
 
-    Keyword arguments named like a task option (see `gpulayer.options`) are task options;
-    the others go to fn. A future among the arguments (also inside lists and dicts) is replaced by
-    its value; with keep=True, the result stays on its peer, and a future of it passed to another
-    task travels from peer to peer, not through here (docs/data.md).
+    Keyword arguments named like a task option are task options; the others go to fn. The call is
+    checked against fn's signature here, before anything is sent (docs/concepts.md, "Task options").
+    A future among the arguments (also inside lists and dicts) is replaced by its value; with
+    keep=True, the result stays on its peer, and a future of it passed to another task travels
+    from peer to peer, not through here (docs/data.md).
+
+    Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
+    (what the peer must offer); timeout, retries, env, keep (how the task runs). A function that
+    takes one of these names itself is called with `gl.options(...).submit(fn, ...)`, where
+    every keyword goes to fn.
     """
-    options, kwargs = split_call(kwargs)
+    options, kwargs = split_call(fn, args, kwargs)
     return _submit(fn, args, kwargs, options)
 
 
 def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run fn(*args, **kwargs) on a matching peer and return its result (or raise its exception)."""
-    options, kwargs = split_call(kwargs)
+    """Run fn(*args, **kwargs) on a matching peer and return its result (or raise its exception).
+
+    Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
+    (what the peer must offer); timeout, retries, env (how the task runs). The other keywords go
+    to fn; the call is checked against fn's signature before anything is sent, and a keyword
+    that fn also takes is refused as ambiguous: `gl.options(timeout=5).run(fn, ..., timeout=...)`
+    gives the task option and fn's own argument apart.
+    """
+    options, kwargs = split_call(fn, args, kwargs)
     no_keep(options, "gl.run()")
     return _submit(fn, args, kwargs, options).result()
 
 
-def map(fn: Callable[[Any], Any], iterable: Iterable[Any], *, progress: bool | None = None, **options: Any) -> list[Any]:
-    """fn(item) for every item, spread over all matching peers; results in input order.
+def map(fn: Callable[..., Any], *iterables: Iterable[Any], progress: bool | None = None, **options: Any) -> list[Any]:
+    """fn(*items) for the items of the iterables taken together (as the built-in `map`, stopping at
+    the shortest), spread over all matching peers; results in input order.
 
     At most two tasks per slot of the matching peers are in flight at once, so that faster
-    peers take more. The first failure cancels the rest and is raised. A progress bar is
-    drawn on a terminal (or when progress=True).
+    peers take more. The first failure cancels the rest and is raised. A progress bar with the
+    rate and the time left is drawn on a terminal (or when progress=True). Every keyword is a task
+    option (as for `gl.run`).
     """
-    parsed = TaskOptions.parse(options)
-    no_keep(parsed, "gl.map()")
-    return default_client().map(fn, list(iterable), req=parsed.requirements, timeout=parsed.timeout,
-                                retries=parsed.retries, env=parsed.env, progress=progress)
+    return _map(fn, iterables, progress, TaskOptions.parse(options))
+
+
+class Options:
+    """What `gl.options(...)` returns: task options fixed once, and `run`, `submit` and `map` whose
+    every keyword goes to the function (no name is taken as a task option)."""
+
+    def __init__(self, options: dict[str, Any]):
+        self._parsed = TaskOptions.parse(options)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) on a matching peer, with these options; its result."""
+        no_keep(self._parsed, "gl.options(...).run()")
+        return self.submit(fn, *args, **kwargs).result()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+        """fn(*args, **kwargs) on a matching peer, with these options; a future."""
+        check_arguments(fn, args, kwargs)
+        return _submit(fn, args, kwargs, self._parsed)
+
+    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], progress: bool | None = None) -> list[Any]:
+        """As `gl.map`, with these options."""
+        return _map(fn, iterables, progress, self._parsed)
+
+
+def options(**task_options: Any) -> Options:
+    """Task options given apart from the call: `gl.options(timeout=5).run(train, 3, timeout=30)` runs
+    train(3, timeout=30) with a 5 s task timeout. Checked here, as `@gl.remote` checks them."""
+    return Options(task_options)
 
 
 class RemoteFunction:
@@ -105,10 +157,11 @@ class RemoteFunction:
         return self.submit(*args, **kwargs).result()
 
     def submit(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        check_arguments(self.__gpulayer_function__, args, kwargs)
         return _submit(self.__gpulayer_function__, args, kwargs, self._parsed)
 
-    def map(self, iterable: Iterable[Any], progress: bool | None = None) -> list[Any]:
-        return map(self.__gpulayer_function__, iterable, progress=progress, **self._options)
+    def map(self, *iterables: Iterable[Any], progress: bool | None = None) -> list[Any]:
+        return _map(self.__gpulayer_function__, iterables, progress, self._parsed)
 
     def options(self, **overrides: Any) -> RemoteFunction:
         """A copy with some options replaced, e.g. f.options(accelerator="cuda")."""

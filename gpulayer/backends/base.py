@@ -25,7 +25,7 @@ BACKENDS = (LAN, RAY)
 
 
 class Backend(Protocol):
-    """What the API functions call: submit one task, map over items, list the machines, close."""
+    """What the API functions call: submit one task, map over calls, list the machines, close."""
 
     @property
     def closed(self) -> bool: ...
@@ -34,7 +34,7 @@ class Backend(Protocol):
                req: Requirements, timeout: float | None = None, retries: int = 0,
                env: dict[str, str] | None = None, keep: bool = False) -> Future[Any]: ...
 
-    def map(self, fn: Callable[[Any], Any], items: list[Any], *, req: Requirements, timeout: float | None = None,
+    def map(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], *, req: Requirements, timeout: float | None = None,
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]: ...
 
     def create_actor(self, spec: ActorSpec) -> Future[Any]: ...

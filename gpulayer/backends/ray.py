@@ -44,7 +44,7 @@ from ..client import inference
 from ..client.actors import ActorMethod, ActorSpec
 from ..errors import ActorDied, ConfigError, NoMatchingPeer, PeerLost, RemoteError, TaskTimeout, WorkerDied
 from ..matching import Requirements, match
-from ..options import check_retries
+from ..task_options import check_retries
 from ..wire import check_timeout
 from ..peer.worker import task_environment
 from ..progress import MapProgressBar
@@ -604,16 +604,16 @@ class RayBackend:
         else:
             task.resolve(outcome)
 
-    def map(self, fn: Callable[[Any], Any], items: list[Any], *, req: Requirements, timeout: float | None = None,
+    def map(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], *, req: Requirements, timeout: float | None = None,
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
-        """fn(item) for every item, queued on Ray at once; results in input order; the first failure
+        """fn(*args) for the args of every call, queued on Ray at once; results in input order; the first failure
         cancels the rest and is raised."""
         fn_bytes = serialization.dumps(fn)[0]
-        bar = MapProgressBar(len(items), label=f"{getattr(fn, '__name__', 'map')} ", enabled=progress)
+        bar = MapProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
         futures: list[RayFuture] = []
         try:
-            for item in items:
-                futures.append(self.submit(fn, (item,), req=req, timeout=timeout, retries=retries, env=env,
+            for args in calls:
+                futures.append(self.submit(fn, args, req=req, timeout=timeout, retries=retries, env=env,
                                            fn_bytes=fn_bytes))
                 futures[-1].add_done_callback(lambda _: bar.advance())
             wait(futures, return_when=FIRST_EXCEPTION)

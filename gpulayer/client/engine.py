@@ -27,7 +27,7 @@ from .. import discovery, held, remote_exceptions, serialization, wire
 from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match
-from ..options import check_keep, check_retries
+from ..task_options import check_keep, check_retries
 from ..wire import check_timeout
 from ..progress import MapProgressBar
 from ..resources.utilisation import clean_sample
@@ -465,9 +465,9 @@ class Client:
         return self._received_before + sum(conn._wire.received for conn in
                                            [*self._connections.values(), *self.directs.values(), *self.leases.all()])
 
-    def map(self, fn: Callable[[Any], Any], items: list[Any], *, req: Requirements, timeout: float | None = None,
+    def map(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], *, req: Requirements, timeout: float | None = None,
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
-        """fn(item) for every item, spread over all matching peers; results in input order.
+        """fn(*args) for the args of every call, spread over all matching peers; results in input order.
 
         At most two tasks per slot of the matching peers are in flight at once, so that faster
         peers take more, shared among the submitters that the peers report (ADR 0011: fair
@@ -475,14 +475,14 @@ class Client:
         cancels the rest and is raised.
         """
         fn_bytes = serialization.dumps(fn)[0]
-        bar = MapProgressBar(len(items), label=f"{getattr(fn, '__name__', 'map')} ", enabled=progress)
+        bar = MapProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
         futures: list[TaskFuture] = []
         window: MapWindow | None = None
         try:
-            for item in items:
+            for args in calls:
                 if window is not None:
                     window.acquire()
-                future = self.submit(fn, (item,), req=req, timeout=timeout, retries=retries, env=env,
+                future = self.submit(fn, args, req=req, timeout=timeout, retries=retries, env=env,
                                      fn_bytes=fn_bytes)
                 if window is None:
                     slots = self.total_slots(req)

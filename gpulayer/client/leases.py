@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import shm, wire
 from ..errors import GPULayerError, PeerLost, WorkerDied
-from ..peer.workers import read_at_load
+from ..taskenv import read_at_load
 from .connection import PeerConnection
 
 if TYPE_CHECKING:

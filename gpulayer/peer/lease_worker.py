@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 
 from .. import wire
 from ..errors import ProtocolError
+from ..taskenv import read_at_load
 from .actor_worker import Stream, arrived, output_to, route_output, take_connection
 from .worker import FunctionCache, _flush, run_task, task_environment
-from .workers import read_at_load
 
 POLL_S = 0.05  # while idle, how often the lease looks whether the peer wants the slot back
 DRAIN_S = 2.0  # after LEASE_END, how long the submitter is given to close its side

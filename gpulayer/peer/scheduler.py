@@ -28,7 +28,8 @@ from ..matching import MEMORY_SLACK_GB, Requirements
 from ..resources.model import Resources
 from ..resources.utilisation import Sample
 from .actors import Actor, Actors, CallOwner, grace_from_env, new_actor_id
-from .workers import Slot, Worker, describe_exit, job_pythonpath, read_at_load
+from ..taskenv import read_at_load
+from .workers import Slot, Worker, describe_exit, job_pythonpath
 
 log = logging.getLogger("gpulayer.peer")
 

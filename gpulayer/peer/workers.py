@@ -43,29 +43,29 @@ class Slot:
         return self.task is None and self.worker is not None and self.worker.ready
 
 
-# Variables that the interpreter reads when it starts, or a library (torch, mlx, Metal, CUDA, the
-# math and thread libraries) when it loads or initialises: setting one in a warm worker, where torch
-# may already be loaded, would come too late. A task whose env sets one runs in a fresh worker.
-READ_AT_LOAD_PREFIXES = ("PYTORCH_", "TORCH_", "CUDA_", "MLX_", "METAL_", "MTL_", "OMP_", "MKL_", "OPENBLAS_",
-                         "KMP_", "VECLIB_", "XLA_", "JAX_", "TF_", "HF_", "PYTHON", "LD_", "DYLD_", "MALLOC_")
-
-
-def read_at_load(name: str) -> bool:
-    """Whether variable `name` takes effect only in a process started with it (READ_AT_LOAD_PREFIXES)."""
-    return name.startswith(READ_AT_LOAD_PREFIXES)
-
-
 def job_pythonpath(python: str) -> str | None:
-    """PYTHONPATH that lets another interpreter import gpulayer without the peer's site-packages.
+    """PYTHONPATH that lets another job interpreter import gpulayer without the peer's site-packages.
 
-    A private folder holds one link to this gpulayer package; the job interpreter still needs
-    msgpack and cloudpickle of its own.
+    None when `python` is this interpreter's own environment: its `sys.prefix` is the peer's. A venv
+    made with symlinks resolves to the same executable as its base, and is still another
+    environment, so the executables are not compared. A private folder holds one link to this
+    gpulayer package; the job interpreter still needs msgpack and cloudpickle of its own.
     """
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
+    if python == sys.executable or _prefix(python) == sys.prefix:
         return None
     folder = Path(tempfile.mkdtemp(prefix="gpulayer-path-"))
     (folder / "gpulayer").symlink_to(_PACKAGE_DIR, target_is_directory=True)
     return str(folder)
+
+
+def _prefix(python: str) -> str | None:
+    """The `sys.prefix` of interpreter `python` (what a venv changes), or None where it does not run."""
+    try:
+        found = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix)"], capture_output=True,
+                               text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return found.stdout.strip() if found.returncode == 0 else None
 
 
 def tcp_socketpair() -> tuple[socket.socket, socket.socket]:

@@ -31,10 +31,6 @@ def nap(path: str, seconds: float) -> str:
     return name
 
 
-def nap_for(args: tuple[str, float]) -> str:
-    return nap(*args)
-
-
 @pytest.fixture(scope="module")
 def key():
     return new_key()
@@ -67,7 +63,7 @@ def test_tasks_queued_on_a_slow_peer_move_to_a_free_one_and_run_once(key, peers,
         results: dict[Client, list[str]] = {}
 
         def work(c: Client) -> None:
-            results[c] = c.map(nap_for, [(p, 0.05) for p in paths[c]], req=CPU, progress=False)
+            results[c] = c.map(nap, [(p, 0.05) for p in paths[c]], req=CPU, progress=False)
 
         threads = [threading.Thread(target=work, args=(c,)) for c in clients]
         for t in threads:

@@ -1,0 +1,62 @@
+"""A job interpreter in a venv made the ordinary way (issue 26, item 11).
+
+`python3 -m venv jobenv` links its python to the same base interpreter as the peer's; it is still
+another environment, whose site-packages lack gpulayer. Both kinds of venv, with symlinks and with
+`--copies`, run tasks as the job interpreter of a real peer (`--python`), through the peer and on a
+lease (ADR 0013), whose worker must not need the peer's own packages (psutil).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+
+import gpulayer as gl
+from support import wait_until
+
+NEEDS = ("msgpack", "cloudpickle", "cryptography")  # what a worker imports besides gpulayer
+
+
+def prefix():
+    return sys.prefix
+
+
+def _venv(folder, *flags: str) -> str:
+    subprocess.run([sys.executable, "-m", "venv", *flags, str(folder)], check=True, capture_output=True, timeout=120)
+    python = str(folder / "bin" / "python")
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in NEEDS]
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-cache-dir", *pins], check=True, capture_output=True,
+                   timeout=240)
+    return python
+
+
+@pytest.fixture(scope="module")
+def venvs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("job-venvs")
+    return {"linked": _venv(root / "linked"), "copied": _venv(root / "copied", "--copies")}
+
+
+@pytest.fixture(scope="module")
+def peers(peer_factory, cluster_key, gl_client, venvs):
+    return {name: peer_factory(name, "--concurrency", "1", "--python", python, key=cluster_key)
+            for name, python in venvs.items()}
+
+
+@pytest.mark.parametrize("kind", ["linked", "copied"])
+def test_a_venv_of_the_peers_own_python_runs_tasks_and_leases(peers, venvs, gl_client, kind):
+    if kind == "linked":  # what the bug needs: the same executable as the peer's, once links are resolved
+        assert os.path.realpath(venvs[kind]) == os.path.realpath(sys.executable)
+    venv = os.path.dirname(os.path.dirname(venvs[kind]))
+
+    def on_a_lease():  # a task through the peer (the first ones) or on its lease, then: is there one?
+        assert gl.run(prefix, peer=kind, timeout=60) == venv
+        lease = gl_client.leases.by_peer.get(peers[kind].peer_id)
+        return lease is not None and not lease.closed
+
+    wait_until(on_a_lease, 60)
+    assert gl.map(pow, [2, 3], [3, 2], peer=kind) == [8, 9]
+    assert gl.run(prefix, peer=kind, timeout=60) == venv
