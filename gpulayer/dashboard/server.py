@@ -134,7 +134,7 @@ def _handler(monitor: Monitor, loopback_only: bool, token: str) -> type[BaseHTTP
             if loopback_only and not _loopback_host_header(self.headers.get("Host", "")):
                 self._send(403, b"the dashboard answers only to a loopback Host (127.0.0.1, localhost)\n",
                            "text/plain; charset=utf-8")
-            elif not any(_same(value, token) for value in [*offered, *self._cookies().get(self._cookie, [])]):
+            elif not any(_same(value, token) for value in offered + self._cookie_values()):
                 self._send(403, b"this dashboard needs its token: open the URL that `gpulayer dashboard` printed "
                                 b"(it ends in ?token=...)\n", "text/plain; charset=utf-8")
             elif path in STATIC:
@@ -167,12 +167,10 @@ def _handler(monitor: Monitor, loopback_only: bool, token: str) -> type[BaseHTTP
             address = self.server.server_address
             return f"gpulayer-dashboard-{address[1] if isinstance(address, tuple) else 0}"
 
-        def _cookies(self) -> dict[str, list[str]]:
+        def _cookie_values(self) -> list[str]:
+            """What the request's cookies of this dashboard hold (a client may send several)."""
             pairs = (part.strip().partition("=") for part in self.headers.get("Cookie", "").split(";"))
-            found: dict[str, list[str]] = {}
-            for name, _, value in pairs:
-                found.setdefault(name, []).append(value)
-            return found
+            return [value for name, _, value in pairs if name == self._cookie]
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
             log.debug("%s %s", self.address_string(), (format % args).replace(token, "<token>"))
