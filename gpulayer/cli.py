@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--port", type=int, default=8265, help="port to serve on (default 8265)")
     dash.add_argument("--open", action="store_true", help="open the page in the default browser")
     dash.add_argument("--allow-remote", action="store_true",
-                      help="allow a non-loopback --host (the page has no login: anyone who reaches it sees every task)")
+                      help="allow a non-loopback --host (the page and its token then cross the network in clear "
+                           "HTTP: whoever sees the token sees every task)")
     dash.set_defaults(func=_dashboard)
 
     key = sub.add_parser("key", help="cluster key")

@@ -189,3 +189,59 @@ def authenticated(peer: PeerProcess, client_id: str = "tester"):
     conn = wire.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
     wire.client_handshake(conn, peer.key.encode(), client_id)
     return conn
+
+
+class LocalUser:
+    """A second account of this machine (useradd), to test what any local user can reach: loopback,
+    abstract Unix sockets, /proc. `remove()` deletes it; the `other_user` fixture makes and removes one."""
+
+    def __init__(self) -> None:
+        import pwd
+
+        self.name = f"gltest-{secrets.token_hex(4)}"
+        subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", self.name],
+                       check=True, capture_output=True, timeout=60)
+        entry = pwd.getpwnam(self.name)
+        self.uid, self.gid = entry.pw_uid, entry.pw_gid
+        self.python: str | None = None
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why this machine cannot make one, or None."""
+        import shutil
+
+        if os.getuid() != 0:
+            return "making another local user needs root"
+        missing = [tool for tool in ("useradd", "userdel", "setpriv") if shutil.which(tool) is None]
+        return f"no {', '.join(missing)} on this machine" if missing else None
+
+    def find_python(self) -> str | None:
+        """An interpreter this user may run (the venv's may lie in a folder out of its reach)."""
+        import shutil
+
+        candidates = [os.path.realpath(sys.executable), getattr(sys, "_base_executable", ""),
+                      shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or ""]
+        self.python = next((p for p in candidates if p and self.run("pass", python=p).returncode == 0), None)
+        return self.python
+
+    def run(self, code: str, *args: str, timeout: float = 120, python: str | None = None) \
+            -> subprocess.CompletedProcess:
+        """Python `code` (with sys.argv[1:] = args) run as this user, through setpriv: its uid and gid, no
+        other groups, a bare environment (no key, no token), in /, bounded by `timeout`."""
+        argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups",
+                python or self.python or "python3", "-I", "-c", code, *args]
+        return subprocess.run(argv, env={"PATH": "/usr/bin:/bin"}, cwd="/", capture_output=True, text=True,
+                              timeout=timeout)
+
+    def remove(self) -> None:
+        """Kill what still runs as this user (only the tests' own processes can), then userdel."""
+        import psutil
+
+        for proc in psutil.process_iter(["uids"]):
+            if proc.info["uids"] is not None and self.uid in proc.info["uids"]:
+                try:
+                    proc.kill()
+                    proc.wait(10)
+                except psutil.NoSuchProcess:
+                    pass
+        subprocess.run(["userdel", self.name], check=True, capture_output=True, timeout=60)

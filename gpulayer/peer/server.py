@@ -31,6 +31,7 @@ from ..resources.utilisation import Sample, Sampler
 from .actors import Actor, grace_from_env
 from .channel import AsyncChannel
 from .local import LocalLinks
+from .quiet import QuietLog
 from .workers import Worker
 from . import held
 from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, plan_slots
@@ -38,7 +39,6 @@ from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, pl
 log = logging.getLogger("gpulayer.peer")
 
 ACCEPT_PAUSE_MIN, ACCEPT_PAUSE_MAX = 0.05, 1.0  # back-off of accepting when out of descriptors (s)
-ACCEPT_WARN_EVERY = 10.0  # seconds between warnings about failing accepts
 
 
 @dataclass
@@ -147,8 +147,7 @@ class Peer:
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
         self._lingering: dict[Connection, None] = {}  # refused, closing in the background; oldest first
         self._accept_pause = 0.0  # seconds accepting pauses after running out of descriptors
-        self._accept_errors = 0  # since the last warning
-        self._accept_warned = 0.0
+        self.quiet = QuietLog(log)  # warnings that anyone can cause: a line a kind per interval
         self._draining = False
         self._forced = False
         self._stopped: asyncio.Event | None = None
@@ -184,7 +183,7 @@ class Peer:
         self.port = self._server.getsockname()[1]
         self._loop.add_reader(self._server.fileno(), self._on_accept)
         if shm.enabled():
-            self._local = LocalLinks(self._loop)
+            self._local = LocalLinks(self._loop, self.quiet)
         self.scheduler.spawn(self._watchdog())
         self.sampler.start()
         if self.config.advertise:
@@ -227,6 +226,7 @@ class Peer:
         await asyncio.gather(*(c.channel.close_gracefully() for c in list(self._connections)))
         await self.scheduler.stop()
         self.sampler.stop()
+        self.quiet.flush(final=True)
         self._stopped.set()
 
     def cancel_all(self, message: str) -> None:
@@ -288,15 +288,11 @@ class Peer:
             oldest.channel.close()
 
     def _accept_failed(self, exc: OSError) -> None:
-        """Out of descriptors (or another accept error): pause accepting, back off, warn at most every 10 s."""
+        """Out of descriptors (or another accept error): pause accepting, back off, warn rarely (quiet.py)."""
         assert self._loop is not None and self._server is not None
-        self._accept_errors += 1
-        now = time.monotonic()
         self._accept_pause = min(max(2 * self._accept_pause, ACCEPT_PAUSE_MIN), ACCEPT_PAUSE_MAX)
-        if now - self._accept_warned >= ACCEPT_WARN_EVERY:
-            log.warning("accept failed %d time(s): %s; pausing new connections for %.2f s",
-                        self._accept_errors, exc, self._accept_pause)
-            self._accept_warned, self._accept_errors = now, 0
+        self.quiet.warning("failed accepts", "accept failed: %s; pausing new connections for %.2f s",
+                           exc, self._accept_pause)
         fd = self._server.fileno()
         self._loop.remove_reader(fd)
         self._loop.call_later(self._accept_pause, self._resume_accepting, fd)
@@ -309,6 +305,7 @@ class Peer:
         """Close handshakes that stall and submitters that went silent (no PING for a while)."""
         while True:
             await asyncio.sleep(0.25)
+            self.quiet.flush()
             now = time.monotonic()
             while self._unauthenticated:
                 conn, deadline = next(iter(self._unauthenticated.items()))
@@ -349,7 +346,11 @@ class Peer:
 
     def refuse(self, conn: Connection, code: str, message: str) -> None:
         """Tell the other side why, then close (in the background)."""
-        log.warning("closing connection from %s: %s", conn.address, message)
+        if conn.authenticated:  # a key holder's connection: each is worth its line
+            log.warning("closing connection from %s: %s", conn.address, message)
+        else:  # anyone can cause these, as often as they like
+            self.quiet.warning(f"connections refused before authentication ({code})",
+                               "closing connection from %s: %s", conn.address, message)
         self._unauthenticated.pop(conn, None)
         self.drop(conn)
         conn.channel.write(wire.error(code, message))
