@@ -161,9 +161,7 @@ def use_cluster_token() -> bool:
     if any(name in os.environ for name in (AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV)) or not security.key_configured():
         return False
     os.environ.update(token_environment())
-    from ray._raylet import Config
-
-    Config.initialize("")  # Ray caches the mode it read from the environment (its own ray.init does the same)
+    _ray()._raylet.Config.initialize("")  # Ray caches the mode it read from the environment; its ray.init does this
     return True
 
 
