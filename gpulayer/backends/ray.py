@@ -16,6 +16,10 @@ timeout runs as a streaming generator whose first item says it started: its dead
 from then, and past it the task is cancelled with `ray.cancel(force=True)` (TaskTimeout).
 An actor class becomes a Ray actor (`ActorHost`) holding the same resources for its life;
 `RayActorHandle` answers as the LAN's ActorHandle does.
+
+Ray's token authentication guards the cluster: `gpulayer ray-node` starts every node with the
+token derived from the cluster key (`token_environment`), and the backend brings the same token
+to its ray.init (`use_cluster_token`).
 """
 
 from __future__ import annotations
