@@ -78,3 +78,18 @@ def test_a_host_without_the_cluster_key_runs_nothing_on_the_head(lan, head):
 def test_a_key_holder_runs_code_on_the_head_through_gpulayer(lan, head):
     tried = attempts(lan, lan.key, "gpulayer", [f"ray://{head.ip}:10001", f"{head.ip}:6379"])
     assert tried == {address: ({"ran": head.ip}, True) for address in tried}
+
+
+def test_only_a_key_holder_joins_the_head_as_a_node(lan, head):
+    member, stranger = lan.add_host("ray-member"), lan.add_host("ray-stranger")
+    address, options = ["--address", f"{head.ip}:6379"], ["--num-cpus", "1", "--object-store-memory", str(80 << 20)]
+    joined = member.run([sys.executable, "-m", "gpulayer", "ray-node", *address, "--name", "member", "--", *options,
+                         "--node-ip-address", member.ip], timeout=180, env=ray_env(lan, lan.key, "member"))
+    assert joined.returncode == 0, joined.stdout + joined.stderr
+    refused = stranger.run([sys.executable, "-m", "ray.scripts.scripts", "start", *address, *options,
+                            "--node-ip-address", stranger.ip], timeout=180, env=ray_env(lan, None, "stranger"))
+    assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stdout + refused.stderr
+    env = {**ray_env(lan, lan.key, "member"), "GPULAYER_BACKEND": "ray", "GPULAYER_RAY_ADDRESS": f"{head.ip}:6379"}
+    listed = member.run([sys.executable, "-m", "gpulayer", "peers", "--json"], timeout=CLIENT_TIMEOUT, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert sorted((row["name"], row["state"]) for row in json.loads(listed.stdout)) == [("head", "up"), ("member", "up")]
