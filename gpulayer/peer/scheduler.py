@@ -508,7 +508,8 @@ class Scheduler:
     def _new_worker(self, slot: Slot, env: dict[str, str] | None = None, preload: list[str] | None = None) -> Worker:
         """A worker for `slot`, not started: a warm one, or one with `env` on top of the slot's and other preloads."""
         return Worker(slot, self.python, self.preload if preload is None else preload, self._on_reply,
-                      self._on_output, self._on_worker_exit, self._pythonpath, env, self.workdir)
+                      self._on_output, self._on_worker_exit, self._pythonpath, env, self.workdir,
+                      keep_folders=not self._own_workdir)
 
     def _on_reply(self, worker: Worker, reply: wire.Message, buffers: list[Any]) -> None:
         slot = worker.slot

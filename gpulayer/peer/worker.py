@@ -18,30 +18,52 @@ import os
 import socket
 import sys
 import time
+import types
 
-from .. import held, remote_exceptions, serialization, shm, wire
+from .. import held, remote_exceptions, serialization, shm, taskenv, wire
 from . import spawning
 
 _FN_CACHE_SIZE = 128
 
 
 class FunctionCache:
-    """Unpickled functions by their pickle, so that a repeated function is loaded once."""
+    """Unpickled functions by their pickle, so that a repeated function is loaded once.
+
+    A function shipped by value has globals of its own, and a module of the user's shipped by value
+    is a module of its own (no import on this side holds either): each task starts with both as
+    they were unpickled, so that one task's `global x; x = ...` or `mymodule.x = ...` is not the
+    next one's. A mutable value changed in place stays changed (docs/scheduling.md, "Clean workers").
+    """
 
     def __init__(self):
-        self._fns: dict[bytes, object] = {}
+        self._fns: dict[bytes, tuple[object, list[tuple[dict, dict]]]] = {}
 
     def load(self, data: bytes):
-        fn = self._fns.get(data)
-        if fn is None:
+        cached = self._fns.get(data)
+        if cached is None:
             fn = serialization.loads(data)
             fn = getattr(fn, "__gpulayer_function__", fn)  # a @gl.remote object pickled by reference
             if not callable(fn):
                 raise TypeError(f"the task's function is a {type(fn).__name__}, not a callable")
             if len(self._fns) >= _FN_CACHE_SIZE:
                 self._fns.pop(next(iter(self._fns)))
-            self._fns[data] = fn
+            cached = self._fns[data] = (fn, _shipped_namespaces(fn))
+        fn, namespaces = cached
+        for namespace, unpickled in namespaces:
+            namespace.clear()
+            namespace.update(unpickled)
         return fn
+
+
+def _shipped_namespaces(fn) -> list[tuple[dict, dict]]:
+    """(namespace, a copy of it) for the globals of a function shipped by value and the modules shipped
+    by value among them; none for a function of an imported module."""
+    namespace = getattr(fn, "__globals__", None)
+    if namespace is None or namespace is getattr(sys.modules.get(getattr(fn, "__module__", "")), "__dict__", None):
+        return []
+    modules = [vars(value) for value in namespace.values()
+               if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is not value]
+    return [(ns, dict(ns)) for ns in (namespace, *modules)]
 
 
 def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, list]:
@@ -76,9 +98,21 @@ def _invoke(task_id, target, args: bytes, buffers: list) -> tuple[object, dict |
         result = fn(*args, **kwargs)
     except BaseException as exc:  # the task's failure, SystemExit included, goes back to the submitter
         _flush()
+        _explain_missing_file(exc)
         return None, _error(task_id, exc, skip_frames=1)
     _flush()
     return result, None
+
+
+def _explain_missing_file(exc: BaseException) -> None:
+    """A relative path that a task did not find: say where it was looked for, and that files do not
+    travel with a function."""
+    filename = getattr(exc, "filename", None)
+    if isinstance(exc, FileNotFoundError) and isinstance(filename, str) and not os.path.isabs(filename) \
+            and hasattr(exc, "add_note"):
+        exc.add_note(f"gpulayer: the task looked for {filename!r} in its own folder on the peer ({taskenv.working_folder()}). Files do "
+                     "not travel with a function: pass the data as an argument, or use a path that exists on the "
+                     "peer (see docs/scheduling.md, \"A task's folder\")")
 
 
 def _run(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
@@ -95,17 +129,13 @@ def _run(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
 
 @contextlib.contextmanager
 def task_environment(env: dict | None):
-    """Set a task's environment variables (the SUBMIT's "env") while it runs; restore them after."""
-    saved = {name: os.environ.get(name) for name in env or {}}
+    """A task's environment variables (the SUBMIT's "env") set while it runs; after it, everything the
+    task changed of the worker's state is put back (CleanRoom)."""
     os.environ.update(env or {})
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        taskenv.restore_clean_room()
 
 
 def _error(task_id, exc: BaseException, *, skip_frames: int = 0, note: str = "") -> dict:
@@ -194,12 +224,14 @@ def main(argv=None) -> None:
     parser.add_argument("fd", type=int)
     parser.add_argument("--preload", default="")
     parser.add_argument("--link", type=int, default=-1)  # the local link for shared memory (shm.py)
+    parser.add_argument("--keep-task-folders", action="store_true")  # the peer was given --workdir
     args = parser.parse_args(argv)
     link = socket.socket(fileno=args.link) if args.link >= 0 and shm.enabled() else None
     conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes(), link, populate=True)
     reaper = OrphanReaper() if become_subreaper() else None
     spawning.install()
     loaded = preload([n for n in args.preload.split(",") if n])
+    taskenv.open_clean_room(os.getcwd(), keep=args.keep_task_folders)
     conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None,
                "direct": link is not None and importlib.util.find_spec("cryptography") is not None})
     functions = FunctionCache()
