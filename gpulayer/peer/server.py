@@ -121,8 +121,18 @@ class Connection:
         self.channel.write(msg)
 
     def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
-        """Write a message; its segments go by descriptor over the local link, if there is one."""
-        self.channel.write(msg, shm.send_over(self.link, msg, buffers, copy=False))
+        """Write a message; its segments go by descriptor over the local link, if there is one.
+
+        A message that a frame cannot carry (over 4 GiB: from a worker that did not check its result)
+        is answered with an ERROR "too-large" for its id instead; if its descriptors went ahead on the
+        link, the link is out of step and the connection is closed."""
+        try:
+            self.channel.write(msg, shm.send_over(self.link, msg, buffers, copy=False))
+        except FrameTooLarge as exc:
+            log.warning("a message to %s is too large for the wire: %s", self.address, exc)
+            self.channel.write(wire.error(exc.code, str(exc), msg.get("id")))
+            if "fds" in msg:
+                self.peer.refuse(self, exc.code, str(exc))
 
 
 class Peer:

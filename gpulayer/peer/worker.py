@@ -90,6 +90,10 @@ def _run(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
         data, out = serialization.dumps(result)
     except Exception as exc:
         return _error(task_id, exc, note=f"the result ({type(result).__name__}) could not be pickled"), []
+    try:  # every path of a result (the peer, a lease, an actor) passes here: one the wire refuses fails now
+        wire.check_size("the task's result and its buffers", [len(data), *(memoryview(b).nbytes for b in out)])
+    except ValueError as exc:
+        return _error(task_id, exc), []
     return {"t": wire.RESULT, "id": task_id, "data": data}, out
 
 
