@@ -43,6 +43,18 @@ class FunctionCache:
             self._fns[data] = fn
         return fn
 
+    def clear(self) -> None:
+        self._fns.clear()
+
+
+def serve_owner(msg: dict, functions: FunctionCache) -> None:
+    """Before a task or a lease of the submitter that the peer names in `msg` ("owner"): when it is another
+    than the last, nothing that this worker keeps of the others is left for its code to read (pooled
+    segments are zeroed or let go of, cached functions forgotten). What their tasks left in the
+    process itself is not wiped: tasks on one peer are not isolated (docs/security.md)."""
+    if shm.POOL.serve(str(msg.get("owner"))):
+        functions.clear()
+
 
 def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, list]:
     """Run one SUBMIT; return the RESULT or ERROR message and its buffers. A result buffer that is the
@@ -221,11 +233,13 @@ def main(argv=None) -> None:
         if msg["t"] == wire.LEASE:  # the peer lent this worker to a submitter's connection
             from .lease_worker import serve_lease
 
+            serve_owner(msg, functions)
             if not serve_lease(conn, msg, functions):
                 return
             continue
         if msg["t"] != wire.SUBMIT:  # the peer's acknowledgement of a lease's end, or a cancel that came late
             continue
+        serve_owner(msg, functions)
         with task_environment(msg.get("env")):
             reply, out = run_task(msg, buffers, functions)
         del msg, buffers
