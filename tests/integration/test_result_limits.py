@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from gpulayer import shm
+from gpulayer import shm, wire
 from gpulayer.client import Client
 from gpulayer.errors import TaskRejected
 from gpulayer.matching import Requirements
@@ -69,11 +69,11 @@ def test_a_result_over_the_message_limit_fails_its_task_at_once_and_the_worker_l
 def send_a_result_over_4_gib():
     """What a worker of another build, or a task that writes on its worker's socket, could send: a RESULT
     whose buffer is a 5 GiB sealed segment (sparse: no memory behind it) for the task that runs now;
-    then the worker exits, so that its own answer never comes."""
+    then the worker exits, so that its own answer never comes (the peer starts another)."""
     import os
     import sys
 
-    from gpulayer import shm
+    from gpulayer import shm, wire
 
     frame = sys._getframe()
     while frame.f_code.co_name != "main":  # the worker's loop: its connection and the message it runs
@@ -90,9 +90,13 @@ def test_a_peer_handed_a_frame_over_4_gib_answers_the_task_and_serves_on(peer, m
     monkeypatch.setenv("GPULAYER_SHM", "0")  # the peer must send it inline: a frame of 5 GiB
     c = Client(key=peer.key.encode(), peers=peer.address, mdns=False, echo_output=False, leases=False)
     try:
+        worker = c.submit(os.getpid, req=CPU).result(30)
         with pytest.raises(TaskRejected) as info:
             c.submit(send_a_result_over_4_gib, req=CPU).result(30)
         assert info.value.code == "too-large" and "4 GiB" in str(info.value)
+        wait_until(lambda: not segments_of(peer.pid, 5 << 30), 10)  # and it let go of the segment
+        status = c.connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request
+        wait_until(lambda: status(wire.status_request(), 10)["devices"][0]["pid"] not in (None, worker), 30)
         assert c.submit(int, "7", req=CPU).result(30) == 7  # the connection and the peer serve on
         assert peer.alive()
     finally:
