@@ -1,8 +1,10 @@
 """Pickling of functions, arguments and results: cloudpickle with protocol-5 out-of-band buffers.
 
-Functions and classes from the submitter's own modules (files outside site-packages and the
-standard library, e.g. `myproject/tasks.py`) are shipped by value, since a peer does not
-have them; installed packages are pickled by reference and must be installed on the peer.
+Functions and classes from the submitter's own modules (e.g. `myproject/tasks.py`: a module that
+no installed distribution provides, or one installed in editable mode, outside the standard
+library and site-packages) are shipped by value, since a peer does not have them; installed
+packages are pickled by reference and must be installed on the peer, wherever they lie here
+(site-packages, PYTHONPATH, `pip install --target`).
 
 Buffers of 64 KiB or more (numpy arrays, CPU torch tensors, pickle.PickleBuffer objects) are
 handed back separately so that the wire sends them from their own memory, and the receiver
@@ -15,7 +17,9 @@ moved to the CPU: a result that holds a CUDA or MPS tensor arrives as a CPU tens
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import io
+import json
 import os
 import pickle
 import site
@@ -58,14 +62,34 @@ def _installed_dirs() -> tuple[str, ...]:
     return tuple(os.path.realpath(p) + os.sep for p in paths if p)
 
 
+@functools.lru_cache(maxsize=1)
+def _distributed() -> frozenset[str]:
+    """The top-level modules that installed distributions provide, wherever they lie (site-packages,
+    PYTHONPATH, `pip install --target`), less those installed in editable mode (the user's own code)."""
+    return frozenset(name for name, dists in importlib.metadata.packages_distributions().items()
+                     if not all(_editable(dist) for dist in dists))
+
+
+def _editable(dist: str) -> bool:
+    """Whether distribution `dist` is installed in editable mode (PEP 610's direct_url.json)."""
+    try:
+        direct = json.loads(importlib.metadata.distribution(dist).read_text("direct_url.json") or "{}")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    dir_info = direct.get("dir_info") if isinstance(direct, dict) else None
+    return isinstance(dir_info, dict) and dir_info.get("editable") is True
+
+
 @functools.lru_cache(maxsize=1024)
 def _ship_local_module(name: str | None) -> None:
-    """Have cloudpickle pickle a module's functions by value when the module is the user's own code."""
+    """Have cloudpickle pickle a module's functions by value when the module is the user's own code:
+    neither in the interpreter's own folders nor provided by an installed distribution."""
     module = sys.modules.get(name or "")
-    if module is None or name == "__main__" or name.partition(".")[0] in ("gpulayer", *sys.stdlib_module_names):
+    top = (name or "").partition(".")[0]
+    if module is None or name == "__main__" or top in ("gpulayer", *sys.stdlib_module_names):
         return
     path = getattr(module, "__file__", None)
-    if path and not os.path.realpath(path).startswith(_installed_dirs()):
+    if path and not os.path.realpath(path).startswith(_installed_dirs()) and top not in _distributed():
         cloudpickle.register_pickle_by_value(module)
 
 

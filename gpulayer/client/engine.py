@@ -432,10 +432,7 @@ class Client:
             return
         assert task.fn is not None
         task.req = inference.with_inferred(task.req, fn, task.fn, data)  # after pickling: it reads the pickles
-        size = len(data) + len(task.fn) + sum(b.nbytes for b in buffers)
-        if size > wire.max_message_bytes():
-            raise ValueError(f"the task's function and arguments take {size / 2**20:.0f} MiB, over the "
-                             f"{wire.max_message_bytes() >> 20} MiB message limit (GPULAYER_MAX_MESSAGE_MB)")
+        wire.check_size("the task's function and arguments", [len(data) + len(task.fn), *(b.nbytes for b in buffers)])
         task.args, task.buffers, task.deps = data, buffers, deps
         self._place(task)
 

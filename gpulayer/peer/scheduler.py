@@ -45,6 +45,7 @@ class TaskOwner(Protocol):
     """The submitter connection a task came from."""
 
     address: str  # the submitter's "host:port"
+    client: str  # the submitter's id (its AUTH's "client"): whose data its tasks' workers hold
 
     def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
         """Send the task's outcome (once)."""
@@ -308,7 +309,8 @@ class Scheduler:
     def lease_message(self, task: ScheduledTask) -> wire.Message:
         """What the leased worker is told with the connection: its device variables and idle limit."""
         assert task.slot is not None
-        return {"t": wire.LEASE, "env": _device_env(task.req, task.slot), "idle": LEASE_IDLE_S}
+        return {"t": wire.LEASE, "env": _device_env(task.req, task.slot), "idle": LEASE_IDLE_S,
+                "owner": task.owner.client}
 
     def lease_failed(self, task: ScheduledTask) -> None:
         """The connection did not reach the leased worker: the slot is free again."""
@@ -418,7 +420,8 @@ class Scheduler:
         self.activity.started(task, task.msg and task.msg.get("name"), task.owner.address, lead.device)
         assert task.msg is not None
         if task.actor_class is None:
-            msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
+            msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"],
+                   "owner": task.owner.client}
             if task.refs:  # after the task's own buffers: each held result's, in order
                 msg["ab"] = len(task.buffers or [])
                 msg["refs"] = [[rid, data, len(bufs)] for rid, data, bufs in task.refs]

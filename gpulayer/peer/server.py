@@ -8,6 +8,7 @@ them in warm workers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import resource
@@ -121,8 +122,18 @@ class Connection:
         self.channel.write(msg)
 
     def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
-        """Write a message; its segments go by descriptor over the local link, if there is one."""
-        self.channel.write(msg, shm.send_over(self.link, msg, buffers, copy=False))
+        """Write a message; its segments go by descriptor over the local link, if there is one.
+
+        A message that a frame cannot carry (over 4 GiB: from a worker that did not check its result)
+        is answered with an ERROR "too-large" for its id instead; if its descriptors went ahead on the
+        link, the link is out of step and the connection is closed."""
+        try:
+            self.channel.write(msg, shm.send_over(self.link, msg, buffers, copy=False))
+        except FrameTooLarge as exc:
+            log.warning("a message to %s is too large for the wire: %s", self.address, exc)
+            self.channel.write(wire.error(exc.code, str(exc), msg.get("id")))
+            if "fds" in msg:
+                self.peer.refuse(self, exc.code, str(exc))
 
 
 class Peer:
@@ -334,15 +345,16 @@ class Peer:
         self._connections.add(conn)
         conn.channel.write(reply)  # the last frame in clear: every later byte both ways is sealed
         conn.channel.secure(*keys)
-        self._receiving(conn.channel.reader)
+        self._receiving(conn.channel.reader, conn.client)
         self.scheduler.actors.connected(conn)
         self.held.connected(conn.client)
 
-    def _receiving(self, reader: wire.MessageReader) -> None:
-        """Receive big buffers as this peer does: within the memory headroom, into segments where it has local links."""
+    def _receiving(self, reader: wire.MessageReader, client: str) -> None:
+        """Receive big buffers as this peer does: within the memory headroom, into segments where it has
+        local links (segments pooled for this submitter's data only)."""
         reader.budget = self._memory_refusal
         if self._local is not None:
-            reader.allocate = _receive_buffer
+            reader.allocate = functools.partial(_receive_buffer, owner=client)
 
     def refuse(self, conn: Connection, code: str, message: str) -> None:
         """Tell the other side why, then close (in the background)."""
@@ -467,7 +479,8 @@ class Peer:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched
         from their peers); a lost one fails it with "held-lost"."""
         def fetch(ref: dict[str, Any]) -> tuple[bytes, list[Any]]:
-            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.client, self._receiving)
+            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.client,
+                              functools.partial(self._receiving, client=conn.client))
 
         try:
             resolved = await held.gather(self.held, refs, conn.client, self.peer_id, fetch)
@@ -627,9 +640,9 @@ def memory_refusal(total: int, headroom: int) -> str | None:
             f"and keeps {headroom >> 20} MiB of it (GPULAYER_MEMORY_HEADROOM_MB)")
 
 
-def _receive_buffer(size: int) -> Any:
-    """Where a submitter's large frame is received: a segment, which goes on to the worker by descriptor."""
-    return shm.receive_segment(size) if size >= shm.SHM_MIN else wire.receive_buffer(size)
+def _receive_buffer(size: int, owner: str) -> Any:
+    """Where a large frame of submitter `owner` is received: a segment, which goes on to the worker by descriptor."""
+    return shm.receive_segment(size, owner) if size >= shm.SHM_MIN else wire.receive_buffer(size)
 
 
 def _raise_fd_limit() -> None:

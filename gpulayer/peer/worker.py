@@ -54,6 +54,18 @@ class FunctionCache:
             namespace.update(unpickled)
         return fn
 
+    def clear(self) -> None:
+        self._fns.clear()
+
+
+def serve_owner(msg: dict, functions: FunctionCache) -> None:
+    """Before a task or a lease of the submitter that the peer names in `msg` ("owner"): when it is another
+    than the last, nothing that this worker keeps of the others is left for its code to read (pooled
+    segments are zeroed or let go of, cached functions forgotten). What their tasks left in the
+    process itself is not wiped: tasks on one peer are not isolated (docs/security.md)."""
+    if shm.POOL.serve(str(msg.get("owner"))):
+        functions.clear()
+
 
 def _shipped_namespaces(fn) -> list[tuple[dict, dict]]:
     """(namespace, a copy of it) for the globals of a function shipped by value and the modules shipped
@@ -124,6 +136,10 @@ def _run(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
         data, out = serialization.dumps(result)
     except Exception as exc:
         return _error(task_id, exc, note=f"the result ({type(result).__name__}) could not be pickled"), []
+    try:  # every path of a result (the peer, a lease, an actor) passes here: one the wire refuses fails now
+        wire.check_size("the task's result and its buffers", [len(data), *(memoryview(b).nbytes for b in out)])
+    except ValueError as exc:
+        return _error(task_id, exc), []
     return {"t": wire.RESULT, "id": task_id, "data": data}, out
 
 
@@ -249,11 +265,13 @@ def main(argv=None) -> None:
         if msg["t"] == wire.LEASE:  # the peer lent this worker to a submitter's connection
             from .lease_worker import serve_lease
 
+            serve_owner(msg, functions)
             if not serve_lease(conn, msg, functions):
                 return
             continue
         if msg["t"] != wire.SUBMIT:  # the peer's acknowledgement of a lease's end, or a cancel that came late
             continue
+        serve_owner(msg, functions)
         with task_environment(msg.get("env")):
             reply, out = run_task(msg, buffers, functions)
         del msg, buffers
