@@ -274,7 +274,7 @@ class Scheduler:
             if task in self._queue:  # not while its held arguments are fetched
                 self._queue.remove(task)
         elif task.slot.task is task:
-            self._replace_worker(task.slot)
+            self._replace_worker(task.slot, f"its task was stopped: {message}")
         if notify:
             self._answer(task, wire.error(code, message))
         else:
@@ -354,7 +354,7 @@ class Scheduler:
         if type(served) is int and served > 0:
             self.tasks_done += served
         if msg["t"] == wire.BYE:
-            self._replace_worker(worker.slot)
+            self._replace_worker(worker.slot, f"its leased task was stopped: {worker.last_words}")
         elif msg["t"] == wire.STATUS and "lease_end" in msg:
             worker.send({"t": wire.LEASE_END})  # the acknowledgement: it serves this peer again
             self._release(task)
@@ -458,7 +458,7 @@ class Scheduler:
         except (WorkerDied, OSError) as exc:
             if worker.slot.worker is worker:
                 self._answer(task, wire.error("worker-died", str(exc)))
-                self._replace_worker(worker.slot)
+                self._replace_worker(worker.slot, "it did not start")
             return
         if worker.slot.worker is not worker or worker.slot.task is not task:  # cancelled while it started
             await worker.kill()
@@ -476,7 +476,7 @@ class Scheduler:
         self._answer(task, wire.error("timeout", f"the task ran past its timeout of {task.timeout:g} s; "
                                                  "its worker was killed and replaced"))
         if task.slot is not None:
-            self._replace_worker(task.slot)
+            self._replace_worker(task.slot, f"its task ran past its timeout of {task.timeout:g} s")
 
     def _release(self, task: ScheduledTask) -> None:
         """Free the slots a task holds and stop its timer."""
@@ -530,7 +530,7 @@ class Scheduler:
         if task.actor_class is not None and reply["t"] == wire.RESULT:  # its constructor returned: it lives
             self._go_live(task, worker, reply)
         elif task.one_off:
-            self._replace_worker(slot)  # back to a warm worker, of the slot's own device and environment
+            self._replace_worker(slot, "its task needed a worker of its own")  # back to a warm one
         else:
             self._release(task)
         self._answer(task, reply, buffers)
@@ -547,7 +547,7 @@ class Scheduler:
             self.actors.end(task.actor, "died", f"the actor was stopped: {worker.last_words}" if worker.last_words
                             else f"its worker process {worker.pid} died ({describe_exit(code)})")
             return
-        self._replace_worker(slot)
+        self._replace_worker(slot, None)
         if isinstance(task, ScheduledTask):
             self._answer(task, wire.error("worker-died", f"the worker process {worker.pid} died while running "
                                                          f"the task ({describe_exit(code)})"))
@@ -573,24 +573,26 @@ class Scheduler:
         self.actors.add(task.actor)
         reply["actor"], reply["slot"] = task.actor.actor_id, worker.slot.index
 
-    def _free_actor_slot(self, slot: Slot, worker: Worker) -> None:
+    def _free_actor_slot(self, slot: Slot, worker: Worker, why: str) -> None:
         """An actor ended: kill its worker (unless it is gone already) and give the slot a warm one."""
         if slot.worker is worker:
-            self._replace_worker(slot)
+            self._replace_worker(slot, why)
         else:
             self._start_queued()
 
-    def _replace_worker(self, slot: Slot) -> None:
-        """Free the slot (and the others its task holds), kill its worker and start a fresh one."""
+    def _replace_worker(self, slot: Slot, why: str | None) -> None:
+        """Free the slot (and the others its task holds), kill its worker and start a fresh one. `why`
+        says why the peer stops the worker; None: it died by itself."""
         if isinstance(slot.task, ScheduledTask):
             self._release(slot.task)
         old = self._worker(slot)
         slot.worker = self._new_worker(slot)
-        self.spawn(self._restart(old, slot))
+        self.spawn(self._restart(old, slot, why))
 
-    async def _restart(self, old: Worker, slot: Slot) -> None:
+    async def _restart(self, old: Worker, slot: Slot, why: str | None) -> None:
         code = await old.kill()
-        log.info("worker %s of slot %d ended (%s); starting a new one", old.pid, slot.index, describe_exit(code))
+        ended = f"stopped by the peer: {why}" if why else describe_exit(code)  # a kill of ours is no crash
+        log.info("worker %s of slot %d ended (%s); starting a new one", old.pid, slot.index, ended)
         delay = 0.5
         while not self.stopping:
             try:
