@@ -184,7 +184,7 @@ def test_a_lease_whose_answers_stall_runs_no_task_twice(pair, tmp_path, retries)
     while the worker runs C, D and E."""
     near, _ = pair
     marker = tmp_path / "runs"
-    proxy, client = relayed(pair, after_two_answers(stall), heartbeat=0.2)
+    proxy, client = relayed(pair, after_two_answers(stall), heartbeat=0.5)
     release = threading.Event()
     try:
         lease = wait_until(lambda: lease_of(client, near), 30)
@@ -276,9 +276,10 @@ def test_a_submitters_own_longer_tasks_wait_on_its_lease_not_in_the_peers_queue(
     the lease (none through the peer, where they would wait behind the lease and end it)."""
     client = Client(key=single.key.encode(), peers=single.address, mdns=False, echo_output=False)
     try:
-        lease = wait_until(lambda: client.leases.by_peer.get(single.peer_id) or lease_of(client, single), 30)
-        for _ in range(3):  # the peer's typical run time becomes 20 ms
+        lease = wait_until(lambda: lease_of(client, single), 30)
+        for _ in range(3):  # the peer's typical run time grows towards 20 ms: longer tasks
             assert client.submit(time.sleep, (0.02,), req=CPU).result(30) is None
+        assert client.placement.contention.typical(single.peer_id) >= SHORT_TASK_S
         futures = [client.submit(time.sleep, (0.02,), req=CPU) for _ in range(10)]
         assert [f.result(30) for f in futures] == [None] * 10
         assert client.leases.by_peer.get(single.peer_id) is lease  # the same lease throughout
