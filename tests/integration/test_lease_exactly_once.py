@@ -131,24 +131,21 @@ def send_a_batch(client: Client, lease, marker: Path, retries: int, die: str = "
 
 
 def check_outcomes(futures: dict, marker: Path, retries: int, answered: str, lost: type) -> None:
-    """With retries=0: the answered tasks have their result and ran once; the others fail as `lost`,
-    saying that their fate is unknown, and none ran twice. With retries: every task has its result, and
-    the answered ones ran once."""
-    for tag in answered:
-        assert futures[tag].result(30) == "x" * ANSWER
-    for tag in sorted(set(futures) - set(answered)):
-        if retries:
-            assert futures[tag].result(60) == "x" * ANSWER
-        else:
-            with pytest.raises(lost, match="its fate is unknown"):
-                futures[tag].result(30)
+    """Once every task has its outcome: with retries=0, none ran twice, the answered tasks have their
+    result, and the others fail as `lost`, saying that their fate is unknown. With retries, every task
+    ran and has its result, and the answered ones ran once."""
+    errors = {tag: future.exception(60) for tag, future in futures.items()}
     ran = count(marker)
-    assert all(ran[tag] == 1 for tag in answered), ran
     if retries:
-        assert all(ran[tag] >= 1 for tag in ran), ran
+        assert all(ran[tag] >= 1 for tag in ran) and all(ran[tag] == 1 for tag in answered), ran
         assert {line.split()[1] for line in runs(marker)} <= {"near", "far"}
     else:
         assert all(ran[tag] <= 1 for tag in ran), ran
+    for tag, error in errors.items():
+        if tag in answered or retries:
+            assert error is None and futures[tag].result() == "x" * ANSWER, (tag, error)
+        else:
+            assert isinstance(error, lost) and "its fate is unknown" in str(error), (tag, error)
 
 
 def relayed(pair, hook, heartbeat: float = 1.0) -> tuple[Proxy, Client]:
