@@ -486,7 +486,8 @@ def test_a_big_argument_that_crawls_to_a_leased_worker_is_not_taken_for_silence(
         started = time.monotonic()
         assert client.submit(len, (b"x" * (3 << 20),), req=ANY).result(60) == 3 << 20
         assert time.monotonic() - started > 5 * client.heartbeat
-        assert sum(len(unit) for unit in proxy.pipes[1].units["c2p"]) > 3 << 20  # it went on the lease
+        # it went on the lease (the pipe after the peer's: a lease asked for while no slot was free was refused)
+        assert any(sum(len(unit) for unit in pipe.units["c2p"]) > 3 << 20 for pipe in proxy.pipes[1:])
     finally:
         client.close()
         proxy.close()
