@@ -30,6 +30,7 @@ import types
 import cloudpickle
 
 OUT_OF_BAND_MIN = 64 * 1024
+_OPEN_FILES = (io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -41,6 +42,9 @@ class _Pickler(cloudpickle.Pickler):
                 return reduced
         if isinstance(obj, (types.FunctionType, type)):
             _ship_local_module(getattr(obj, "__module__", None))
+        elif isinstance(obj, _OPEN_FILES):  # cloudpickle would send a read file's content as a StringIO
+            raise TypeError(f"an open file ({getattr(obj, 'name', '?')!r}) cannot travel to a peer: pass its path, "
+                            "for a file that exists on the peer, or its content (f.read())")
         elif isinstance(obj, types.CodeType) and _code_reduce is not None:
             return _code_with_filename, (_code_reduce(obj)[1], obj.co_filename)
         return super().reducer_override(obj)
@@ -129,6 +133,48 @@ def dumps(obj) -> tuple[bytes, list[memoryview]]:
     out = io.BytesIO()
     _Pickler(out, protocol=5, buffer_callback=keep_large).dump(obj)
     return out.getvalue(), buffers
+
+
+def dumps_function(fn) -> bytes:
+    """Pickle a task's function; on failure, a note on the error names the global or closure variable
+    of the function that could not be pickled."""
+    try:
+        return dumps(fn)[0]
+    except Exception as exc:
+        code = getattr(fn, "__code__", None)
+        namespace = getattr(fn, "__globals__", {})
+        parts = [(f"its global {name!r}", namespace[name]) for name in getattr(code, "co_names", ()) if name in namespace]
+        cells = zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ())
+        parts += [(f"the variable {name!r} of its closure", cell.cell_contents) for name, cell in cells]
+        _name_the_culprit(exc, _called(fn), parts)
+        raise
+
+
+def dumps_call(fn, args: tuple, kwargs: dict) -> tuple[bytes, list[memoryview]]:
+    """Pickle a task's (args, kwargs); on failure, a note on the error names the argument that could not be."""
+    try:
+        return dumps((args, kwargs))
+    except Exception as exc:
+        parts = [(f"argument {i}", value) for i, value in enumerate(args)]
+        parts += [(f"argument {name}=", value) for name, value in kwargs.items()]
+        _name_the_culprit(exc, _called(fn), parts)
+        raise
+
+
+def _called(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _name_the_culprit(exc: Exception, fn_name: str, parts: list[tuple[str, object]]) -> None:
+    """Add a note to `exc` naming the first of `parts` that does not pickle alone (Python 3.11+ notes)."""
+    for label, value in parts:
+        try:
+            dumps(value)
+        except Exception:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"gpulayer: {label} of {fn_name} (a {type(value).__qualname__}) could not be pickled, "
+                             "so the task cannot travel to a peer")
+            return
 
 
 def loads(data: bytes, buffers=()):

@@ -575,8 +575,8 @@ class RayBackend:
             raise ValueError("keep=True is not supported on the Ray backend: Ray holds results in its object "
                              "store; pass values, or use the LAN backend to chain held results peer to peer")
         timeout, retries, env = check_timeout(timeout), check_retries(retries), check_env(env)
-        data, buffers = serialization.dumps((tuple(args), kwargs or {}))
-        fn_bytes = fn_bytes or serialization.dumps(fn)[0]
+        data, buffers = serialization.dumps_call(fn, tuple(args), kwargs or {})
+        fn_bytes = fn_bytes or serialization.dumps_function(fn)
         req = inference.with_inferred(req, fn, fn_bytes, data)
         chosen = self._plan(req)
         options = {**chosen.options, "max_retries": retries}  # retries of lost workers and nodes, as on the LAN
@@ -604,7 +604,7 @@ class RayBackend:
         the future's result is its handle once the constructor ran. A constructor timeout counts
         from here."""
         cls_bytes = serialization.dumps(spec.cls)[0]
-        data, buffers = serialization.dumps((tuple(spec.args), spec.kwargs))
+        data, buffers = serialization.dumps_call(spec.cls, tuple(spec.args), spec.kwargs)
         req = inference.with_inferred(spec.req, spec.cls, cls_bytes, data)
         chosen = self._plan(req)
         options = {**chosen.options, "max_concurrency": spec.concurrency, "max_restarts": spec.restarts}
@@ -654,7 +654,7 @@ class RayBackend:
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
         """fn(*args) for the args of every call, queued on Ray at once; results in input order; the first failure
         cancels the rest and is raised."""
-        fn_bytes = serialization.dumps(fn)[0]
+        fn_bytes = serialization.dumps_function(fn)
         bar = MapProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
         futures: list[RayFuture] = []
         try:

@@ -269,10 +269,11 @@ def _send_quietly(conn: PeerConnection, msg: wire.Outgoing) -> None:
         pass
 
 
-def _pickle_call(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[bytes, list[Any], list[TaskFuture]]:
+def _pickle_call(fn: Callable[..., Any], call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[bytes, list[Any],
+                                                                                              list[TaskFuture]]:
     """The pickled (args, kwargs), their buffers, and the futures met among them."""
     with held.collecting() as met:
-        data, buffers = serialization.dumps(call)
+        data, buffers = serialization.dumps_call(fn, *call)
     return data, buffers, met
 
 
@@ -409,8 +410,8 @@ class Client:
         """
         timeout, retries, env = check_timeout(timeout), check_retries(retries), wire.check_env(env)
         call = (tuple(args), kwargs or {})
-        data, buffers, deps = _pickle_call(call)
-        task = SubmittedTask(fn_bytes or serialization.dumps(fn)[0], None, None, req, timeout, retries,
+        data, buffers, deps = _pickle_call(fn, call)
+        task = SubmittedTask(fn_bytes or serialization.dumps_function(fn), None, None, req, timeout, retries,
                              getattr(fn, "__qualname__", type(fn).__name__), self.echo_output, env,
                              keep=held.new_result_id() if check_keep(keep) else None, deps=deps)
         pending = [f for f in deps if not f.done()]
@@ -442,7 +443,7 @@ class Client:
         if task.done:  # cancelled meanwhile
             return
         try:
-            self._prepare(task, fn, *_pickle_call(call))
+            self._prepare(task, fn, *_pickle_call(fn, call))
         except Exception as exc:  # NoMatchingPeer, too large, unpicklable: the future says so
             task.complete(exc=exc)
 
@@ -471,7 +472,7 @@ class Client:
         shares, and short queues that let no peer idle while work waits). The first failure
         cancels the rest and is raised.
         """
-        fn_bytes = serialization.dumps(fn)[0]
+        fn_bytes = serialization.dumps_function(fn)
         bar = MapProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
         futures: list[TaskFuture] = []
         window: MapWindow | None = None
