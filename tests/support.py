@@ -29,6 +29,20 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
     raise AssertionError(f"condition not met within {timeout} s")
 
 
+def built_or_refused(data) -> str:
+    """Requirements.from_wire(data) builds requirements that their own wire form builds again, or refuses
+    with a ValueError that says what is wrong; returns which ("built" or "refused"), for hypothesis.event."""
+    from gpulayer.matching import Requirements
+
+    try:
+        built = Requirements.from_wire(data)
+    except ValueError as error:
+        assert str(error), "a refusal says what is wrong"
+        return "refused"
+    assert Requirements.from_wire(built.to_wire()) == built, built
+    return "built"
+
+
 class PeerProcess:
     """`python -m gpulayer.peer` (bound to `interfaces`, loopback by default), with its log in a file."""
 
