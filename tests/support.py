@@ -43,6 +43,16 @@ def built_or_refused(data) -> str:
     return "built"
 
 
+def process_gone(pid: int) -> bool:
+    """The process `pid` has ended (a zombie not yet reaped counts as ended): it can do nothing more."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 class PeerProcess:
     """`python -m gpulayer.peer` (bound to `interfaces`, loopback by default), with its log in a file."""
 
