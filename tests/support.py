@@ -29,6 +29,15 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
     raise AssertionError(f"condition not met within {timeout} s")
 
 
+def holds_for(predicate, seconds: float, interval: float = 0.05) -> None:
+    """Poll predicate() for `seconds` and fail as soon as it is falsy: for what must not happen meanwhile
+    (a second warning, say). This and wait_until are the only places where tests sleep."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert predicate(), "the condition stopped holding"
+        time.sleep(interval)
+
+
 def built_or_refused(data) -> str:
     """Requirements.from_wire(data) builds requirements that their own wire form builds again, or refuses
     with a ValueError that says what is wrong; returns which ("built" or "refused"), for hypothesis.event."""
