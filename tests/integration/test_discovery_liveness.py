@@ -13,7 +13,7 @@ import pytest
 import gpulayer as gl
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
-from support import new_key
+from support import holds_for, new_key
 
 ANY = Requirements.build()
 
@@ -79,8 +79,7 @@ def test_peers_of_another_cluster_are_neither_listed_nor_used(peer_factory):
     try:
         client.start()
         wait_for(client, lambda names: "ours" in names, 5)
-        time.sleep(0.5)
-        assert seen_names(client) == {"ours"}
+        holds_for(lambda: seen_names(client) == {"ours"}, 1.5)  # 1.5 s: past the browser's second query
         assert [r["name"] for r in client.peers(wait=0)] == ["ours"]
         with pytest.raises(gl.NoMatchingPeer):
             client.submit(lambda: 1, req=Requirements.build(peer="theirs"))
