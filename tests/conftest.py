@@ -6,13 +6,29 @@ import os
 
 import pytest
 
-from support import LocalUser, PeerProcess, new_key
+from support import LocalUser, PeerProcess, ci_forbids, new_key
 
 # Network safety: every zeroconf a test (or a peer it starts) creates binds to loopback only.
 os.environ["GPULAYER_INTERFACES"] = "127.0.0.1"
 os.environ["GPULAYER_CACHE"] = "0"
 os.environ.pop("GPULAYER_PEERS", None)
 os.environ.pop("GPULAYER_KEY", None)
+
+
+# in CI, a skip that CI_SKIPS (tests/support.py) does not allow is an error: at collection, setup or call
+# In CI, a skip that support.CI_SKIPS does not allow is an error: at collection, setup or call.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if (message := ci_forbids(report)) is not None:
+        report.outcome, report.longrepr = "failed", message
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    report = (yield).get_result()
+    if (message := ci_forbids(report)) is not None:
+        report.outcome, report.longrepr = "failed", message
 
 
 @pytest.fixture(autouse=True, scope="session")

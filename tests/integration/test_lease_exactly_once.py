@@ -27,7 +27,7 @@ from gpulayer.client import Client
 from gpulayer.client.leases import SHORT_TASK_S
 from gpulayer.errors import PeerLost, WorkerDied
 from gpulayer.matching import Requirements
-from support import authenticated, new_key, wait_until, write_override
+from support import authenticated, new_key, paced, wait_until, write_override
 from test_secure_channel import Pipe, Proxy, runs
 
 CPU = Requirements.build(accelerator="cpu")
@@ -249,7 +249,7 @@ def test_a_lease_kept_busy_gives_the_slot_to_another_submitters_task(single, tmp
         assert greedy.recv(time.monotonic() + 10)[0]["t"] == wire.LEASE
         threading.Thread(target=read_the_lease, daemon=True).start()
         future = None
-        for task_id in range(2, 150):  # at most 6 s of sending
+        for task_id in paced(range(2, 150), 0.04):  # at most 6 s of sending
             conn = through_peer if ended.is_set() else greedy
             conn.send(wire.submit(task_id, fn, args, CPU.to_wire(), None, "greedy"))
             if future is None and len(runs(naps)) >= 2:  # the worker runs the greedy tasks: the other's comes
@@ -257,7 +257,6 @@ def test_a_lease_kept_busy_gives_the_slot_to_another_submitters_task(single, tmp
                 future.add_done_callback(lambda _: events.append("the other's task"))
             if future is not None and future.done():
                 break
-            time.sleep(0.04)
         events.append("the greedy loop")
         assert future is not None and future.result(60) == 5
         assert events[0] == "the other's task", events
