@@ -19,13 +19,13 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import io
-import json
 import os
 import pickle
 import site
 import sys
 import sysconfig
 import types
+from pathlib import Path
 
 import cloudpickle
 
@@ -66,22 +66,36 @@ def _installed_dirs() -> tuple[str, ...]:
     return tuple(os.path.realpath(p) + os.sep for p in paths if p)
 
 
-@functools.lru_cache(maxsize=1)
-def _distributed() -> frozenset[str]:
-    """The top-level modules that installed distributions provide, wherever they lie (site-packages,
-    PYTHONPATH, `pip install --target`), less those installed in editable mode (the user's own code)."""
-    return frozenset(name for name, dists in importlib.metadata.packages_distributions().items()
-                     if not all(_editable(dist) for dist in dists))
-
-
-def _editable(dist: str) -> bool:
-    """Whether distribution `dist` is installed in editable mode (PEP 610's direct_url.json)."""
-    try:
-        direct = json.loads(importlib.metadata.distribution(dist).read_text("direct_url.json") or "{}")
-    except (importlib.metadata.PackageNotFoundError, ValueError):
+def _provided(top: str) -> bool:
+    """Whether an installed distribution provides top-level module `top`: one whose metadata lies in the
+    folder that `top` was imported from (a PYTHONPATH entry, a `pip install --target` folder). Only that
+    folder is read, not every distribution of the interpreter (a scan of 100 costs a fresh process
+    about 0.2 s); an editable install keeps its metadata elsewhere, so the user's own code is not."""
+    module = sys.modules.get(top)
+    origin = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or ()), None)
+    if not origin:
         return False
-    dir_info = direct.get("dir_info") if isinstance(direct, dict) else None
-    return isinstance(dir_info, dict) and dir_info.get("editable") is True
+    folder = os.path.dirname(origin)
+    if hasattr(module, "__path__"):  # a package: its folder's parent is where it was found
+        folder = os.path.dirname(folder)
+    return top in _tops_in(folder)
+
+
+@functools.lru_cache(maxsize=64)
+def _tops_in(folder: str) -> frozenset[str]:
+    """The top-level modules of the distributions installed in `folder` (pip's `.dist-info`; a project's
+    own `.egg-info`, which `pip install -e` leaves in its source folder, does not count)."""
+    try:
+        entries = [entry for entry in os.listdir(folder) if entry.endswith(".dist-info")]
+    except OSError:
+        return frozenset()
+    names: set[str] = set()
+    for entry in entries:
+        dist = importlib.metadata.PathDistribution(Path(folder, entry))
+        declared = (dist.read_text("top_level.txt") or "").split()
+        names.update(declared or {f.parts[0].partition(".")[0] for f in dist.files or ()
+                                  if f.parts and not f.parts[0].endswith(".dist-info")})
+    return frozenset(names)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -93,7 +107,7 @@ def _ship_local_module(name: str | None) -> None:
     if module is None or name == "__main__" or top in ("gpulayer", *sys.stdlib_module_names):
         return
     path = getattr(module, "__file__", None)
-    if path and not os.path.realpath(path).startswith(_installed_dirs()) and top not in _distributed():
+    if path and not os.path.realpath(path).startswith(_installed_dirs()) and not _provided(top):
         cloudpickle.register_pickle_by_value(module)
 
 
