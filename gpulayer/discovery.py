@@ -164,12 +164,14 @@ class Directory:
         self._claims: dict[str, list[PeerRecord]] = {}  # peer id -> its claims, oldest first
         self._unverified = 0
         self._changed = threading.Condition()
+        self.on_new: Callable[[PeerRecord], None] | None = None  # told of each peer id's first claim
 
     def upsert(self, record: PeerRecord) -> bool:
         """Add or refresh a claim; False when it is ignored (another cluster, or too many claims)."""
         if record.advert.cluster != self.cluster:
             return False
         with self._changed:
+            new = record.advert.peer_id not in self._claims
             claims = self._claims.setdefault(record.advert.peer_id, [])
             old = next((c for c in claims if c.claim == record.claim), None)
             if old is not None:
@@ -193,6 +195,8 @@ class Directory:
                 claims.append(record)
                 self._unverified += 1
             self._changed.notify_all()
+        if new and self.on_new is not None:
+            self.on_new(record)
         return True
 
     def remove(self, peer_id: str) -> None:
