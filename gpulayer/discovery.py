@@ -44,6 +44,7 @@ MAX_CLAIMS = 8  # unverified claims to one peer id at most (each costs a handsha
 LABEL_MAX = 63  # bytes in one DNS label (RFC 1035): a peer's mDNS instance name is one label
 MAX_LOOKUPS = 32  # mDNS service-info look-ups outstanding at once; more names wait for the next announcement
 LOOKUP_TIMEOUT_MS = 1500
+MAX_FOREIGN = 256  # peers of other clusters counted at most (their ids only)
 
 
 def configured_interfaces(interfaces: list[str] | None = None) -> list[str] | None:
@@ -165,6 +166,27 @@ class Directory:
         self._unverified = 0
         self._changed = threading.Condition()
         self.on_new: Callable[[PeerRecord], None] | None = None  # told of each peer id's first claim
+        self._foreign: dict[str, str] = {}  # peer id -> cluster id, of adverts of other clusters (ids only)
+
+    def seen_elsewhere(self, advert: Advert) -> None:
+        """Count an advert of another cluster: its peer id and cluster id, nothing else, MAX_FOREIGN at most."""
+        with self._changed:
+            if advert.peer_id in self._foreign or len(self._foreign) < MAX_FOREIGN:
+                self._foreign[advert.peer_id] = advert.cluster
+
+    def foreign(self) -> dict[str, str]:
+        """The peers of other clusters seen: peer id -> its cluster id."""
+        with self._changed:
+            return dict(self._foreign)
+
+    def foreign_note(self) -> str:
+        """A sentence on the peers of other clusters seen (a wrong key looks like no peer at all), or ""."""
+        seen = self.foreign()
+        clusters, count = sorted(set(seen.values())), len(seen)
+        if not count:
+            return ""
+        return (f"{count} peer{'s' if count > 1 else ''} of another cluster (ids {', '.join(clusters)}) "
+                f"{'were' if count > 1 else 'was'} seen; this key's cluster id is {self.cluster} (`gpulayer key id`)")
 
     def upsert(self, record: PeerRecord) -> bool:
         """Add or refresh a claim; False when it is ignored (another cluster, or too many claims)."""
@@ -397,7 +419,10 @@ class Browser(ServiceListener):
         except ValueError as exc:
             log.debug("ignoring %s: %s", name, exc)
             return
-        if not addresses or advert.cluster != self.directory.cluster:
+        if advert.cluster != self.directory.cluster:
+            self.directory.seen_elsewhere(advert)
+            return
+        if not addresses:
             return
         if name in self._names or len(self._names) < 4 * self.directory.max_records:
             self._names[name] = advert.peer_id  # also when the directory is full: its goodbye counts

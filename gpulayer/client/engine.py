@@ -524,7 +524,8 @@ class Client:
                     return
             if not failures:
                 break
-        raise NoMatchingPeer(task.req, {**self.placement.reasons(task.req, task.excluded), **failures})
+        raise NoMatchingPeer(task.req, {**self.placement.reasons(task.req, task.excluded), **failures},
+                             self.directory.foreign_note())
 
     place = _place  # for actors (client/actors.py), placed like tasks
 
