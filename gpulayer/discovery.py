@@ -107,6 +107,12 @@ class Advertiser:
         )
         self.zc.register_service(self.info, cooperating_responders=True)
 
+    def update(self, advert: Advert) -> None:
+        """Publish a new TXT record for the same service (what a new probe found)."""
+        self.info = ServiceInfo(SERVICE_TYPE, self.info.name, port=self.info.port, properties=advert.to_txt(),
+                                server=self.info.server, addresses=self.info.addresses)
+        self.zc.update_service(self.info)
+
     def close(self) -> None:
         try:
             self.zc.unregister_service(self.info)
@@ -463,7 +469,10 @@ class Browser(ServiceListener):
                         continue
                     # into zeroconf's cache, as if heard by multicast: the browser then reports
                     # the peer, and later its goodbye
-                    loop.call_soon_threadsafe(self.zc.record_manager.async_updates_from_response, answer)
+                    try:
+                        loop.call_soon_threadsafe(self.zc.record_manager.async_updates_from_response, answer)
+                    except RuntimeError:  # the browser closed meanwhile: its loop is gone
+                        return
         finally:
             selector.close()
             for sock in sockets.values():

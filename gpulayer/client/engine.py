@@ -27,10 +27,11 @@ from typing import Any
 from .. import discovery, held, remote_exceptions, serialization, wire
 from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
-from ..matching import Requirements, match
+from ..matching import Requirements, match, missing_software
 from ..task_options import check_keep, check_retries
 from ..wire import check_timeout
 from ..progress import MapProgressBar
+from ..resources.model import Advert
 from ..resources.utilisation import clean_sample
 from ..security import cluster_id, load_key
 from . import inference
@@ -512,13 +513,18 @@ class Client:
         for attempt in range(2):
             holders = [where.peer_id for where in task.held_args()[:1]]  # the largest argument's, if any
             ranked = self.placement.ranked(task.req, task.excluded, holders)
+            asking = not ranked  # then peers that may have installed what it asks since: they look again
+            if asking:
+                ranked = self.placement.to_ask(task.req, task.excluded)
             if not ranked and (attempt == 0 or failures):
                 self._wait_for_match(task.req, task.excluded)
                 ranked = self.placement.ranked(task.req, task.excluded, holders)
+                asking = not ranked
             for record in ranked:
-                conn = self._usable_connection(task.req, record, failures)
+                conn = self._usable_connection(task.req, record, failures, asking)
                 if conn is not None:
-                    conn = self.leases.connection_for(task, conn) or conn
+                    if not asking:  # a lease runs what its peer matched: an asked peer decides first
+                        conn = self.leases.connection_for(task, conn) or conn
                     task.conn = conn
                     conn.submit(task)
                     return
@@ -530,15 +536,16 @@ class Client:
     place = _place  # for actors (client/actors.py), placed like tasks
 
     def _usable_connection(self, req: Requirements, record: discovery.PeerRecord,
-                           failures: dict[str, list[str]]) -> PeerConnection | None:
-        """The connection to a candidate if it is up and its verified advert still fits; else note why not."""
+                           failures: dict[str, list[str]], asking: bool = False) -> PeerConnection | None:
+        """The connection to a candidate if it is up and its verified advert still fits (`asking`: or
+        lacks only software, which the peer looks for again); else note why not."""
         try:
             conn = self._connection(record)
         except (OSError, GPULayerError) as exc:
             failures[f"{record.advert.name} ({record.address})"] = [f"down: {exc}"]
             return None
         why = match(req, conn.advert)
-        if why:  # the cached, static or mDNS advert was stale
+        if why and not (asking and missing_software(req, conn.advert)):  # the cached, static or mDNS advert was stale
             failures[f"{conn.name} ({conn.address})"] = list(why)
             return None
         return conn
@@ -745,6 +752,14 @@ class Client:
             log.debug("no work taken to peer %s that appeared: %s", record.advert.name, exc)
             return
         self.on_idle(conn)
+
+    def on_advert(self, conn: PeerConnection, advert: Advert) -> None:
+        """The peer advertises something else now (a new probe of its job interpreter found it): its
+        verified record follows, and what it refused may run there now."""
+        record = self.directory.get(conn.peer_id)
+        source = record.source if record is not None and record.verified else "mdns"
+        self.directory.upsert(discovery.PeerRecord(advert, conn.addresses, source, verified=True))
+        self.placement.forget_refusals(conn.peer_id)
 
     def on_actor_end(self, conn: PeerConnection, msg: dict[str, Any]) -> None:
         handle = self.actors.get(msg.get("actor"))  # type: ignore[arg-type]
