@@ -734,14 +734,17 @@ class Client:
         return [t for t in list(conn.pending.values()) if isinstance(t, SubmittedTask) and t.queued and not t.withdrawing]
 
     def _peer_appeared(self, record: discovery.PeerRecord) -> None:
-        """A peer that the directory did not know was found (ADR 0011): when some of our tasks wait in
-        other peers' queues and it could run one, connect to it (from a helper thread), and let it take
-        them as a peer that went idle would. Called on the thread that found it."""
-        if self._closed.is_set():
-            return
+        """A peer that the directory did not know was found (ADR 0011): offer it work (`_offer_to`).
+        Called on the thread that found it."""
+        self._offer_to([record])
+
+    def _offer_to(self, records: list[discovery.PeerRecord]) -> None:
+        """Connect (from a helper thread) to each of the peers that could run one of our tasks waiting in
+        other peers' queues, and let it take them as a peer that went idle would (ADR 0011)."""
         waiting = [t for conn in list(self._connections.values()) for t in self._waiting(conn)]
-        if any(not match(t.req, record.advert) for t in waiting):
-            self._helpers.submit(self._offer_work, record)
+        for record in records if waiting and not self._closed.is_set() else ():
+            if any(not match(t.req, record.advert) for t in waiting):
+                self._helpers.submit(self._offer_work, record)
 
     def _offer_work(self, record: discovery.PeerRecord) -> None:
         """Connect to a peer that appeared, ask its load (a PING), then take work to it if it is idle."""
@@ -860,6 +863,9 @@ class Client:
             now = time.monotonic()
             calling = {direct.peer_id for direct in [*self.directs.values(), *self.leases.all()] if direct.pending}
             self.leases.check_alive(3 * self.heartbeat)
+            # peers found while none of our tasks waited (a first burst that went out before the browse
+            # found them all): they get no PING from us, so offer them work once tasks wait elsewhere
+            self._offer_to([r for r in self.directory.records() if r.up and self.pooled(r.advert.peer_id) is None])
             for conn in list(self._connections.values()):
                 # a peer whose actors' workers have our calls counts as busy: its silence ends them too
                 if (conn.pending or conn.peer_id in calling) and now - conn.last_heard > 3 * self.heartbeat:
