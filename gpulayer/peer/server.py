@@ -73,6 +73,7 @@ class Connection:
         self.authenticated = False
         self.tasks: dict[int, ScheduledTask] = {}
         self.calls: dict[int, tuple[Actor, int]] = {}  # its actor calls in flight (peer/actors.py)
+        self.probing: set[int] = set()  # its tasks waiting for a new probe of the job interpreter (reprobe.py)
         self.last_pong = 0.0
         self.link: socket.socket | None = None  # its local link for shared memory, if it has one (local.py)
         self.hello = wire.hello(security.new_nonce(), peer.peer_id, peer.advert.cluster, peer.advert.to_txt())
@@ -418,6 +419,8 @@ class Peer:
                 self.scheduler.cancel_leased(msg["lease"], conn.client, request_id(msg))
             elif task is not None:
                 self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
+            elif request_id(msg) in conn.probing:
+                conn.probing.discard(request_id(msg))
             elif request_id(msg) in conn.calls:
                 self.scheduler.actors.cancel(conn, msg["id"])
         elif kind == wire.STATUS:
@@ -434,7 +437,7 @@ class Peer:
         due (`_admit_after_probe`); `probed` says that it did."""
         task_id = msg.get("id")
         problem = _check_submit(msg) if msg["t"] == wire.SUBMIT else _check_actor(msg)
-        if problem is None and task_id in conn.tasks:
+        if problem is None and (task_id in conn.tasks or task_id in conn.probing and not probed):
             problem = f"task id {task_id} is already in use on this connection"
         if problem is not None:
             return self._reject(conn, task_id, "bad-request", problem)
@@ -448,6 +451,7 @@ class Peer:
         reasons = match(req, self.advert)
         missing = missing_software(req, self.advert) if reasons and not probed else frozenset()
         if missing and self.reprobe.due(missing):
+            conn.probing.add(task_id)
             self.scheduler.spawn(self._admit_after_probe(conn, msg, buffers, missing))
             return
         if reasons:
@@ -477,8 +481,9 @@ class Peer:
         found = await self.reprobe.look(self.config.resources, missing)
         if found is not None:
             self._advertise(found)
-        if conn in self._connections:
+        if msg["id"] in conn.probing and conn in self._connections:  # else cancelled meanwhile: it never runs
             self._admit(conn, msg, buffers, probed=True)
+        conn.probing.discard(msg["id"])
 
     def _advertise(self, resources: Resources) -> None:
         """Take resources that a new probe found: the advert that new connections get and STATUS shows,

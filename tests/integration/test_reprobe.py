@@ -121,3 +121,21 @@ def test_tasks_asking_for_what_is_missing_do_not_make_the_peer_probe_in_a_loop(p
     assert all("gl-never-installed is not installed" in a["message"] for a in answers)
     probes = peer.log().count(PROBING) - before
     assert 1 <= probes <= 1 + elapsed // REPROBE_GAP_S, (probes, elapsed)  # one, unless the gap passed meanwhile
+
+
+def test_a_task_cancelled_while_the_peer_probes_is_dropped(peer):
+    lacking = Requirements.build(accelerator="cpu", frameworks={"gl-cancelled-while-probing": ""}).to_wire()
+    fn, args = serialization.dumps(marker_version)[0], serialization.dumps(((), {}))[0]
+    conn = authenticated(peer)
+    try:
+        conn.send(wire.submit(1, fn, args, lacking, None, "marker_version"))  # a name never looked for: a probe
+        conn.send(wire.cancel(1))
+        conn.send(wire.submit(2, fn, args, lacking, None, "marker_version"))  # answered after that probe
+        answers = []
+        while not any(a.get("id") == 2 for a in answers):
+            msg, _ = conn.recv(time.monotonic() + 60)
+            if msg["t"] in (wire.REJECT, wire.RESULT, wire.ERROR, wire.ACCEPT):
+                answers.append(msg)
+    finally:
+        conn.close()
+    assert [(a["t"], a["id"]) for a in answers] == [(wire.REJECT, 2)], answers  # nothing for the cancelled one
