@@ -161,7 +161,8 @@ class Directory:
     tries every claim's addresses and keeps the one whose handshake proves that id. At most
     `max_records` unverified claims in all, and MAX_CLAIMS to one peer id (a new one takes the
     place of one that failed), are held, so that a flood of adverts cannot grow the directory, or
-    the handshakes one peer costs, without bound.
+    the handshakes one peer costs, without bound. `on_new`, when set, is called with the first claim
+    to each peer id (outside the lock). Adverts of other clusters are only counted (`seen_elsewhere`).
     """
 
     def __init__(self, cluster: str, cache_path: Path | None = None, max_records: int = MAX_RECORDS):
