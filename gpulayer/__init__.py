@@ -9,13 +9,14 @@ without the discovery stack.
 
 from .errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError,
                      RemoteError, TaskRejected, TaskTimeout, WorkerDied)
+from .taskenv import task_folder
 
 __version__ = "0.1.0"
 _API = ("run", "submit", "map", "options", "remote", "peers", "device", "actors", "configure", "default_client",
         "RemoteFunction", "ActorClass", "Options")
 
 __all__ = [*_API, "ActorDied", "AuthError", "ConfigError", "GPULayerError", "NoMatchingPeer", "PeerLost",
-           "ProtocolError", "RemoteError", "TaskRejected", "TaskTimeout", "WorkerDied"]
+           "ProtocolError", "RemoteError", "TaskRejected", "TaskTimeout", "WorkerDied", "task_folder"]
 
 
 def __getattr__(name: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -46,15 +47,22 @@ def _peers(args) -> int:
 
 
 def _ray_node(args) -> int:
-    from .backends.ray import ray_start_command
+    from .backends.ray import TOKEN_ENV, node_environment, ray_start_command
     from .resources import detect
 
     if not args.head and not args.address:
         raise ConfigError("give --address HEAD_HOST:PORT to join a Ray cluster, or --head to start one")
+    auth = node_environment(args.key_file, insecure=args.insecure)
     command = ray_start_command(detect.detect(args.python), name=args.name, head=args.head, address=args.address,
                                 extra=[a for a in args.ray_args if a != "--"])
-    print(shlex.join(command))
-    return 0 if args.dry_run else subprocess.run(command).returncode
+    if args.insecure:
+        print("gpulayer: warning: Ray's token authentication is off (--insecure): anyone who reaches this node's "
+              "ports can run code on it", file=sys.stderr)
+    print(shlex.join([f"{name}={value}" for name, value in auth.items()] + command))
+    if args.dry_run:
+        return 0
+    env = {name: value for name, value in os.environ.items() if name != TOKEN_ENV}  # it would win over the file
+    return subprocess.run(command, env={**env, **auth}).returncode
 
 
 def _join(args) -> int:
@@ -146,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     ray_node.add_argument("--name", default=None, help="the node's name in tables (default: the host name)")
     ray_node.add_argument("--python", default=None, help="job interpreter to probe (default: this one)")
     ray_node.add_argument("--dry-run", action="store_true", help="print the ray start command, do not run it")
+    ray_node.add_argument("--key-file", default=None,
+                          help="the cluster key that Ray's token is derived from (default: GPULAYER_KEY, else "
+                               "~/.config/gpulayer/key)")
+    ray_node.add_argument("--insecure", action="store_true",
+                          help="start Ray without token authentication: anyone who reaches it runs code on it")
     ray_node.add_argument("ray_args", nargs=argparse.REMAINDER, help="after --: more ray start options")
     ray_node.set_defaults(func=_ray_node)
 
@@ -154,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--port", type=int, default=8265, help="port to serve on (default 8265)")
     dash.add_argument("--open", action="store_true", help="open the page in the default browser")
     dash.add_argument("--allow-remote", action="store_true",
-                      help="allow a non-loopback --host (the page has no login: anyone who reaches it sees every task)")
+                      help="allow a non-loopback --host (the page and its token then cross the network in clear "
+                           "HTTP: whoever sees the token sees every task)")
     dash.set_defaults(func=_dashboard)
 
     key = sub.add_parser("key", help="cluster key")

@@ -116,11 +116,17 @@ def init_key(path: str | os.PathLike[str] | None = None, *, force: bool = False)
     path = Path(path) if path else default_key_path()
     if path.exists() and not force:
         raise ConfigError(f"{path} exists already; pass --force to replace it")
+    return write_private_file(path, secrets.token_hex(KEY_BITS // 8) + "\n")
+
+
+def write_private_file(path: Path, text: str) -> Path:
+    """Write `text` to `path` readable by its owner only (0600): into a fresh file in the same
+    directory, fsynced, then renamed over `path`, so that a reader sees the old text or the new."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(KEY_BITS // 8) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -131,6 +137,11 @@ def init_key(path: str | os.PathLike[str] | None = None, *, force: bool = False)
             pass
         raise
     return path
+
+
+def key_configured() -> bool:
+    """Whether this machine names a cluster key (GPULAYER_KEY, or the default key file), good or not."""
+    return bool(os.environ.get(KEY_ENV, "").strip()) or default_key_path().exists()
 
 
 def cluster_id(key: bytes) -> str:
@@ -197,15 +208,26 @@ def session_keys(key: bytes, transcript: bytes, role: str) -> tuple[bytes, bytes
     key and the other way round. Any difference in the transcript (a nonce, the version, the
     peer id, what HELLO said) gives unrelated keys, so a channel is bound to its handshake.
     """
-    from cryptography.hazmat.primitives import hashes  # here: workers import this module without cryptography
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
     if role not in (SUBMITTER, PEER):
         raise ValueError(f"role must be {SUBMITTER!r} or {PEER!r}, not {role!r}")
     if not isinstance(transcript, (bytes, bytearray)) or not transcript:
         raise ValueError("the transcript must be non-empty bytes")
-    okm = HKDF(algorithm=hashes.SHA256(), length=2 * SESSION_KEY_BYTES,
-               salt=hashlib.sha256(transcript).digest(),
-               info=b"gpulayer/v2/session-keys submitter->peer, peer->submitter").derive(key)
+    okm = _hkdf(key, 2 * SESSION_KEY_BYTES, b"gpulayer/v2/session-keys submitter->peer, peer->submitter",
+                salt=hashlib.sha256(transcript).digest())
     to_peer, to_submitter = okm[:SESSION_KEY_BYTES], okm[SESSION_KEY_BYTES:]
     return (to_peer, to_submitter) if role == SUBMITTER else (to_submitter, to_peer)
+
+
+def ray_token(key: bytes) -> str:
+    """The cluster's token for Ray's token authentication (docs/ray.md): 64 hex digits, HKDF-SHA256
+    of the cluster key under a label of its own. Every key holder derives the same token, and
+    the token (which Ray sends in clear) gives nothing towards the key or the session keys."""
+    return _hkdf(key, 32, b"gpulayer/ray-auth-token").hex()
+
+
+def _hkdf(key: bytes, length: int, info: bytes, salt: bytes | None = None) -> bytes:
+    """HKDF-SHA256 (RFC 5869) of `key`."""
+    from cryptography.hazmat.primitives import hashes  # here: workers import this module without cryptography
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(key)

@@ -1,8 +1,10 @@
 """Pickling of functions, arguments and results: cloudpickle with protocol-5 out-of-band buffers.
 
-Functions and classes from the submitter's own modules (files outside site-packages and the
-standard library, e.g. `myproject/tasks.py`) are shipped by value, since a peer does not
-have them; installed packages are pickled by reference and must be installed on the peer.
+Functions and classes from the submitter's own modules (e.g. `myproject/tasks.py`: a module that
+no installed distribution provides, or one installed in editable mode, outside the standard
+library and site-packages) are shipped by value, since a peer does not have them; installed
+packages are pickled by reference and must be installed on the peer, wherever they lie here
+(site-packages, PYTHONPATH, `pip install --target`).
 
 Buffers of 64 KiB or more (numpy arrays, CPU torch tensors, pickle.PickleBuffer objects) are
 handed back separately so that the wire sends them from their own memory, and the receiver
@@ -15,7 +17,9 @@ moved to the CPU: a result that holds a CUDA or MPS tensor arrives as a CPU tens
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import io
+import json
 import os
 import pickle
 import site
@@ -26,6 +30,7 @@ import types
 import cloudpickle
 
 OUT_OF_BAND_MIN = 64 * 1024
+_OPEN_FILES = (io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -37,6 +42,9 @@ class _Pickler(cloudpickle.Pickler):
                 return reduced
         if isinstance(obj, (types.FunctionType, type)):
             _ship_local_module(getattr(obj, "__module__", None))
+        elif isinstance(obj, _OPEN_FILES):  # cloudpickle would send a read file's content as a StringIO
+            raise TypeError(f"an open file ({getattr(obj, 'name', '?')!r}) cannot travel to a peer: pass its path, "
+                            "for a file that exists on the peer, or its content (f.read())")
         elif isinstance(obj, types.CodeType) and _code_reduce is not None:
             return _code_with_filename, (_code_reduce(obj)[1], obj.co_filename)
         return super().reducer_override(obj)
@@ -58,14 +66,34 @@ def _installed_dirs() -> tuple[str, ...]:
     return tuple(os.path.realpath(p) + os.sep for p in paths if p)
 
 
+@functools.lru_cache(maxsize=1)
+def _distributed() -> frozenset[str]:
+    """The top-level modules that installed distributions provide, wherever they lie (site-packages,
+    PYTHONPATH, `pip install --target`), less those installed in editable mode (the user's own code)."""
+    return frozenset(name for name, dists in importlib.metadata.packages_distributions().items()
+                     if not all(_editable(dist) for dist in dists))
+
+
+def _editable(dist: str) -> bool:
+    """Whether distribution `dist` is installed in editable mode (PEP 610's direct_url.json)."""
+    try:
+        direct = json.loads(importlib.metadata.distribution(dist).read_text("direct_url.json") or "{}")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    dir_info = direct.get("dir_info") if isinstance(direct, dict) else None
+    return isinstance(dir_info, dict) and dir_info.get("editable") is True
+
+
 @functools.lru_cache(maxsize=1024)
 def _ship_local_module(name: str | None) -> None:
-    """Have cloudpickle pickle a module's functions by value when the module is the user's own code."""
+    """Have cloudpickle pickle a module's functions by value when the module is the user's own code:
+    neither in the interpreter's own folders nor provided by an installed distribution."""
     module = sys.modules.get(name or "")
-    if module is None or name == "__main__" or name.partition(".")[0] in ("gpulayer", *sys.stdlib_module_names):
+    top = (name or "").partition(".")[0]
+    if module is None or name == "__main__" or top in ("gpulayer", *sys.stdlib_module_names):
         return
     path = getattr(module, "__file__", None)
-    if path and not os.path.realpath(path).startswith(_installed_dirs()):
+    if path and not os.path.realpath(path).startswith(_installed_dirs()) and top not in _distributed():
         cloudpickle.register_pickle_by_value(module)
 
 
@@ -105,6 +133,48 @@ def dumps(obj) -> tuple[bytes, list[memoryview]]:
     out = io.BytesIO()
     _Pickler(out, protocol=5, buffer_callback=keep_large).dump(obj)
     return out.getvalue(), buffers
+
+
+def dumps_function(fn) -> bytes:
+    """Pickle a task's function; on failure, a note on the error names the global or closure variable
+    of the function that could not be pickled."""
+    try:
+        return dumps(fn)[0]
+    except Exception as exc:
+        code = getattr(fn, "__code__", None)
+        namespace = getattr(fn, "__globals__", {})
+        parts = [(f"its global {name!r}", namespace[name]) for name in getattr(code, "co_names", ()) if name in namespace]
+        cells = zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ())
+        parts += [(f"the variable {name!r} of its closure", cell.cell_contents) for name, cell in cells]
+        _name_the_culprit(exc, _called(fn), parts)
+        raise
+
+
+def dumps_call(fn, args: tuple, kwargs: dict) -> tuple[bytes, list[memoryview]]:
+    """Pickle a task's (args, kwargs); on failure, a note on the error names the argument that could not be."""
+    try:
+        return dumps((args, kwargs))
+    except Exception as exc:
+        parts = [(f"argument {i}", value) for i, value in enumerate(args)]
+        parts += [(f"argument {name}=", value) for name, value in kwargs.items()]
+        _name_the_culprit(exc, _called(fn), parts)
+        raise
+
+
+def _called(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _name_the_culprit(exc: Exception, fn_name: str, parts: list[tuple[str, object]]) -> None:
+    """Add a note to `exc` naming the first of `parts` that does not pickle alone (Python 3.11+ notes)."""
+    for label, value in parts:
+        try:
+            dumps(value)
+        except Exception:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"gpulayer: {label} of {fn_name} (a {type(value).__qualname__}) could not be pickled, "
+                             "so the task cannot travel to a peer")
+            return
 
 
 def loads(data: bytes, buffers=()):

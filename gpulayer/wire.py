@@ -364,8 +364,32 @@ def max_message_bytes() -> int:
     return int(value) << 20
 
 
+FRAME_MAX = (1 << 32) - 1  # the most bytes a frame's 4-byte length can say
+ENVELOPE_ROOM = 1 << 16  # what a message's map may add to its payload (type, id, options, the peer's load)
+
+
+def frame_header(length: int) -> bytes:
+    """A frame's 4-byte length; FrameTooLarge for one over FRAME_MAX, which no header can say."""
+    if length > FRAME_MAX:
+        raise FrameTooLarge(f"a frame of {length} bytes is over the {FRAME_MAX} bytes (4 GiB) that a frame can carry")
+    return HEADER.pack(length)
+
+
+def check_size(what: str, frames: list[int]) -> None:
+    """ValueError, before anything is sent, for a message whose payload (its pickle, then its buffers:
+    `frames`, in bytes) the wire would refuse: over GPULAYER_MAX_MESSAGE_MB in all, or a frame over 4 GiB."""
+    limit, total = max_message_bytes(), sum(frames)
+    if total + ENVELOPE_ROOM > limit:
+        raise ValueError(f"{what} take {total / 2**20:.1f} MiB, over the {limit >> 20} MiB message limit "
+                         "(GPULAYER_MAX_MESSAGE_MB, on the submitter and its peers)")
+    if max(frames, default=0) + ENVELOPE_ROOM > FRAME_MAX:
+        raise ValueError(f"{what} hold a buffer of {max(frames) / 2**20:.0f} MiB, over the 4 GiB that one "
+                         "frame can carry: split it")
+
+
 def encode(msg: Outgoing, buffers: Buffers = ()) -> list[Any]:
-    """The frames of one message, as a list of bytes-like parts ready to send in order.
+    """The frames of one message, as a list of bytes-like parts ready to send in order; FrameTooLarge
+    (nothing is sent) where one is over the 4 GiB a frame can carry.
 
     It sets the message's "v" (and "nb" when there are buffers) in `msg` itself.
     """
@@ -373,10 +397,10 @@ def encode(msg: Outgoing, buffers: Buffers = ()) -> list[Any]:
     if buffers:
         msg["nb"] = len(buffers)
     body = msgpack.packb(msg)
-    parts = [HEADER.pack(len(body)) + body]
+    parts = [frame_header(len(body)) + body]
     for buf in buffers:
         view = memoryview(buf).cast("B")
-        parts.append(HEADER.pack(view.nbytes))
+        parts.append(frame_header(view.nbytes))
         parts.append(view)
     return parts
 

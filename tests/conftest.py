@@ -6,13 +6,29 @@ import os
 
 import pytest
 
-from support import PeerProcess, new_key
+from support import LocalUser, PeerProcess, ci_forbids, new_key
 
 # Network safety: every zeroconf a test (or a peer it starts) creates binds to loopback only.
 os.environ["GPULAYER_INTERFACES"] = "127.0.0.1"
 os.environ["GPULAYER_CACHE"] = "0"
 os.environ.pop("GPULAYER_PEERS", None)
 os.environ.pop("GPULAYER_KEY", None)
+
+
+# in CI, a skip that CI_SKIPS (tests/support.py) does not allow is an error: at collection, setup or call
+# In CI, a skip that support.CI_SKIPS does not allow is an error: at collection, setup or call.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if (message := ci_forbids(report)) is not None:
+        report.outcome, report.longrepr = "failed", message
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    report = (yield).get_result()
+    if (message := ci_forbids(report)) is not None:
+        report.outcome, report.longrepr = "failed", message
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -72,3 +88,20 @@ def gl_client(cluster_key):
     client = gl.configure(key=cluster_key.encode(), interfaces=["127.0.0.1"])
     yield client
     gl.api.shutdown()
+
+
+@pytest.fixture(scope="module")
+def other_user():
+    """A second local account of this machine (LocalUser), removed after the module, also on failure.
+    Skipped where none can be made or it can run no Python, except in CI (CI=true), which must run it."""
+    give_up = pytest.fail if os.environ.get("CI") == "true" else pytest.skip
+    problem = LocalUser.unavailable()
+    if problem is not None:
+        give_up(problem)
+    user = LocalUser()
+    try:
+        if user.find_python() is None:
+            give_up(f"no Python interpreter that user {user.name} may run")
+        yield user
+    finally:
+        user.remove()

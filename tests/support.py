@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -12,6 +13,30 @@ import time
 from pathlib import Path
 
 READY_TIMEOUT = 90.0
+
+
+# In CI (CI=true) a skip is an error, unless its reason is one of these: what CI's machine (Linux, root,
+# network namespaces, pyenv and the network, no GPU) cannot have. Everything else it can run, so it must.
+CI_SKIPS = {
+    r"CUDA|GPU": "CI has no GPU: tests/hardware runs on GPU machines",
+    r"\bMPS\b|macos|Linux-only|Linux's": "CI is Linux",
+    r"^needs (lan|root|systemd|network|cuda|mps|macos)": "docs blocks for hardware CI lacks, that address a real "
+    "LAN host (192.168.1.20), change the host's firewall, or need systemd as PID 1 (CI runs in a container)",
+    r"^not-run: ": "docs blocks that run nowhere (shown output, the suite itself)",
+    r"^inside a docs block$": "the suite run by a docs block does not run the docs blocks again",
+    r"GiB free$": "a 1 GiB round trip needs memory that a CI machine may not have free",
+}
+
+
+def ci_forbids(report) -> str | None:
+    """The message of a skip that CI must not have (None when allowed, or not in CI, or no skip)."""
+    if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
+        return None
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if any(re.search(pattern, reason) for pattern in CI_SKIPS):
+        return None
+    return f"skipped in CI, which can run it (tests/support.py CI_SKIPS lists what may skip there): {reason}"
 
 
 def new_key() -> str:
@@ -27,6 +52,48 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+def holds_for(predicate, seconds: float, interval: float = 0.05) -> None:
+    """Poll predicate() for `seconds` and fail as soon as it is falsy: for what must not happen meanwhile
+    (a second warning, say). This, wait_until and paced are the only places where tests sleep."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert predicate(), "the condition stopped holding"
+        time.sleep(interval)
+
+
+def paced(items, interval: float):
+    """Yield each of `items`, `interval` seconds apart: the pace of a load that a test plays (a task every
+    40 ms, say), as a slow link's helper does; never a wait for something to happen."""
+    for i, item in enumerate(items):
+        if i:
+            time.sleep(interval)
+        yield item
+
+
+def built_or_refused(data) -> str:
+    """Requirements.from_wire(data) builds requirements that their own wire form builds again, or refuses
+    with a ValueError that says what is wrong; returns which ("built" or "refused"), for hypothesis.event."""
+    from gpulayer.matching import Requirements
+
+    try:
+        built = Requirements.from_wire(data)
+    except ValueError as error:
+        assert str(error), "a refusal says what is wrong"
+        return "refused"
+    assert Requirements.from_wire(built.to_wire()) == built, built
+    return "built"
+
+
+def process_gone(pid: int) -> bool:
+    """The process `pid` has ended (a zombie not yet reaped counts as ended): it can do nothing more."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 class PeerProcess:
@@ -189,6 +256,62 @@ def authenticated(peer: PeerProcess, client_id: str = "tester"):
     conn = wire.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
     wire.client_handshake(conn, peer.key.encode(), client_id)
     return conn
+
+
+class LocalUser:
+    """A second account of this machine (useradd), to test what any local user can reach: loopback,
+    abstract Unix sockets, /proc. `remove()` deletes it; the `other_user` fixture makes and removes one."""
+
+    def __init__(self) -> None:
+        import pwd
+
+        self.name = f"gltest-{secrets.token_hex(4)}"
+        subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", self.name],
+                       check=True, capture_output=True, timeout=60)
+        entry = pwd.getpwnam(self.name)
+        self.uid, self.gid = entry.pw_uid, entry.pw_gid
+        self.python: str | None = None
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why this machine cannot make one, or None."""
+        import shutil
+
+        if os.getuid() != 0:
+            return "making another local user needs root"
+        missing = [tool for tool in ("useradd", "userdel", "setpriv") if shutil.which(tool) is None]
+        return f"no {', '.join(missing)} on this machine" if missing else None
+
+    def find_python(self) -> str | None:
+        """An interpreter this user may run (the venv's may lie in a folder out of its reach)."""
+        import shutil
+
+        candidates = [os.path.realpath(sys.executable), getattr(sys, "_base_executable", ""),
+                      shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or ""]
+        self.python = next((p for p in candidates if p and self.run("pass", python=p).returncode == 0), None)
+        return self.python
+
+    def run(self, code: str, *args: str, timeout: float = 120, python: str | None = None) \
+            -> subprocess.CompletedProcess:
+        """Python `code` (with sys.argv[1:] = args) run as this user, through setpriv: its uid and gid, no
+        other groups, a bare environment (no key, no token), in /, bounded by `timeout`."""
+        argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups",
+                python or self.python or "python3", "-I", "-c", code, *args]
+        return subprocess.run(argv, env={"PATH": "/usr/bin:/bin"}, cwd="/", capture_output=True, text=True,
+                              timeout=timeout)
+
+    def remove(self) -> None:
+        """Kill what still runs as this user (only the tests' own processes can), then userdel."""
+        import psutil
+
+        for proc in psutil.process_iter(["uids"]):
+            if proc.info["uids"] is not None and self.uid in proc.info["uids"]:
+                try:
+                    proc.kill()
+                    proc.wait(10)
+                except psutil.NoSuchProcess:
+                    pass
+        subprocess.run(["userdel", self.name], check=True, capture_output=True, timeout=60)
 
 
 def job_venv(folder: Path, *flags: str) -> str:

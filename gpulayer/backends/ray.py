@@ -16,6 +16,10 @@ timeout runs as a streaming generator whose first item says it started: its dead
 from then, and past it the task is cancelled with `ray.cancel(force=True)` (TaskTimeout).
 An actor class becomes a Ray actor (`ActorHost`) holding the same resources for its life;
 `RayActorHandle` answers as the LAN's ActorHandle does.
+
+Ray's token authentication guards the cluster: `gpulayer ray-node` starts every node with the
+token derived from the cluster key (`token_environment`), and the backend brings the same token
+to its ray.init (`use_cluster_token`).
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .. import remote_exceptions, serialization
+from .. import remote_exceptions, security, serialization
 from ..accelerators import CPU, CUDA, DISTRIBUTED, ENV_DEVICE, GPU, HOST_MEMORY, MEMORY_KIND, MPS, UNSUPPORTED
 from ..client import inference
 from ..client.actors import ActorMethod, ActorSpec
@@ -56,6 +61,8 @@ FRAMEWORK_LABEL, CAPABILITY_LABEL = LABEL + "fw.", LABEL + "cap."
 MPS_RESOURCE, MEMORY_RESOURCE = "mps", "gpu_memory_gb"
 NODE_ID_LABEL = "ray.io/node-id"
 ADDRESS_ENV = "GPULAYER_RAY_ADDRESS"
+AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"  # Ray's own
+TOKEN_SUFFIX = ".ray-token"  # the token file is the key file's path with this appended
 PLAN_TTL = 2.0  # seconds a check of the cluster is reused for tasks with the same requirements
 STARTED = "gpulayer-started"  # the first item of a timed task's stream
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -122,6 +129,44 @@ def ray_start_command(res: Resources, *, name: str | None = None, head: bool = F
     where = ["--head"] if head else ["--address", address or ""]
     return [sys.executable, "-m", "ray.scripts.scripts", "start", *where,
             *node_settings(res, name).ray_start_args(), *extra]
+
+
+# ---- authentication: Ray's token, derived from the cluster key -------------------------------------
+
+
+def token_environment(key_file: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """Ray's token authentication with the cluster's token (`security.ray_token`): RAY_AUTH_MODE=token
+    and RAY_AUTH_TOKEN_PATH naming the token, written here 0600 beside the key file (its path plus
+    TOKEN_SUFFIX; beside the default key path when the key comes from GPULAYER_KEY)."""
+    key = security.load_key(key_file)
+    path = Path(key_file or security.default_key_path())
+    token_file = security.write_private_file(path.with_name(path.name + TOKEN_SUFFIX), security.ray_token(key))
+    return {AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token_file)}
+
+
+def node_environment(key_file: str | os.PathLike[str] | None = None, *, insecure: bool = False) -> dict[str, str]:
+    """What `gpulayer ray-node` sets for `ray start`: the cluster's token (`token_environment`), or
+    with `insecure` Ray's authentication explicitly off. ConfigError when there is no usable key."""
+    if insecure:
+        return {AUTH_MODE_ENV: "disabled"}
+    try:
+        return token_environment(key_file)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}\ngpulayer ray-node turns on Ray's token authentication with a token derived from "
+                          "the cluster key: without it, anyone who reaches the node's ports runs code on it. "
+                          "Pass --insecure to start it so anyway.") from None
+
+
+def use_cluster_token() -> bool:
+    """Turn on Ray's token authentication in this process, and the Ray processes it starts, with the
+    cluster's token; before ray.init. Nothing changes when the environment already configures
+    Ray's authentication (RAY_AUTH_MODE, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), or when this
+    machine names no cluster key: Ray's own rules apply then. Returns whether it turned it on."""
+    if any(name in os.environ for name in (AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV)) or not security.key_configured():
+        return False
+    os.environ.update(token_environment())
+    _ray()._raylet.Config.initialize("")  # Ray caches the mode it read from the environment; its ray.init does this
+    return True
 
 
 def _labelled(node: dict[str, Any]) -> bool:
@@ -491,6 +536,7 @@ class RayBackend:
         self.echo_output = echo_output
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:  # output is captured in the task and replayed, so Ray's own copy is off
+            use_cluster_token()
             ray.init(address=address or os.environ.get(ADDRESS_ENV) or None, log_to_driver=False,
                      **(init_options or {}))
         self._run = ray.remote(_execute)
@@ -529,8 +575,8 @@ class RayBackend:
             raise ValueError("keep=True is not supported on the Ray backend: Ray holds results in its object "
                              "store; pass values, or use the LAN backend to chain held results peer to peer")
         timeout, retries, env = check_timeout(timeout), check_retries(retries), check_env(env)
-        data, buffers = serialization.dumps((tuple(args), kwargs or {}))
-        fn_bytes = fn_bytes or serialization.dumps(fn)[0]
+        data, buffers = serialization.dumps_call(fn, tuple(args), kwargs or {})
+        fn_bytes = fn_bytes or serialization.dumps_function(fn)
         req = inference.with_inferred(req, fn, fn_bytes, data)
         chosen = self._plan(req)
         options = {**chosen.options, "max_retries": retries}  # retries of lost workers and nodes, as on the LAN
@@ -558,7 +604,7 @@ class RayBackend:
         the future's result is its handle once the constructor ran. A constructor timeout counts
         from here."""
         cls_bytes = serialization.dumps(spec.cls)[0]
-        data, buffers = serialization.dumps((tuple(spec.args), spec.kwargs))
+        data, buffers = serialization.dumps_call(spec.cls, tuple(spec.args), spec.kwargs)
         req = inference.with_inferred(spec.req, spec.cls, cls_bytes, data)
         chosen = self._plan(req)
         options = {**chosen.options, "max_concurrency": spec.concurrency, "max_restarts": spec.restarts}
@@ -608,7 +654,7 @@ class RayBackend:
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
         """fn(*args) for the args of every call, queued on Ray at once; results in input order; the first failure
         cancels the rest and is raised."""
-        fn_bytes = serialization.dumps(fn)[0]
+        fn_bytes = serialization.dumps_function(fn)
         bar = MapProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
         futures: list[RayFuture] = []
         try:

@@ -60,7 +60,7 @@ class ActorSpec:
 def create(client: Client, spec: ActorSpec, handle: ActorHandle | None = None) -> TaskFuture:
     """Place the actor on a matching peer; the future's result is its handle (`handle`, re-created)."""
     cls_bytes = serialization.dumps(spec.cls)[0]
-    data, buffers = serialization.dumps((tuple(spec.args), spec.kwargs))
+    data, buffers = serialization.dumps_call(spec.cls, tuple(spec.args), spec.kwargs)
     req = inference.with_inferred(spec.req, spec.cls, cls_bytes, data)
     task = ActorCreation(cls_bytes, data, buffers, req, spec.timeout, spec.retries, spec.name,
                          client.echo_output, spec.env, client=client, spec=spec, handle=handle)

@@ -80,6 +80,8 @@ class PeerConnection:
         self._outbox_tasks = 0
         self._outbox_bytes = 0
         self._at_worker = 0  # a lease's SUBMITs written and not answered yet
+        self._newest = 0  # a lease's: the id of its newest task (in the outbox, or written)
+        self.sent_up_to = 0  # a lease's: the id of the newest task written to its worker (`maybe_started`)
         self._busy_since = 0.0  # a lease's: when its worker last got work while it had none
         self.addresses = addresses  # where it was opened (an actor's handle passes them on)
         self.pending: dict[int, Any] = {}
@@ -170,8 +172,8 @@ class PeerConnection:
         """Give the task a fresh id and count it in flight; False (and the task lost) once closed."""
         with self._lock:
             closed = self.closed
+            task.task_id = next(self._ids)  # also when closed: a lease's worker never saw this id
             if not closed:
-                task.task_id = next(self._ids)
                 self.pending[task.task_id] = task
         if closed:  # it closed after placement chose it: the task is lost like its others
             self.listener.on_lost(self, [task], self.send_error or "the connection closed")
@@ -193,6 +195,7 @@ class PeerConnection:
         with self._outbox_lock:
             if not self._register(task):
                 return
+            self._newest = task.task_id
             msg, buffers = task.message()
             parts = wire.encode(msg, buffers)
             if self._at_worker and self._outbox_bytes < OUTBOX_MAX:
@@ -213,12 +216,19 @@ class PeerConnection:
         outbox lock held. Takes the send lock (the caller writes the batch, then releases it), so that
         batches go out in the order they were taken."""
         batch, self._outbox = [*self._outbox, *parts], []
+        self.sent_up_to = self._newest  # before the write: a write under way counts as done (`maybe_started`)
         if not self._at_worker:
             self._busy_since = time.monotonic()
         self._at_worker += self._outbox_tasks + (1 if parts else 0)
         self._outbox_tasks = self._outbox_bytes = 0
         self._send_lock.acquire()
         return batch
+
+    def maybe_started(self, task: ConnectionTask) -> bool:
+        """Whether a leased worker may have started a task of this lease that got no answer: not after
+        LEASE_END (the worker starts nothing after it), nor when the task was still kept back here. Asked
+        once the connection closed: no write can begin any more."""
+        return not self.lease_ended and task.task_id <= self.sent_up_to
 
     def _answered_on_lease(self) -> None:
         """An outcome came from the leased worker: once no other waits to be read, what was kept back goes."""

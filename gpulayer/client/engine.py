@@ -271,10 +271,11 @@ def _send_quietly(conn: PeerConnection, msg: wire.Outgoing) -> None:
         pass
 
 
-def _pickle_call(call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[bytes, list[Any], list[TaskFuture]]:
+def _pickle_call(fn: Callable[..., Any], call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[bytes, list[Any],
+                                                                                              list[TaskFuture]]:
     """The pickled (args, kwargs), their buffers, and the futures met among them."""
     with held.collecting() as met:
-        data, buffers = serialization.dumps(call)
+        data, buffers = serialization.dumps_call(fn, *call)
     return data, buffers, met
 
 
@@ -412,8 +413,8 @@ class Client:
         """
         timeout, retries, env = check_timeout(timeout), check_retries(retries), wire.check_env(env)
         call = (tuple(args), kwargs or {})
-        data, buffers, deps = _pickle_call(call)
-        task = SubmittedTask(fn_bytes or serialization.dumps(fn)[0], None, None, req, timeout, retries,
+        data, buffers, deps = _pickle_call(fn, call)
+        task = SubmittedTask(fn_bytes or serialization.dumps_function(fn), None, None, req, timeout, retries,
                              getattr(fn, "__qualname__", type(fn).__name__), self.echo_output, env,
                              keep=held.new_result_id() if check_keep(keep) else None, deps=deps)
         pending = [f for f in deps if not f.done()]
@@ -435,10 +436,7 @@ class Client:
             return
         assert task.fn is not None
         task.req = inference.with_inferred(task.req, fn, task.fn, data)  # after pickling: it reads the pickles
-        size = len(data) + len(task.fn) + sum(b.nbytes for b in buffers)
-        if size > wire.max_message_bytes():
-            raise ValueError(f"the task's function and arguments take {size / 2**20:.0f} MiB, over the "
-                             f"{wire.max_message_bytes() >> 20} MiB message limit (GPULAYER_MAX_MESSAGE_MB)")
+        wire.check_size("the task's function and arguments", [len(data) + len(task.fn), *(b.nbytes for b in buffers)])
         task.args, task.buffers, task.deps = data, buffers, deps
         self._place(task)
 
@@ -448,7 +446,7 @@ class Client:
         if task.done:  # cancelled meanwhile
             return
         try:
-            self._prepare(task, fn, *_pickle_call(call))
+            self._prepare(task, fn, *_pickle_call(fn, call))
         except Exception as exc:  # NoMatchingPeer, too large, unpicklable: the future says so
             task.complete(exc=exc)
 
@@ -477,7 +475,7 @@ class Client:
         shares, and short queues that let no peer idle while work waits). The first failure
         cancels the rest and is raised.
         """
-        fn_bytes = serialization.dumps(fn)[0]
+        fn_bytes = serialization.dumps_function(fn)
         bar = MapProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
         futures: list[TaskFuture] = []
         window: MapWindow | None = None

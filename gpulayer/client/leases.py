@@ -58,9 +58,10 @@ class Leases:
         if lease.closed or not _fits(task.req, lease.requirements):
             return None
         # short tasks queue up on the lease (the worker gets through them faster than the submitter sends
-        # them); a longer one goes through the peer while the lease is busy, to another slot or the queue,
-        # which then ends the lease (the peer runs a queued task before it lends a slot)
-        if lease.pending and self.client.placement.contention.typical(main.peer_id) >= SHORT_TASK_S:
+        # them); a longer one goes through the peer while the lease is busy, to another slot, if the peer
+        # has one free: else it would wait in the peer's queue behind the lease (and end it)
+        if lease.pending and self.client.placement.contention.typical(main.peer_id) >= SHORT_TASK_S \
+                and _free_besides_lease(main):
             return None
         return lease
 
@@ -116,22 +117,24 @@ class Leases:
         return list(self.by_peer.values())
 
     def lost(self, lease: PeerConnection, tasks: list[SubmittedTask], reason: str) -> None:
-        """A lease's connection closed. After LEASE_END none of its tasks without an answer started:
-        they are placed again. Else the first of them may have run when the worker died (it is retried
-        as any task whose worker died), and the others did not."""
+        """A lease's connection closed with `tasks` unanswered. Those that its worker cannot have started
+        (`maybe_started`) are placed again. The others may have run, or be running still (the worker
+        answers each task as it ends, but the answer may be lost on the way, or the worker died): their
+        fate is unknown, so each is retried only under `retries=`, as a task whose worker died, and
+        otherwise fails saying so (exactly once)."""
         with self._lock:
             if self.by_peer.get(lease.peer_id) is lease:
                 del self.by_peer[lease.peer_id]
-        tasks = sorted(tasks, key=lambda t: t.task_id)
         where = f"peer {lease.name} ({lease.address})"
-        if tasks and not lease.lease_ended:
-            first, tasks = tasks[0], tasks[1:]
-            cause = PeerLost if lease.silent else WorkerDied
-            self.client.retry_or_fail(first, cause(f"the worker lent by {where} was lost while it ran the task, "
-                                                   f"or before: {reason}"))
-        for task in tasks:
-            self.client.place_again_soon(task, PeerLost(f"the lease of {where} ended before the task started: "
-                                                        f"{reason}"))
+        cause = PeerLost if lease.silent else WorkerDied
+        for task in sorted(tasks, key=lambda t: t.task_id):
+            if lease.maybe_started(task):
+                self.client.retry_or_fail(task, cause(
+                    f"the lease of {where} was lost after the task was sent to its worker, which may have run it "
+                    f"(its fate is unknown: it runs again only under retries=): {reason}"))
+            else:
+                self.client.place_again_soon(task, PeerLost(f"the lease of {where} ended before the task started: "
+                                                            f"{reason}"))
 
 
 class LeaseListener:
@@ -159,6 +162,12 @@ class LeaseListener:
 
     def on_lost(self, conn: PeerConnection, tasks: list[Any], reason: str) -> None:
         self.leases.lost(conn, tasks, reason)
+
+
+def _free_besides_lease(main: PeerConnection) -> bool:
+    """Whether the lease's peer has a free slot besides the lease's, as far as its last report and our
+    tasks there say (the lease's slot counts as busy, whether that report knew of it or not)."""
+    return max(main.estimated_load, len(main.pending) + 1) < main.advert.slots
 
 
 def _fits(req: Requirements, lease: Requirements) -> bool:

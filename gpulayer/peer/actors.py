@@ -94,7 +94,7 @@ def new_actor_id() -> str:
 class Actors:
     """The live actors of a peer, by id; `free(slot, worker)` gives an ended actor's slot back."""
 
-    def __init__(self, free: Callable[[Slot, Worker], None], grace: float = DEFAULT_GRACE):
+    def __init__(self, free: Callable[[Slot, Worker, str], None], grace: float = DEFAULT_GRACE):
         self.live: dict[str, Actor] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()  # id -> why it ended
         self.grace = grace
@@ -258,7 +258,7 @@ class Actors:
         actor.calls.clear()
         if actor.owner is not None:
             actor.owner.send(wire.actor_end(actor.actor_id, code, reason, actor.served, request_id))
-        self._free(actor.slot, actor.worker)
+        self._free(actor.slot, actor.worker, f"its actor {actor.short_id} ended: {reason}")
 
     def end_all(self, reason: str) -> None:
         for actor in list(self.live.values()):

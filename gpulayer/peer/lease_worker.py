@@ -2,10 +2,11 @@
 
 The peer hands the connection over with its channel's keys and counters, as for an actor's direct
 calls (ADR 0012), and the worker runs the tasks sent on it one at a time, in order, answering each
-there: one hop each way instead of two (ADR 0013). The lease ends when no task came for `idle`
-seconds, when the peer wants the slot back (another submitter's task waits, or it stops), or when the
-submitter closes the connection. The worker then says LEASE_END to the submitter (a task it sent and
-got no answer for did not start: it places it again), tells its peer, and serves its peer again.
+there as it ends, before the next starts: one hop each way instead of two (ADR 0013). The lease ends
+when no task came for `idle` seconds, when the peer wants the slot back (a queued task could use it,
+or the peer stops: looked at before each task starts), or when the submitter closes the connection.
+The worker then says LEASE_END to the submitter (a task it sent and got no answer for did not start:
+it places it again), tells its peer, and serves its peer again.
 
 What the tasks write to file descriptors 1 and 2 (C code, `os.write`, child processes) goes to the
 submitter too, as LOG of the task that runs (`DescriptorOutput`), as the peer's pipes do for its own
@@ -30,7 +31,7 @@ from collections.abc import Callable, Iterator
 from .. import wire
 from ..errors import ProtocolError
 from ..taskenv import read_at_load
-from .actor_worker import Stream, arrived, output_to, route_output, take_connection
+from .actor_worker import Stream, output_to, route_output, take_connection
 from .worker import FunctionCache, _flush, run_task, task_environment
 
 POLL_S = 0.05  # while idle, how often the lease looks whether the peer wants the slot back
@@ -51,12 +52,13 @@ class Lease:
         self.served = 0
         self.ending = ""  # why the lease ends, once the peer said so
         self.bye = False  # the peer said BYE (it stops): the worker exits after the lease
-        self._lock = threading.Lock()  # guards _running, _started and _cancelled
+        self._lock = threading.Lock()  # guards _running, _started, _cancelled and _stopping
         self._link_lock = threading.Lock()
         self._running = None  # the id of the task that runs now
         self._receiving = False  # a message is being read: a big one takes long over a slow link
         self._started = 0  # the highest task id started (ids rise on a connection)
         self._cancelled: set[int] = set()  # ids cancelled before they started
+        self._stopping = False  # a timeout or a cancel ends this worker (`_stop_worker`): no task starts any more
         self._finished = False  # the peer was told that the lease ended
 
     def serve(self, functions: FunctionCache) -> None:
@@ -66,6 +68,8 @@ class Lease:
         threading.Thread(target=self._keep_alive, name="gpulayer-lease-beat", daemon=True).start()
         reason = self._run_tasks(functions)
         self._done.set()
+        if self._stopping:  # `_stop_worker` answered the task, ended the lease, and ends this worker
+            threading.Event().wait()
         self.output.close()
         self._end(reason)
         watcher.join()
@@ -76,11 +80,9 @@ class Lease:
         """Run the tasks that come, until the lease ends; returns why it ends."""
         conn = self.stream.conn
         last = time.monotonic()
-        more = False  # the last task's reply was kept back: another message is on its way
         try:
             while True:
-                if not more and not conn.reader.messages:
-                    self.stream.flush()  # the replies kept back go before waiting
+                if not conn.reader.messages:
                     if self.ending:
                         return self.ending
                     if not select.select([conn.sock], [], [], POLL_S)[0]:
@@ -92,9 +94,9 @@ class Lease:
                 self._receiving = False
                 last = time.monotonic()
                 kind = msg["t"]
-                more = False
                 if kind == wire.SUBMIT:
-                    more = self._run(msg, buffers, functions)
+                    if not self._run(msg, buffers, functions):
+                        return self.ending or "this worker is stopped"
                 elif kind == wire.CANCEL:
                     self._cancel(msg.get("id"))
                 elif kind == wire.PING:
@@ -110,23 +112,23 @@ class Lease:
             return f"the connection ended: {exc}"
 
     def _run(self, msg: dict, buffers: list, functions: FunctionCache) -> bool:
-        """Run one SUBMIT and answer it; True when its reply was kept back, since more came meanwhile."""
+        """Run one SUBMIT and answer it, or refuse it with an answer; False when the lease ends before it
+        (it did not start, and is not answered: LEASE_END tells the submitter so)."""
         task_id = msg.get("id")
         problem = check_leased_submit(msg)
         if problem is not None:
             self.stream.send(wire.error("bad-request", problem, task_id if isinstance(task_id, int) else None))
-            return False
+            return True
         with self._lock:
-            skip = task_id in self._cancelled
-            reused = task_id <= self._started
-            if not skip and not reused:
+            if self.ending or self._stopping:  # the peer wants the slot back, or stops; or this worker ends
+                return False
+            refusal = self._refusal(task_id)
+            if refusal is None:
                 self._cancelled = {i for i in self._cancelled if i > task_id}
                 self._running = self._started = task_id
-        if skip or reused:  # every SUBMIT gets one answer: the submitter counts them (client/connection.py)
-            self.stream.send(wire.error("cancelled", "cancelled by the submitter before it started", task_id)
-                             if skip else wire.error("bad-request", f"task id {task_id} is not above the last one",
-                                                     task_id))
-            return False
+        if refusal is not None:  # every SUBMIT gets one answer: the submitter counts them (client/connection.py)
+            self.stream.send(refusal)
+            return True
         started = time.monotonic()
         with task_environment({**self.env, **(msg.get("env") or {})}), self._watched(msg), \
                 output_to(self.stream, task_id, self.output.drain):
@@ -134,12 +136,24 @@ class Lease:
         self.output.drain()  # what it wrote to its descriptors goes before its answer
         with self._lock:
             self._running = None
+            if self._stopping:  # `_stop_worker` answered it (timeout, cancelled)
+                return False
         del msg, buffers
         reply["ran"] = round(time.monotonic() - started, 6)
         self.served += 1
-        more = arrived(self.stream.conn)
-        self.stream.send(reply, out, hold=more)  # with the replies to the tasks that came with it: one write
-        return more
+        # sent now, before the next task starts: a task that ends this worker, or a lost connection, leaves
+        # the submitter no answered task unknown (ADR 0013)
+        self.stream.send(reply, out)
+        return True
+
+    def _refusal(self, task_id: int) -> dict | None:
+        """The answer to a SUBMIT that may not start (cancelled, or an id not above the last), or None;
+        with the lock held."""
+        if task_id in self._cancelled:
+            return wire.error("cancelled", "cancelled by the submitter before it started", task_id)
+        if task_id <= self._started:
+            return wire.error("bad-request", f"task id {task_id} is not above the last one", task_id)
+        return None
 
     def _keep_alive(self) -> None:
         """While a task runs or arrives, say every `beat` seconds that this worker is alive (a PONG without
@@ -181,9 +195,9 @@ class Lease:
             self.stream.send({"t": wire.LEASE_END, "reason": reason})
             conn.sock.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + DRAIN_S  # what it sent meanwhile is dropped: it places those again
-            while select.select([conn.sock], [], [], max(0.0, deadline - time.monotonic()))[0] and \
+            while (left := deadline - time.monotonic()) > 0 and select.select([conn.sock], [], [], left)[0] and \
                     conn.sock.recv(1 << 16):
-                pass
+                pass  # bounded: a submitter that goes on sending does not keep the slot
         except OSError:
             pass
         conn.close()
@@ -215,15 +229,17 @@ class Lease:
             self.ending = "the peer is gone"
 
     def _cancel_running(self, task_id) -> None:
-        with self._lock:
-            running = task_id is not None and task_id == self._running
-        if running:
-            self._stop_worker(task_id, "cancelled", "cancelled by the submitter; its worker was killed and replaced")
-        else:
+        if not self._stop_worker(task_id, "cancelled", "cancelled by the submitter; its worker was killed and "
+                                                       "replaced"):
             self._cancel(task_id)
 
-    def _stop_worker(self, task_id, code: str, reason: str) -> None:
-        """End the running task with `code`, end the lease, and have the peer kill this worker's tree."""
+    def _stop_worker(self, task_id, code: str, reason: str) -> bool:
+        """End the running task `task_id` with `code`, end the lease, and have the peer kill this worker's
+        tree; False if that task does not run (no other starts once this began)."""
+        with self._lock:
+            if self._stopping or task_id is None or task_id != self._running:
+                return False
+            self._stopping = True
         try:
             self.output.drain()
             self.stream.send(wire.error(code, reason, task_id))

@@ -5,20 +5,20 @@ can reach. An authenticated connection that asks (a LOCAL message) is told the s
 and a fresh token over its secure channel. A process that connects must be of the peer's own uid
 (SO_PEERCRED, the kernel's word) and present a token of a live connection within the time
 bound; then the link is that connection's, and only that connection's messages may name
-descriptors on it. Anything else is closed without a byte read past the token.
+descriptors on it. Anything else is closed without a byte read past the token, and a process of
+another user without a byte read at all. Any account can read the socket's name in
+/proc/net/unix, so what they cause is logged a line per interval (quiet.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 from typing import Protocol
 
 from .. import shm, wire
-
-log = logging.getLogger("gpulayer.peer")
+from .quiet import QuietLog
 
 PENDING_MAX = 64  # links accepted and waiting for their token; the oldest goes first
 TOKEN_TIMEOUT = 2.0  # seconds a link may take to present its token
@@ -33,8 +33,9 @@ class Linkable(Protocol):
 class LocalLinks:
     """The listening socket, the tokens offered to live connections, the links waiting for a token."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, quiet: QuietLog):
         self._loop = loop
+        self._quiet = quiet
         self.address = shm.listen_address()
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._server.bind(self.address)
@@ -65,11 +66,13 @@ class LocalLinks:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("local link accept failed: %s", exc)
+                self._quiet.warning("failed local link accepts", "local link accept failed: %s", exc)
                 return
-            if shm.peer_uid(link) != os.getuid():
-                log.warning("refused a local link from another user (uid %d)", shm.peer_uid(link))
+            uid = shm.peer_uid(link)
+            if uid != os.getuid():
                 link.close()
+                self._quiet.warning("local links refused (another user)",
+                                    "refused a local link from another user (uid %d)", uid)
                 continue
             while len(self._pending) >= PENDING_MAX:
                 self._close(next(iter(self._pending)))

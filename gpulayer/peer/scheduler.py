@@ -45,6 +45,7 @@ class TaskOwner(Protocol):
     """The submitter connection a task came from."""
 
     address: str  # the submitter's "host:port"
+    client: str  # the submitter's id (its AUTH's "client"): whose data its tasks' workers hold
 
     def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
         """Send the task's outcome (once)."""
@@ -273,7 +274,7 @@ class Scheduler:
             if task in self._queue:  # not while its held arguments are fetched
                 self._queue.remove(task)
         elif task.slot.task is task:
-            self._replace_worker(task.slot)
+            self._replace_worker(task.slot, f"its task was stopped: {message}")
         if notify:
             self._answer(task, wire.error(code, message))
         else:
@@ -308,7 +309,8 @@ class Scheduler:
     def lease_message(self, task: ScheduledTask) -> wire.Message:
         """What the leased worker is told with the connection: its device variables and idle limit."""
         assert task.slot is not None
-        return {"t": wire.LEASE, "env": _device_env(task.req, task.slot), "idle": LEASE_IDLE_S}
+        return {"t": wire.LEASE, "env": _device_env(task.req, task.slot), "idle": LEASE_IDLE_S,
+                "owner": task.owner.client}
 
     def lease_failed(self, task: ScheduledTask) -> None:
         """The connection did not reach the leased worker: the slot is free again."""
@@ -352,7 +354,7 @@ class Scheduler:
         if type(served) is int and served > 0:
             self.tasks_done += served
         if msg["t"] == wire.BYE:
-            self._replace_worker(worker.slot)
+            self._replace_worker(worker.slot, f"its leased task was stopped: {worker.last_words}")
         elif msg["t"] == wire.STATUS and "lease_end" in msg:
             worker.send({"t": wire.LEASE_END})  # the acknowledgement: it serves this peer again
             self._release(task)
@@ -418,7 +420,8 @@ class Scheduler:
         self.activity.started(task, task.msg and task.msg.get("name"), task.owner.address, lead.device)
         assert task.msg is not None
         if task.actor_class is None:
-            msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"]}
+            msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"],
+                   "owner": task.owner.client}
             if task.refs:  # after the task's own buffers: each held result's, in order
                 msg["ab"] = len(task.buffers or [])
                 msg["refs"] = [[rid, data, len(bufs)] for rid, data, bufs in task.refs]
@@ -455,7 +458,7 @@ class Scheduler:
         except (WorkerDied, OSError) as exc:
             if worker.slot.worker is worker:
                 self._answer(task, wire.error("worker-died", str(exc)))
-                self._replace_worker(worker.slot)
+                self._replace_worker(worker.slot, "it did not start")
             return
         if worker.slot.worker is not worker or worker.slot.task is not task:  # cancelled while it started
             await worker.kill()
@@ -473,7 +476,7 @@ class Scheduler:
         self._answer(task, wire.error("timeout", f"the task ran past its timeout of {task.timeout:g} s; "
                                                  "its worker was killed and replaced"))
         if task.slot is not None:
-            self._replace_worker(task.slot)
+            self._replace_worker(task.slot, f"its task ran past its timeout of {task.timeout:g} s")
 
     def _release(self, task: ScheduledTask) -> None:
         """Free the slots a task holds and stop its timer."""
@@ -508,7 +511,8 @@ class Scheduler:
     def _new_worker(self, slot: Slot, env: dict[str, str] | None = None, preload: list[str] | None = None) -> Worker:
         """A worker for `slot`, not started: a warm one, or one with `env` on top of the slot's and other preloads."""
         return Worker(slot, self.python, self.preload if preload is None else preload, self._on_reply,
-                      self._on_output, self._on_worker_exit, self._pythonpath, env, self.workdir)
+                      self._on_output, self._on_worker_exit, self._pythonpath, env, self.workdir,
+                      keep_folders=not self._own_workdir)
 
     def _on_reply(self, worker: Worker, reply: wire.Message, buffers: list[Any]) -> None:
         slot = worker.slot
@@ -526,7 +530,7 @@ class Scheduler:
         if task.actor_class is not None and reply["t"] == wire.RESULT:  # its constructor returned: it lives
             self._go_live(task, worker, reply)
         elif task.one_off:
-            self._replace_worker(slot)  # back to a warm worker, of the slot's own device and environment
+            self._replace_worker(slot, "its task needed a worker of its own")  # back to a warm one
         else:
             self._release(task)
         self._answer(task, reply, buffers)
@@ -543,7 +547,7 @@ class Scheduler:
             self.actors.end(task.actor, "died", f"the actor was stopped: {worker.last_words}" if worker.last_words
                             else f"its worker process {worker.pid} died ({describe_exit(code)})")
             return
-        self._replace_worker(slot)
+        self._replace_worker(slot, None)
         if isinstance(task, ScheduledTask):
             self._answer(task, wire.error("worker-died", f"the worker process {worker.pid} died while running "
                                                          f"the task ({describe_exit(code)})"))
@@ -569,24 +573,26 @@ class Scheduler:
         self.actors.add(task.actor)
         reply["actor"], reply["slot"] = task.actor.actor_id, worker.slot.index
 
-    def _free_actor_slot(self, slot: Slot, worker: Worker) -> None:
+    def _free_actor_slot(self, slot: Slot, worker: Worker, why: str) -> None:
         """An actor ended: kill its worker (unless it is gone already) and give the slot a warm one."""
         if slot.worker is worker:
-            self._replace_worker(slot)
+            self._replace_worker(slot, why)
         else:
             self._start_queued()
 
-    def _replace_worker(self, slot: Slot) -> None:
-        """Free the slot (and the others its task holds), kill its worker and start a fresh one."""
+    def _replace_worker(self, slot: Slot, why: str | None) -> None:
+        """Free the slot (and the others its task holds), kill its worker and start a fresh one. `why`
+        says why the peer stops the worker; None: it died by itself."""
         if isinstance(slot.task, ScheduledTask):
             self._release(slot.task)
         old = self._worker(slot)
         slot.worker = self._new_worker(slot)
-        self.spawn(self._restart(old, slot))
+        self.spawn(self._restart(old, slot, why))
 
-    async def _restart(self, old: Worker, slot: Slot) -> None:
+    async def _restart(self, old: Worker, slot: Slot, why: str | None) -> None:
         code = await old.kill()
-        log.info("worker %s of slot %d ended (%s); starting a new one", old.pid, slot.index, describe_exit(code))
+        ended = f"stopped by the peer: {why}" if why else describe_exit(code)  # a kill of ours is no crash
+        log.info("worker %s of slot %d ended (%s); starting a new one", old.pid, slot.index, ended)
         delay = 0.5
         while not self.stopping:
             try:

@@ -8,6 +8,7 @@ them in warm workers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import resource
@@ -31,6 +32,7 @@ from ..resources.utilisation import Sample, Sampler
 from .actors import Actor, grace_from_env
 from .channel import AsyncChannel
 from .local import LocalLinks
+from .quiet import QuietLog
 from .reprobe import Reprobe
 from .workers import Worker
 from . import held
@@ -39,7 +41,6 @@ from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, pl
 log = logging.getLogger("gpulayer.peer")
 
 ACCEPT_PAUSE_MIN, ACCEPT_PAUSE_MAX = 0.05, 1.0  # back-off of accepting when out of descriptors (s)
-ACCEPT_WARN_EVERY = 10.0  # seconds between warnings about failing accepts
 
 
 @dataclass
@@ -123,8 +124,18 @@ class Connection:
         self.channel.write(msg)
 
     def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
-        """Write a message; its segments go by descriptor over the local link, if there is one."""
-        self.channel.write(msg, shm.send_over(self.link, msg, buffers, copy=False))
+        """Write a message; its segments go by descriptor over the local link, if there is one.
+
+        A message that a frame cannot carry (over 4 GiB: from a worker that did not check its result)
+        is answered with an ERROR "too-large" for its id instead; if its descriptors went ahead on the
+        link, the link is out of step and the connection is closed."""
+        try:
+            self.channel.write(msg, shm.send_over(self.link, msg, buffers, copy=False))
+        except FrameTooLarge as exc:
+            log.warning("a message to %s is too large for the wire: %s", self.address, exc)
+            self.channel.write(wire.error(exc.code, str(exc), msg.get("id")))
+            if "fds" in msg:
+                self.peer.refuse(self, exc.code, str(exc))
 
 
 class Peer:
@@ -150,8 +161,7 @@ class Peer:
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
         self._lingering: dict[Connection, None] = {}  # refused, closing in the background; oldest first
         self._accept_pause = 0.0  # seconds accepting pauses after running out of descriptors
-        self._accept_errors = 0  # since the last warning
-        self._accept_warned = 0.0
+        self.quiet = QuietLog(log)  # warnings that anyone can cause: a line a kind per interval
         self._draining = False
         self._forced = False
         self._stopped: asyncio.Event | None = None
@@ -187,7 +197,7 @@ class Peer:
         self.port = self._server.getsockname()[1]
         self._loop.add_reader(self._server.fileno(), self._on_accept)
         if shm.enabled():
-            self._local = LocalLinks(self._loop)
+            self._local = LocalLinks(self._loop, self.quiet)
         self.scheduler.spawn(self._watchdog())
         self.sampler.start()
         if self.config.advertise:
@@ -230,6 +240,7 @@ class Peer:
         await asyncio.gather(*(c.channel.close_gracefully() for c in list(self._connections)))
         await self.scheduler.stop()
         self.sampler.stop()
+        self.quiet.flush(final=True)
         self._stopped.set()
 
     def cancel_all(self, message: str) -> None:
@@ -291,15 +302,11 @@ class Peer:
             oldest.channel.close()
 
     def _accept_failed(self, exc: OSError) -> None:
-        """Out of descriptors (or another accept error): pause accepting, back off, warn at most every 10 s."""
+        """Out of descriptors (or another accept error): pause accepting, back off, warn rarely (quiet.py)."""
         assert self._loop is not None and self._server is not None
-        self._accept_errors += 1
-        now = time.monotonic()
         self._accept_pause = min(max(2 * self._accept_pause, ACCEPT_PAUSE_MIN), ACCEPT_PAUSE_MAX)
-        if now - self._accept_warned >= ACCEPT_WARN_EVERY:
-            log.warning("accept failed %d time(s): %s; pausing new connections for %.2f s",
-                        self._accept_errors, exc, self._accept_pause)
-            self._accept_warned, self._accept_errors = now, 0
+        self.quiet.warning("failed accepts", "accept failed: %s; pausing new connections for %.2f s",
+                           exc, self._accept_pause)
         fd = self._server.fileno()
         self._loop.remove_reader(fd)
         self._loop.call_later(self._accept_pause, self._resume_accepting, fd)
@@ -312,6 +319,7 @@ class Peer:
         """Close handshakes that stall and submitters that went silent (no PING for a while)."""
         while True:
             await asyncio.sleep(0.25)
+            self.quiet.flush()
             now = time.monotonic()
             while self._unauthenticated:
                 conn, deadline = next(iter(self._unauthenticated.items()))
@@ -340,19 +348,24 @@ class Peer:
         self._connections.add(conn)
         conn.channel.write(reply)  # the last frame in clear: every later byte both ways is sealed
         conn.channel.secure(*keys)
-        self._receiving(conn.channel.reader)
+        self._receiving(conn.channel.reader, conn.client)
         self.scheduler.actors.connected(conn)
         self.held.connected(conn.client)
 
-    def _receiving(self, reader: wire.MessageReader) -> None:
-        """Receive big buffers as this peer does: within the memory headroom, into segments where it has local links."""
+    def _receiving(self, reader: wire.MessageReader, client: str) -> None:
+        """Receive big buffers as this peer does: within the memory headroom, into segments where it has
+        local links (segments pooled for this submitter's data only)."""
         reader.budget = self._memory_refusal
         if self._local is not None:
-            reader.allocate = _receive_buffer
+            reader.allocate = functools.partial(_receive_buffer, owner=client)
 
     def refuse(self, conn: Connection, code: str, message: str) -> None:
         """Tell the other side why, then close (in the background)."""
-        log.warning("closing connection from %s: %s", conn.address, message)
+        if conn.authenticated:  # a key holder's connection: each is worth its line
+            log.warning("closing connection from %s: %s", conn.address, message)
+        else:  # anyone can cause these, as often as they like
+            self.quiet.warning(f"connections refused before authentication ({code})",
+                               "closing connection from %s: %s", conn.address, message)
         self._unauthenticated.pop(conn, None)
         self.drop(conn)
         conn.channel.write(wire.error(code, message))
@@ -505,7 +518,8 @@ class Peer:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched
         from their peers); a lost one fails it with "held-lost"."""
         def fetch(ref: dict[str, Any]) -> tuple[bytes, list[Any]]:
-            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.client, self._receiving)
+            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.client,
+                              functools.partial(self._receiving, client=conn.client))
 
         try:
             resolved = await held.gather(self.held, refs, conn.client, self.peer_id, fetch)
@@ -665,9 +679,9 @@ def memory_refusal(total: int, headroom: int) -> str | None:
             f"and keeps {headroom >> 20} MiB of it (GPULAYER_MEMORY_HEADROOM_MB)")
 
 
-def _receive_buffer(size: int) -> Any:
-    """Where a submitter's large frame is received: a segment, which goes on to the worker by descriptor."""
-    return shm.receive_segment(size) if size >= shm.SHM_MIN else wire.receive_buffer(size)
+def _receive_buffer(size: int, owner: str) -> Any:
+    """Where a large frame of submitter `owner` is received: a segment, which goes on to the worker by descriptor."""
+    return shm.receive_segment(size, owner) if size >= shm.SHM_MIN else wire.receive_buffer(size)
 
 
 def _raise_fd_limit() -> None:

@@ -18,30 +18,64 @@ import os
 import socket
 import sys
 import time
+import types
 
-from .. import held, remote_exceptions, serialization, shm, wire
+from .. import held, remote_exceptions, serialization, shm, taskenv, wire
 from . import spawning
 
 _FN_CACHE_SIZE = 128
 
 
 class FunctionCache:
-    """Unpickled functions by their pickle, so that a repeated function is loaded once."""
+    """Unpickled functions by their pickle, so that a repeated function is loaded once.
+
+    A function shipped by value has globals of its own, and a module of the user's shipped by value
+    is a module of its own (no import on this side holds either): each task starts with both as
+    they were unpickled, so that one task's `global x; x = ...` or `mymodule.x = ...` is not the
+    next one's. A mutable value changed in place stays changed (docs/scheduling.md, "Clean workers").
+    """
 
     def __init__(self):
-        self._fns: dict[bytes, object] = {}
+        self._fns: dict[bytes, tuple[object, list[tuple[dict, dict]]]] = {}
 
     def load(self, data: bytes):
-        fn = self._fns.get(data)
-        if fn is None:
+        cached = self._fns.get(data)
+        if cached is None:
             fn = serialization.loads(data)
             fn = getattr(fn, "__gpulayer_function__", fn)  # a @gl.remote object pickled by reference
             if not callable(fn):
                 raise TypeError(f"the task's function is a {type(fn).__name__}, not a callable")
             if len(self._fns) >= _FN_CACHE_SIZE:
                 self._fns.pop(next(iter(self._fns)))
-            self._fns[data] = fn
+            cached = self._fns[data] = (fn, _shipped_namespaces(fn))
+        fn, namespaces = cached
+        for namespace, unpickled in namespaces:
+            namespace.clear()
+            namespace.update(unpickled)
         return fn
+
+    def clear(self) -> None:
+        self._fns.clear()
+
+
+def serve_owner(msg: dict, functions: FunctionCache) -> None:
+    """Before a task or a lease of the submitter that the peer names in `msg` ("owner"): when it is another
+    than the last, nothing that this worker keeps of the others is left for its code to read (pooled
+    segments are zeroed or let go of, cached functions forgotten). What their tasks left in the
+    process itself is not wiped: tasks on one peer are not isolated (docs/security.md)."""
+    if shm.POOL.serve(str(msg.get("owner"))):
+        functions.clear()
+
+
+def _shipped_namespaces(fn) -> list[tuple[dict, dict]]:
+    """(namespace, a copy of it) for the globals of a function shipped by value and the modules shipped
+    by value among them; none for a function of an imported module."""
+    namespace = getattr(fn, "__globals__", None)
+    if namespace is None or namespace is getattr(sys.modules.get(getattr(fn, "__module__", "")), "__dict__", None):
+        return []
+    modules = [vars(value) for value in namespace.values()
+               if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is not value]
+    return [(ns, dict(ns)) for ns in (namespace, *modules)]
 
 
 def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, list]:
@@ -76,9 +110,21 @@ def _invoke(task_id, target, args: bytes, buffers: list) -> tuple[object, dict |
         result = fn(*args, **kwargs)
     except BaseException as exc:  # the task's failure, SystemExit included, goes back to the submitter
         _flush()
+        _explain_missing_file(exc)
         return None, _error(task_id, exc, skip_frames=1)
     _flush()
     return result, None
+
+
+def _explain_missing_file(exc: BaseException) -> None:
+    """A relative path that a task did not find: say where it was looked for, and that files do not
+    travel with a function."""
+    filename = getattr(exc, "filename", None)
+    if isinstance(exc, FileNotFoundError) and isinstance(filename, str) and not os.path.isabs(filename) \
+            and hasattr(exc, "add_note"):
+        exc.add_note(f"gpulayer: the task looked for {filename!r} in its own folder on the peer ({taskenv.working_folder()}). Files do "
+                     "not travel with a function: pass the data as an argument, or use a path that exists on the "
+                     "peer (see docs/scheduling.md, \"A task's folder\")")
 
 
 def _run(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
@@ -90,22 +136,22 @@ def _run(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
         data, out = serialization.dumps(result)
     except Exception as exc:
         return _error(task_id, exc, note=f"the result ({type(result).__name__}) could not be pickled"), []
+    try:  # every path of a result (the peer, a lease, an actor) passes here: one the wire refuses fails now
+        wire.check_size("the task's result and its buffers", [len(data), *(memoryview(b).nbytes for b in out)])
+    except ValueError as exc:
+        return _error(task_id, exc), []
     return {"t": wire.RESULT, "id": task_id, "data": data}, out
 
 
 @contextlib.contextmanager
 def task_environment(env: dict | None):
-    """Set a task's environment variables (the SUBMIT's "env") while it runs; restore them after."""
-    saved = {name: os.environ.get(name) for name in env or {}}
+    """A task's environment variables (the SUBMIT's "env") set while it runs; after it, everything the
+    task changed of the worker's state is put back (CleanRoom)."""
     os.environ.update(env or {})
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        taskenv.restore_clean_room()
 
 
 def _error(task_id, exc: BaseException, *, skip_frames: int = 0, note: str = "") -> dict:
@@ -194,12 +240,14 @@ def main(argv=None) -> None:
     parser.add_argument("fd", type=int)
     parser.add_argument("--preload", default="")
     parser.add_argument("--link", type=int, default=-1)  # the local link for shared memory (shm.py)
+    parser.add_argument("--keep-task-folders", action="store_true")  # the peer was given --workdir
     args = parser.parse_args(argv)
     link = socket.socket(fileno=args.link) if args.link >= 0 and shm.enabled() else None
     conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes(), link, populate=True)
     reaper = OrphanReaper() if become_subreaper() else None
     spawning.install()
     loaded = preload([n for n in args.preload.split(",") if n])
+    taskenv.open_clean_room(os.getcwd(), keep=args.keep_task_folders)
     conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None,
                "direct": link is not None and importlib.util.find_spec("cryptography") is not None})
     functions = FunctionCache()
@@ -217,11 +265,13 @@ def main(argv=None) -> None:
         if msg["t"] == wire.LEASE:  # the peer lent this worker to a submitter's connection
             from .lease_worker import serve_lease
 
+            serve_owner(msg, functions)
             if not serve_lease(conn, msg, functions):
                 return
             continue
         if msg["t"] != wire.SUBMIT:  # the peer's acknowledgement of a lease's end, or a cancel that came late
             continue
+        serve_owner(msg, functions)
         with task_environment(msg.get("env")):
             reply, out = run_task(msg, buffers, functions)
         del msg, buffers

@@ -103,7 +103,7 @@ class Worker:
 
     def __init__(self, slot: Slot, python: str, preload: list[str], on_reply: OnReply, on_output: OnOutput,
                  on_exit: OnExit, pythonpath: str | None = None, extra_env: dict[str, str] | None = None,
-                 cwd: str | None = None):
+                 cwd: str | None = None, keep_folders: bool = False):
         self.slot = slot
         self.python = python
         self.preload = preload
@@ -111,6 +111,7 @@ class Worker:
         self.pythonpath = pythonpath
         self.extra_env = extra_env or {}
         self.cwd = cwd
+        self.keep_folders = keep_folders  # task folders stay when their task ends (the peer was given --workdir)
         self.ready = False
         self.pid: int | None = None
         self._retired = False
@@ -140,6 +141,7 @@ class Worker:
             self._proc = await asyncio.create_subprocess_exec(
                 self.python, "-m", "gpulayer.peer.worker", str(child.fileno()), "--preload", ",".join(self.preload),
                 *(["--link", str(link.fileno())] if link is not None else []),
+                *(["--keep-task-folders"] if self.keep_folders else []),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=passed,
                 env=env, cwd=self.cwd, start_new_session=True,
             )

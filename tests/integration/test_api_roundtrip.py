@@ -11,6 +11,7 @@ import pytest
 
 import gpulayer as gl
 from gpulayer.errors import RemoteTraceback
+from support import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +102,8 @@ def test_stdout_and_stderr_stream_back_while_the_task_runs(peers, tmp_path, caps
         return os.path.exists(path)
 
     future = gl.submit(chatty, str(go))
-    deadline = time.time() + 30
-    while "started" not in future.stdout and time.time() < deadline:
-        time.sleep(0.01)
-    assert "started" in future.stdout and not future.done()  # streamed before the task ended
+    wait_until(lambda: "started" in future.stdout, 30)
+    assert not future.done()  # streamed before the task ended
     go.touch()
     assert future.result(timeout=30) is True
     assert future.stdout == "started\nfinished\n"

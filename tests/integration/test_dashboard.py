@@ -1,19 +1,24 @@
 """The dashboard against real peers on loopback: its JSON API, the page in a real headless Chromium,
-the loopback rules, and the cleaning of hostile STATUS fields."""
+the loopback rules, the token that keeps other local users out, and the cleaning of hostile STATUS
+fields."""
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import os
 import re
 import select
 import shutil
-import time
+import signal
 import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from support import new_key, wait_until, write_override
@@ -48,7 +53,7 @@ def get(url: str, host: str | None = None) -> tuple[int, bytes]:
 
 
 def api(dashboard: Dashboard, name: str):
-    return json.loads(get(dashboard.url + "api/" + name)[1])
+    return json.loads(get(dashboard.url_for("api/" + name))[1])
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +197,7 @@ def test_page_in_headless_chromium(site, tmp_path):
                                    ".some(td => td.textContent === 'hold')") and "reserved" in page.js(
             'document.querySelector(\'tr[data-peer="dash-gpu"] td.memory\').textContent'), timeout=30, interval=0.2)
         assert page.js(STATE_OF % "dash-gpu") == "up" and page.js(STATE_OF % "dash-cpu") == "up"
+        assert page.js("location.href") == dashboard.base_url  # the token is off the address bar: in a cookie
         gpu_row = page.js('document.querySelector(\'tr[data-peer="dash-gpu"]\').textContent')
         assert "free of 80 GB (20 GB reserved) dedicated" in gpu_row and "NVIDIA H100 80GB HBM3" in gpu_row
         cpu_memory = page.js('document.querySelector(\'tr[data-peer="dash-cpu"] td.memory\').textContent')
@@ -227,10 +233,10 @@ def test_loopback_only_unless_allowed(site):
         check_host(host, allow_remote=False)
     check_host("0.0.0.0", allow_remote=True)
     # a page elsewhere that rebinds its own name to 127.0.0.1 sends its own Host: refused
-    status, body = get(dashboard.url + "api/peers", host="evil.example:8265")
+    status, body = get(dashboard.url_for("api/peers"), host="evil.example:8265")
     assert status == 403 and b"loopback Host" in body
-    assert get(dashboard.url + "api/peers", host="localhost")[0] == 200
-    assert get(dashboard.url + "nothing-here")[0] == 404
+    assert get(dashboard.url_for("api/peers"), host="localhost")[0] == 200
+    assert get(dashboard.url_for("nothing-here"))[0] == 404
     status, page = get(dashboard.url)
     assert status == 200 and b'src="/app.js"' in page and b"http" not in page.split(b"<body>")[0].lower()
 
@@ -263,3 +269,111 @@ def test_hostile_status_fields_are_cleaned():
     assert len(util["gpus"]) == 32 and util["gpus"][0] == {"index": 0, "util_percent": None, "memory_used_gb": 3.0,
                                                            "memory_total_gb": None}
     assert clean_status("garbage")["running"] == [] and clean_status(None)["util"] is None
+
+
+# ---- the token: other local users read nothing --------------------------------------------------------
+
+def secret_named_task() -> str:
+    return "done"
+
+
+# Run as another local account: the ways into the dashboard it can try without the token.
+INTRUDE = """
+import json, sys, urllib.error, urllib.request
+base, cookie = sys.argv[1], sys.argv[2]
+tries = [("", {}), ("index.html", {}), ("api/tasks", {}), ("api/peers?token=guess", {}),
+         ("api/tasks", {"Cookie": cookie + "=guess"}), ("api/trace?token=", {})]
+answers = []
+for path, headers in tries:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=10) as reply:
+            answers.append([path, reply.status, reply.read().decode(errors="replace")])
+    except urllib.error.HTTPError as exc:
+        answers.append([path, exc.code, exc.read().decode(errors="replace")])
+print(json.dumps(answers))
+"""
+
+
+def start_cli_dashboard(key: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`gpulayer dashboard --port 0` of the cluster of `key`, and the URL it printed."""
+    proc = subprocess.Popen([sys.executable, "-m", "gpulayer", "dashboard", "--port", "0", *args],
+                            env={**os.environ, "GPULAYER_KEY": key, **(env or {})}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if ready else ""
+    found = re.search(r"http://\S+", line)
+    if found is None:
+        stop_cli_dashboard(proc)
+        raise AssertionError(f"gpulayer dashboard printed no URL: {line!r}")
+    return proc, found.group(0)
+
+
+def stop_cli_dashboard(proc: subprocess.Popen) -> str:
+    """Ctrl-C, as its user stops it; what it wrote on its standard error."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=20)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate(timeout=10)[1]
+
+
+def test_another_local_user_without_the_token_reads_nothing(peer_factory, other_user):
+    key = new_key()
+    peer = peer_factory("dash-private", "--concurrency", "1", key=key)
+    client = Client(key=key.encode(), peers=peer.address, mdns=False, echo_output=False)
+    proc, url = start_cli_dashboard(key, env={"GPULAYER_PEERS": peer.address})
+    errors = ""
+    try:
+        assert client.submit(secret_named_task, req=Requirements.build()).result(30) == "done"
+        base, _, token = url.partition("?token=")
+        # the owner, with the URL printed: the page sets the cookie that the page's own requests carry
+        owner = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+        with owner.open(url, timeout=10) as reply:
+            assert reply.status == 200 and b'src="/app.js"' in reply.read()
+        wait_until(lambda: [t for t in json.loads(owner.open(base + "api/tasks", timeout=10).read())["finished"]
+                            if t["name"].endswith("secret_named_task")], timeout=30)
+        # another local account: neither the page nor the API, nor with a guessed token or cookie
+        port = base.rstrip("/").rsplit(":", 1)[1]
+        intruder = other_user.run(INTRUDE, base, f"gpulayer-dashboard-{port}", timeout=60)
+        assert intruder.returncode == 0, intruder.stderr
+        answers = json.loads(intruder.stdout)
+        assert [status for _, status, _ in answers] == [403] * len(answers), answers
+        assert all("secret_named_task" not in body and "needs its token" in body for _, _, body in answers)
+        assert token, f"no token in the URL printed: {url}"
+        # nor can it read the token where any account may look: the dashboard's command line
+        assert token not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+    finally:
+        errors = stop_cli_dashboard(proc)
+        client.close()
+    assert token not in errors
+
+
+def test_the_token_is_in_no_log(site, caplog):
+    dashboard = site[0]
+    with caplog.at_level(logging.DEBUG, "gpulayer.dashboard"):
+        assert get(dashboard.url_for("api/peers"))[0] == 200
+        assert get(dashboard.base_url + "api/peers")[0] == 403
+    assert any("GET /api/peers?token=<token>" in line for line in caplog.messages), caplog.messages
+    assert not any(dashboard.token in line for line in caplog.messages)
+
+
+def test_open_gives_the_browser_a_private_page_not_the_token(tmp_path):
+    """`--open`: a browser's command line is every local account's to read (/proc/PID/cmdline), so the
+    browser is given a file of the user's own (0600) that leads on to the URL with the token."""
+    seen = tmp_path / "seen"
+    browser = tmp_path / "browser"
+    browser.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {seen}.argv\nstat -c %a "${{1#file://}}" > {seen}.mode\n'
+                       f'cat "${{1#file://}}" > {seen}.page\n')
+    browser.chmod(0o700)
+    proc, url = start_cli_dashboard(new_key(), "--open", env={"BROWSER": str(browser), "GPULAYER_PEERS": ""})
+    try:
+        wait_until(lambda: Path(f"{seen}.page").exists() and Path(f"{seen}.page").read_text(), timeout=30)
+    finally:
+        stop_cli_dashboard(proc)
+    token = url.partition("?token=")[2]
+    argv = Path(f"{seen}.argv").read_text().split()
+    assert token and len(argv) == 1 and argv[0].startswith("file://") and token not in argv[0]
+    assert Path(f"{seen}.mode").read_text().strip() == "600"
+    assert f'url={url}"' in Path(f"{seen}.page").read_text()
+    assert not Path(argv[0].removeprefix("file://")).exists()  # removed when the dashboard stopped

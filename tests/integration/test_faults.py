@@ -14,7 +14,7 @@ import pytest
 import gpulayer as gl
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
-from support import new_key, wait_until
+from support import new_key, process_gone, wait_until
 
 ANY = Requirements.build()
 
@@ -26,9 +26,17 @@ def pid_of_task():
 
 
 def sleep_then_touch(seconds, path):
+    """Note this worker's pid in `path`.pid, sleep, then create `path`."""
+    with open(path + ".pid", "w") as f:
+        f.write(str(os.getpid()))
     time.sleep(seconds)
     open(path, "w").close()
     return "done"
+
+
+def ran_in(path) -> int:
+    """The pid of the worker that ran sleep_then_touch(_, path), once it started."""
+    return int(wait_until(lambda: os.path.exists(f"{path}.pid") and open(f"{path}.pid").read(), 30))
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +53,12 @@ def test_timeout_kills_the_worker_frees_the_slot_and_replaces_it(solo, tmp_path)
     peer, client = solo
     before = client.submit(pid_of_task, req=ANY).result(30)
     marker = tmp_path / "late"
-    started = time.monotonic()
     with pytest.raises(gl.TaskTimeout, match="timeout of 0.5 s"):
         client.submit(sleep_then_touch, (3, str(marker)), req=ANY, timeout=0.5).result(30)
-    assert time.monotonic() - started < 10  # the timeout error comes promptly, not after the task
+    assert not marker.exists()  # the timeout error came before the 3 s task could end
     after = client.submit(pid_of_task, req=ANY).result(30)  # the slot is free again, on a new worker
     assert after != before
-    time.sleep(3.5)
+    wait_until(lambda: process_gone(ran_in(marker)), 15)
     assert not marker.exists()  # the killed task never finished
 
 
@@ -62,8 +69,8 @@ def test_cancel_stops_a_running_task_and_drops_a_queued_one(solo, tmp_path):
     wait_until(lambda: client.peers()[0]["busy"] == 1)
     assert queued.cancel() and running.cancel()
     assert running.cancelled() and queued.cancelled()
-    assert client.submit(pid_of_task, req=ANY).result(30)  # the slot came back
-    time.sleep(3.5)
+    assert client.submit(pid_of_task, req=ANY).result(30)  # the slot came back (a queued task would run first)
+    wait_until(lambda: process_gone(ran_in(tmp_path / "running")), 15)
     assert not (tmp_path / "running").exists() and not (tmp_path / "queued").exists()
 
 
@@ -93,10 +100,9 @@ def test_sigkill_of_a_peer_mid_task_gives_peer_lost_within_seconds(cluster):
     doomed = client.submit(slow_where, (30,), req=Requirements.build(peer="first"))
     wait_until(lambda: busy_on(client, "first"))
     peers["first"].kill()
-    started = time.monotonic()
-    with pytest.raises(gl.PeerLost, match="first"):
+    with pytest.raises(gl.PeerLost, match="first") as lost:
         doomed.result(30)
-    assert time.monotonic() - started < 5  # "within seconds": the socket resets at once
+    assert "no answer" not in str(lost.value)  # the socket reset at once, before the heartbeat found silence
     # zeroconf still lists the dead peer, but it is marked down and new work goes elsewhere
     assert client.submit(slow_where, (0,), req=ANY).result(30) == "second"
     assert {r["name"]: r["state"] for r in client.peers()} == {"first": "down", "second": "up"}
@@ -119,7 +125,9 @@ SUBMITTER = textwrap.dedent("""
     from gpulayer.matching import Requirements
 
     def sleep_then_touch(seconds, path):
-        import time
+        import os, time
+        with open(path + ".pid", "w") as f:
+            f.write(str(os.getpid()))
         time.sleep(seconds)
         open(path, "w").close()
 
@@ -140,7 +148,7 @@ def test_the_peer_cancels_the_tasks_of_a_submitter_that_died(solo, tmp_path):
         wait_until(lambda: client.peers()[0]["busy"] == 1)
         proc.kill()
         wait_until(lambda: client.peers()[0]["busy"] == 0, timeout=10)
-        time.sleep(3.5)
+        wait_until(lambda: process_gone(ran_in(marker)), 15)
         assert not marker.exists()
     finally:
         proc.kill()

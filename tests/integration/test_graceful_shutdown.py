@@ -10,6 +10,7 @@ import pytest
 import gpulayer as gl
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
+from support import wait_until
 
 
 def nap(seconds):
@@ -18,12 +19,7 @@ def nap(seconds):
 
 
 def started(client: Client, name: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if any(r["name"] == name and r["busy"] for r in client.peers(wait=0)):
-            return
-        time.sleep(0.05)
-    raise AssertionError("the task never started")
+    wait_until(lambda: any(r["name"] == name and r["busy"] for r in client.peers(wait=0)), 30)
 
 
 def test_sigterm_withdraws_first_then_drains_the_running_task(cluster):
@@ -46,7 +42,7 @@ def test_a_second_signal_cancels_what_is_still_running(cluster):
     future = client.submit(nap, (60,), req=Requirements.build())
     started(client, "impatient")
     peer.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    wait_until(lambda: "draining 1 task" in peer.log(), 30)  # the first signal was taken
     peer.proc.send_signal(signal.SIGINT)
     with pytest.raises(gl.PeerLost, match="the peer was stopped"):
         future.result(30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 import socket
 import struct
@@ -16,7 +17,7 @@ from gpulayer.client import Client, PeerConnection
 from gpulayer.errors import AuthError, NoMatchingPeer, ProtocolError
 from gpulayer.matching import Requirements
 from gpulayer.resources.model import PROTOCOL_VERSION
-from support import new_key
+from support import new_key, solo_peer, wait_until
 
 ANY = Requirements.build()
 
@@ -157,4 +158,57 @@ def test_a_flood_of_half_open_connections_does_not_lock_out_an_honest_submitter(
     finally:
         for s in flood:
             s.close()
+    assert peer.alive() and honest_call_works(client)
+
+
+# Run as another local account: find the peer's local-link socket as any account can (its abstract
+# name in /proc/net/unix), then connect and hang up `rounds` times; then as often, open a TCP
+# connection, send a frame that is not msgpack, and hang up.
+KNOCK = """
+import socket, sys
+pid, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+names = [line.split()[-1] for line in open("/proc/net/unix") if f" @gpulayer-{pid}-" in line]
+assert names, "the peer's local-link socket is not in /proc/net/unix"
+for _ in range(rounds):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect("\\0" + names[0][1:])
+for _ in range(rounds):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"\\x00\\x00\\x00\\x05hello")
+print("knocked", rounds)
+"""
+
+
+def logged(text: str, line: str, kind: str) -> int:
+    """How many events of `kind` a log records: its lines that start with `line`, plus the counts
+    of its lines that say how many more there were (peer/quiet.py)."""
+    counts = re.findall(re.escape(kind) + r": (\d+) more", text)
+    return text.count(line) + sum(map(int, counts))
+
+
+@pytest.fixture
+def fresh(peer_factory):
+    """A peer of its own, whose log no other test has written to."""
+    yield from solo_peer(peer_factory, "fresh")
+
+
+def test_another_local_user_cannot_flood_the_log_through_links_or_tcp(fresh, other_user):
+    peer, client = fresh
+    rounds = 2000
+    offset = len(peer.log())
+
+    def since() -> str:
+        return peer.log()[offset:]
+
+    knocked = other_user.run(KNOCK, str(peer.pid), str(peer.port), str(rounds), timeout=120)
+    assert knocked.returncode == 0 and f"knocked {rounds}" in knocked.stdout, knocked.stderr
+    # every refused link is accounted for: the first in full, the rest counted, a line per 10 s
+    wait_until(lambda: logged(since(), "refused a local link from another user",
+                              "local links refused (another user)") >= rounds, 60)
+    assert f"(uid {other_user.uid})" in since()
+    wait_until(lambda: "connections refused before authentication (protocol): " in since()
+               or len(since().splitlines()) >= 40, 60)
+    lines = since().splitlines()
+    assert len(lines) < 40, f"{len(lines)} lines for {2 * rounds} bad connections:\n" + "\n".join(lines[:40])
+    assert "closing connection from 127.0.0.1" in since()  # the first of the TCP ones, in full
     assert peer.alive() and honest_call_works(client)

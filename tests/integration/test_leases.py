@@ -125,38 +125,36 @@ def test_a_timeout_on_a_lease_kills_the_worker_and_the_next_task_runs(solo):
     assert run(client, os.getpid).result(30) != before
 
 
+def mark_then_sleep(started: str, seconds: float, finished: str | None = None) -> None:
+    """A leased task that writes its worker's pid to `started`, sleeps, then writes `finished` (if named)."""
+    Path(started).write_text(str(os.getpid()))
+    time.sleep(seconds)
+    if finished:
+        Path(finished).write_text(str(os.getpid()))
+
+
 def test_cancelling_a_task_that_runs_on_a_lease_stops_it(solo, tmp_path):
     peer, client = solo
     assert leased(client, peer) is not None
-    marker = tmp_path / "finished"
-
-    def slow(path):
-        import os
-        import time
-
-        time.sleep(3)
-        with open(path, "w") as f:
-            f.write(str(os.getpid()))
-
-    future = run(client, slow, str(marker))
-    worker = run(client, os.getpid)  # queued behind it on the lease
-    time.sleep(0.5)
+    started, marker = tmp_path / "started", tmp_path / "finished"
+    future = run(client, mark_then_sleep, str(started), 3, str(marker))
+    killed = int(wait_until(lambda: started.exists() and started.read_text(), 30))
+    worker = run(client, os.getpid)  # queued behind it (submitted with it, it could run first)
     assert future.cancel()
     with pytest.raises(CancelledError):
         future.result(1)
-    assert isinstance(worker.result(30), int)  # placed again: it did not start on the killed worker
-    time.sleep(3.5)
+    assert worker.result(30) != killed  # placed again: it did not start on the killed worker
+    wait_until(lambda: not _alive(killed), 15)
     assert not marker.exists()
 
 
-def test_a_worker_killed_mid_lease_fails_one_task_and_the_others_are_placed_again(solo):
+def test_a_worker_killed_mid_lease_fails_one_task_and_the_others_are_placed_again(solo, tmp_path):
     peer, client = solo
     assert leased(client, peer) is not None
-    pid = run(client, os.getpid).result(30)
-    first = run(client, time.sleep, 2, retries=0)
+    started = tmp_path / "started"
+    first = run(client, mark_then_sleep, str(started), 60, retries=0)
     rest = [run(client, pow, 3, i) for i in range(20)]
-    time.sleep(0.5)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(int(wait_until(lambda: started.exists() and started.read_text(), 30)), signal.SIGKILL)
     with pytest.raises(WorkerDied):
         first.result(30)
     assert [f.result(30) for f in rest] == [3 ** i for i in range(20)]
@@ -186,14 +184,15 @@ def test_another_submitter_gets_the_slot_while_a_lease_holds_it(solo, tmp_path):
     assert float(out) < 10  # it did not wait for the end of our stream of tasks
 
 
-def test_a_peer_that_stops_lets_the_leased_task_finish_and_ends_the_lease(peer_factory):
+def test_a_peer_that_stops_lets_the_leased_task_finish_and_ends_the_lease(peer_factory, tmp_path):
     for peer, client in solo_peer(peer_factory, "stopping"):
         assert leased(client, peer) is not None
-        running = run(client, time.sleep, 1.0)
-        time.sleep(0.3)
-        started = time.monotonic()
-        assert peer.stop(timeout=20) == 0  # a clean stop: it drains what runs, then exits
-        assert time.monotonic() - started < 10
+        started = tmp_path / "started"
+        running = run(client, mark_then_sleep, str(started), 1.0)
+        wait_until(started.exists, 30)
+        # a clean stop: it drains what runs, then exits (0); a peer still there 10 s on (ten times the
+        # task's length) is killed, and stop() gives None
+        assert peer.stop(timeout=10) == 0
         assert running.result(10) is None
 
 

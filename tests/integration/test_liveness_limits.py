@@ -21,7 +21,7 @@ import pytest
 from gpulayer.client import Client
 from gpulayer.errors import PeerLost
 from gpulayer.matching import Requirements
-from support import PeerProcess, new_key, wait_until
+from support import PeerProcess, holds_for, new_key, wait_until
 
 ANY = Requirements.build()
 
@@ -53,10 +53,8 @@ def test_a_frozen_peer_served_from_the_cache_gives_peer_lost_within_seconds(peer
         future = client.submit(time.sleep, (60,), req=ANY)
         wait_until(lambda: client._connections, 10)
         os.kill(peer.pid, signal.SIGSTOP)
-        started = time.monotonic()
-        with pytest.raises(PeerLost, match="no answer"):
-            future.result(20)
-        assert time.monotonic() - started < 10  # 3 heartbeats of silence, plus the check's period
+        with pytest.raises(PeerLost, match="no answer"):  # the heartbeat's verdict, long before the 60 s task ends
+            future.result(10)  # 3 heartbeats of 0.5 s of silence, plus the check's period: about 2 s
     finally:
         os.kill(peer.pid, signal.SIGCONT)
         client.close()
@@ -106,10 +104,9 @@ def test_out_of_descriptors_the_peer_backs_off_warns_rarely_then_serves_again(tm
     try:
         for _ in range(3 * FewDescriptorsPeer.limit):
             flood.append(socket.create_connection(("127.0.0.1", peer.port), timeout=5))
-        time.sleep(3.0)  # the peer runs out of descriptors at once, and keeps trying for 3 s
-        assert peer.alive()
-        warnings = peer.log().count("accept failed")
-        assert 1 <= warnings <= 2, peer.log()[-2000:]
+        wait_until(lambda: "accept failed" in peer.log(), 30)  # it ran out of descriptors
+        # it keeps failing to accept, backing off, and says so once in 3 s (at most once every 10 s)
+        holds_for(lambda: peer.alive() and peer.log().count("accept failed") == 1, 3.0)
         assert os.path.getsize(peer.log_file) < 1 << 20  # no spinning loop of warnings
     finally:
         for sock in flood:

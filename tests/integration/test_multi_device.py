@@ -14,7 +14,7 @@ import pytest
 import gpulayer as gl
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
-from support import new_key, write_override
+from support import new_key, wait_until, write_override
 
 
 def visible(seconds=0.0):
@@ -39,10 +39,7 @@ def test_a_two_device_task_sees_both_gpus_and_holds_both_slots(two_gpus):
     before = {client.submit(visible, req=single).result(60)[0] for _ in range(4)}
     assert before <= {"0", "1"}
     future = client.submit(visible, (1.5,), req=pair)
-    deadline = time.monotonic() + 30
-    while client.peers(wait=0)[0]["busy"] != 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert client.peers(wait=0)[0]["busy"] == 2
+    wait_until(lambda: client.peers(wait=0)[0]["busy"] == 2, 30)
     assert future.result(60)[:2] == ("0,1", "cuda:0")
     after = [client.submit(visible, req=single).result(60) for _ in range(4)]
     assert {v for v, _, _ in after} <= {"0", "1"}  # back to one device per warm worker

@@ -1,4 +1,5 @@
-"""Where tasks start: a scratch folder of the peer's (removed when it stops), or --workdir DIR (kept).
+"""Where tasks start: a folder of their own, in a scratch folder of the peer's (the task's folder is
+removed when it ends, the scratch folder when the peer stops), or in --workdir DIR (kept).
 
 Not the folder the peer was started in: a service's is "/" (launchd) or a home folder, and a
 Trainer's default checkpoints (lightning_logs/) or any relative path a task writes would land there.
@@ -37,20 +38,22 @@ def test_tasks_start_in_a_scratch_folder_that_goes_with_the_peer(peer_factory):
     key = new_key()
     peer = peer_factory("scratch", "--no-mdns", "--concurrency", "1", key=key)
     cwd, files = run_on(peer, key)
-    assert Path(cwd).name.startswith("gpulayer-work-") and files == ["written-by-task.txt"]
+    assert Path(cwd).parents[1].name.startswith("gpulayer-work-") and files == ["written-by-task.txt"]
     assert Path(cwd).resolve() != Path.cwd().resolve()
     assert not (Path.cwd() / "written-by-task.txt").exists()
+    assert not Path(cwd).exists()  # the task's folder went with the task
     peer.stop(timeout=15)
-    assert not Path(cwd).exists()
+    assert not Path(cwd).parents[1].exists()
 
 
 def test_workdir_is_where_tasks_start_and_is_kept(peer_factory, tmp_path):
     key = new_key()
     peer = peer_factory("kept", "--no-mdns", "--concurrency", "1", "--workdir", str(tmp_path), key=key)
     cwd, files = run_on(peer, key)
-    assert Path(cwd) == tmp_path and "written-by-task.txt" in files
+    assert Path(cwd).parents[1] == tmp_path and files == ["written-by-task.txt"]
+    assert run_on(peer, key)[0] != cwd  # the next task has a folder of its own
     peer.stop(timeout=15)
-    assert (tmp_path / "written-by-task.txt").read_text() == "hello"
+    assert (Path(cwd) / "written-by-task.txt").read_text() == "hello"
 
 
 @pytest.mark.parametrize("folder", ["/nonexistent/gpulayer", "FILE"])

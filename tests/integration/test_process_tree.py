@@ -12,7 +12,7 @@ import pytest
 
 import gpulayer as gl
 from gpulayer.matching import Requirements
-from support import solo_peer, wait_until
+from support import process_gone as gone, solo_peer, wait_until
 
 ANY = Requirements.build()
 GONE_WITHIN_S = 10.0
@@ -79,13 +79,6 @@ def read_pid(path, pids: list[int]) -> int:
     return pid
 
 
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def assert_gone_soon(pid: int) -> None:
     wait_until(lambda: gone(pid), timeout=GONE_WITHIN_S, interval=0.05)
 
@@ -127,11 +120,12 @@ def test_a_timeout_kills_an_orphan_whose_parent_already_exited(solo, tmp_path, g
 def test_orphans_that_exit_do_not_stay_zombies_of_a_warm_worker(solo):
     peer, client = solo
     worker = client.submit(start_short_orphan, req=ANY).result(30)
-    for _ in range(3):  # the worker reaps between tasks, at most once a second, zombies seen twice
-        time.sleep(1.1)
-        assert client.submit(os.getpid, req=ANY).result(30) == worker
 
-    wait_until(lambda: not [c for c in psutil.Process(worker).children() if gone(c.pid)], timeout=5)
+    def reaped() -> bool:  # between tasks, at most once a second, zombies seen twice
+        assert client.submit(os.getpid, req=ANY).result(30) == worker  # the same warm worker throughout
+        return not [c for c in psutil.Process(worker).children() if gone(c.pid)]
+
+    wait_until(reaped, timeout=10, interval=0.2)
 
 
 def test_a_task_cannot_read_the_cluster_key_from_its_environment(solo):

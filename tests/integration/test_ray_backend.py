@@ -26,9 +26,12 @@ ray = pytest.importorskip("ray", reason='the Ray backend needs ray: pip install 
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import gpulayer as gl  # noqa: E402
-from gpulayer.backends.ray import ray_start_command  # noqa: E402
+from gpulayer import security  # noqa: E402
+from gpulayer.backends.ray import (  # noqa: E402
+    AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, ray_start_command, use_cluster_token)
 from gpulayer.errors import RemoteTraceback  # noqa: E402
 from gpulayer.resources.model import Device, Framework, Resources  # noqa: E402
+from support import new_key  # noqa: E402
 from test_examples_and_bench import sweep_cells  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,15 +67,22 @@ def node_args(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args=node_args("ray-cpu"))
-    try:
-        for name in ("ray-cuda", "ray-mps"):
-            cluster.add_node(**node_args(name))
-        backend = gl.configure(backend="ray", address=cluster.address, echo_output=False)
-        yield cluster
-        backend.close()
-    finally:
-        cluster.shutdown()
+    """The three nodes with Ray's token authentication on, the token derived from a cluster key
+    (as `gpulayer ray-node` starts them; the nodes and the subprocesses inherit the environment)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("GPULAYER_KEY", new_key())
+        for name in (AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV):
+            env.delenv(name, raising=False)
+        assert use_cluster_token()
+        cluster = Cluster(initialize_head=True, head_node_args=node_args("ray-cpu"))
+        try:
+            for name in ("ray-cuda", "ray-mps"):
+                cluster.add_node(**node_args(name))
+            backend = gl.configure(backend="ray", address=cluster.address, echo_output=False)
+            yield cluster
+            backend.close()
+        finally:
+            cluster.shutdown()
 
 
 def where() -> tuple[str, str, str]:
@@ -222,20 +232,39 @@ def test_peers_lists_the_nodes(cluster):
     assert rows["ray-mps"]["frameworks"] == {"torch": "2.13.0", "mlx": "0.32.4"}
 
 
-def test_ray_node_dry_run_prints_a_valid_ray_start(tmp_path):
+def test_ray_node_dry_run_prints_a_valid_ray_start_with_the_cluster_token(tmp_path):
     from ray._private.label_utils import parse_node_labels_string
 
+    key = new_key()
+    env = {**os.environ, "GPULAYER_KEY": key, "XDG_CONFIG_HOME": str(tmp_path / "config")}
     out = subprocess.run([sys.executable, "-m", "gpulayer", "ray-node", "--dry-run", "--address", "127.0.0.1:1",
                           "--name", "box 1", "--", "--num-cpus", "1"], capture_output=True, text=True, timeout=60,
-                         cwd=tmp_path)
+                         cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     args = out.stdout.split()
-    assert args[3:6] == ["start", "--address", "127.0.0.1:1"] and args[-2:] == ["--num-cpus", "1"]
+    token_file = tmp_path / "config" / "gpulayer" / "key.ray-token"
+    assert args[:2] == ["RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN_PATH={token_file}"]
+    assert token_file.read_text() == security.ray_token(key.encode()) and token_file.stat().st_mode & 0o777 == 0o600
+    assert args[5:8] == ["start", "--address", "127.0.0.1:1"] and args[-2:] == ["--num-cpus", "1"]
     labels = parse_node_labels_string(args[args.index("--labels") + 1])  # Ray's own syntax check
     assert labels["gpulayer.io/name"] == "box-1" and labels["gpulayer.io/python"] == "%d.%d.%d" % sys.version_info[:3]
     missing = subprocess.run([sys.executable, "-m", "gpulayer", "ray-node"], capture_output=True, text=True,
-                             timeout=60, cwd=tmp_path)
+                             timeout=60, cwd=tmp_path, env=env)
     assert missing.returncode == 1 and "--address" in missing.stderr
+
+
+def test_ray_node_refuses_a_node_without_the_cluster_key_unless_insecure(tmp_path):
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    env.pop("GPULAYER_KEY", None)  # no key anywhere
+    command = [sys.executable, "-m", "gpulayer", "ray-node", "--head"]
+    refused = subprocess.run([*command, "--", "--bogus-option"], capture_output=True, text=True, timeout=60,
+                             cwd=tmp_path, env=env)
+    assert refused.returncode == 1 and refused.stdout == ""  # nothing ran: ray start would fail on --bogus-option
+    assert "no cluster key" in refused.stderr and "Pass --insecure" in refused.stderr
+    insecure = subprocess.run([*command, "--insecure", "--dry-run"], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path, env=env)
+    assert insecure.returncode == 0 and insecure.stdout.startswith("RAY_AUTH_MODE=disabled ")
+    assert "token authentication is off" in insecure.stderr
 
 
 LOOPBACK6 = ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F")  # ::1, ::ffff:127.0.0.1

@@ -30,14 +30,14 @@ from gpulayer import records, security, serialization, wire
 from gpulayer.client import Client
 from gpulayer.errors import GPULayerError, NoMatchingPeer, PeerLost, ProtocolError
 from gpulayer.matching import Requirements
-from support import new_key, wait_until
+from support import holds_for, new_key, wait_until
 
 ANY = Requirements.build()
 HEADER = struct.Struct(">I")
 CLEAR_UNITS = {"c2p": 1, "p2c": 2}  # units in clear before the records: AUTH; HELLO and AUTH_OK
 SUBMIT_MIN = 200  # bytes: a SUBMIT record is larger than any PING, CANCEL, PONG or ACCEPT record
 RESULT_SIZE = 600  # the result of the task whose RESULT record is tampered with: larger than any other
-SETTLE = 0.5  # seconds to wait for anything late (a task that should not run, a marker that should not appear)
+SETTLE = 0.5  # seconds to watch for anything late (a task that should not run, a marker that should not appear)
 
 
 def mark_then(path: str, tag: str, seconds: float, size: int) -> str:
@@ -46,6 +46,12 @@ def mark_then(path: str, tag: str, seconds: float, size: int) -> str:
         f.write(tag + "\n")
     time.sleep(seconds)
     return "x" * size
+
+
+def marked_sleep(path: str, seconds: float) -> None:
+    """Append "start" to `path`, sleep, append "end": whether the task had ended when something else happened."""
+    mark_then(path, "start", seconds, 0)
+    mark_then(path, "end", 0.0, 0)
 
 
 def touch(path: str) -> str:
@@ -292,12 +298,10 @@ def log_since(peer, offset: int) -> str:
 
 
 def failure_of(future, within: float) -> GPULayerError:
-    """The GPUlayer error `future` fails with, within `within` seconds; never a result, never a hang."""
-    started = time.monotonic()
+    """The GPUlayer error `future` fails with, within `within` seconds (else TimeoutError); never a result."""
     try:
         value = future.result(within)
     except GPULayerError as exc:
-        assert time.monotonic() - started < within
         return exc
     raise AssertionError(f"a tampered connection delivered a result: {value!r}")
 
@@ -399,8 +403,7 @@ def test_tampered_records_close_the_connection_and_the_task_runs_at_most_once(gu
             assert any("channel" in str(exc) for exc in errors), errors
         else:  # the submitter refused the peer's (reflected or changed) record
             assert any("failed authentication" in str(exc) for exc in errors), errors
-        time.sleep(SETTLE)
-        assert runs(marker) == ["task 0"] * expected_runs
+        holds_for(lambda: runs(marker) == ["task 0"] * expected_runs, SETTLE)
     finally:
         client.close()
         proxy.close()
@@ -427,9 +430,8 @@ def test_a_tampered_record_on_a_lease_ends_the_lease_and_the_task_runs_once(guar
         wait_until(lambda: client.submit(abs, (-1,), req=ANY).result(30) and client.leases.by_peer, 20)
         armed.set()
         assert client.submit(mark_then, (str(marker), "once", 0.0, 3), req=ANY).result(30) == "xxx"
-        assert proxy.pipes[1].state.get("flipped")
-        time.sleep(SETTLE)
-        assert runs(marker) == ["once"]
+        assert any(pipe.state.get("flipped") for pipe in proxy.pipes[1:])  # on a lease (not always the first)
+        holds_for(lambda: runs(marker) == ["once"], SETTLE)
     finally:
         client.close()
         proxy.close()
@@ -451,14 +453,13 @@ def test_a_lease_whose_path_stalls_ends_within_three_heartbeats(guarded, tmp_pat
     try:
         wait_until(lambda: client.submit(abs, (-1,), req=ANY).result(30) and client.leases.by_peer, 20)
         marker = tmp_path / "runs"
-        first = client.submit(mark_then, (str(marker), "first", 3.0, 1), req=ANY)  # it runs on meanwhile
+        first = client.submit(marked_sleep, (str(marker), 3.0), req=ANY)  # it runs on meanwhile
         wait_until(lambda: runs(marker), 10)
         stalled.set()
         later = client.submit(abs, (-2,), req=ANY)
-        started = time.monotonic()
         with pytest.raises(PeerLost, match="no word from the leased worker"):
             first.result(30)
-        assert time.monotonic() - started < 2.5  # before the task could have ended
+        assert runs(marker) == ["start"]  # after three heartbeats of 0.2 s, before the 3 s task could end
         assert later.result(30) == 2
     finally:
         client.close()
@@ -478,15 +479,15 @@ def test_a_big_argument_that_crawls_to_a_leased_worker_is_not_taken_for_silence(
         for start in range(0, len(unit), piece):
             pipe.send(direction, unit[start:start + piece])
             time.sleep(pause)
+            pipe.state["pauses"] = pipe.state.get("pauses", 0) + 1
 
     proxy = Proxy(("127.0.0.1", peer.port), crawl_to_the_lease)
     client = Client(key=peer.key.encode(), peers=proxy.address, mdns=False, echo_output=False, heartbeat=0.2)
     try:
         wait_until(lambda: client.submit(abs, (-1,), req=ANY).result(30) and client.leases.by_peer, 20)
-        started = time.monotonic()
         assert client.submit(len, (b"x" * (3 << 20),), req=ANY).result(60) == 3 << 20
-        assert time.monotonic() - started > 5 * client.heartbeat
-        assert sum(len(unit) for unit in proxy.pipes[1].units["c2p"]) > 3 << 20  # it went on the lease
+        [lease] = [pipe for pipe in proxy.pipes[1:] if sum(map(len, pipe.units["c2p"])) > 3 << 20]  # on a lease
+        assert lease.state["pauses"] * pause > 5 * client.heartbeat  # it crawled for longer than the silence limit
     finally:
         client.close()
         proxy.close()
@@ -558,9 +559,8 @@ def test_a_relay_without_the_key_runs_nothing_and_feeds_the_submitter_nothing(gu
         exc = failure_of(future, 10)
         pipe = relay.only_pipe()
         assert pipe.state, "the relay never got to send its forgeries"
-        time.sleep(SETTLE)
-        assert not peer_marker.exists(), "the peer ran the relay's SUBMIT"
-        assert not submitter_marker.exists(), "the submitter unpickled the relay's RESULT"
+        # neither the peer ran the relay's SUBMIT, nor the submitter unpickled its RESULT
+        holds_for(lambda: not peer_marker.exists() and not submitter_marker.exists(), SETTLE)
         assert isinstance(exc, PeerLost) and ("failed authentication" in str(exc) or "outside the limit" in str(exc))
         assert pipe.eof["p2c"].wait(10), "the peer kept the relay's connection open"
         wait_until(lambda: "closing connection from" in log_since(peer, offset), 10)
@@ -589,19 +589,15 @@ def test_a_slow_drip_hello_never_blocks_placement_on_a_real_peer(guarded, drippe
     bound = wire.HANDSHAKE_TIMEOUT + 2.0
     both = Client(key=peer.key.encode(), peers=f"{dripper.address},{peer.address}", mdns=False, echo_output=False)
     try:
-        started = time.monotonic()
         future = both.submit(lambda: os.environ["GPULAYER_PEER_NAME"], req=ANY)
         assert future.result(bound) == "guarded"
-        assert time.monotonic() - started < bound
     finally:
         both.close()
 
     alone = Client(key=peer.key.encode(), peers=dripper.address, mdns=False, echo_output=False)
     try:
-        started = time.monotonic()
         with pytest.raises(NoMatchingPeer):
             alone.submit(lambda: 1, req=ANY)
-        assert time.monotonic() - started < bound
         # one deadline for the whole handshake: the dripper was cut off when it ran out, not after 150 s
         wait_until(lambda: all(c["closed"] for c in dripper.connections), 3)
         for conn in dripper.connections:
@@ -615,20 +611,22 @@ def test_a_slow_drip_hello_never_blocks_placement_on_a_real_peer(guarded, drippe
 # ---- 4. buffers before authentication ----------------------------------------------------------------------
 
 
-def flood_once(peer, key: bytes) -> float:
-    """HELLO, then an AUTH that announces 4096 out-of-band buffers, all of them empty; the seconds until
-    the peer's ERROR (which must be a protocol error), and the connection closed."""
+FLOOD_REPLY_BOUND_S = 2.5
+
+
+def flood_once(peer, key: bytes) -> None:
+    """HELLO, then an AUTH that announces 4096 out-of-band buffers, all of them empty: the peer's ERROR (which
+    must be a protocol error) comes at once, and the connection is closed."""
     with socket.create_connection(("127.0.0.1", peer.port), timeout=10) as sock:
         hello = read_message(sock)
         request, _ = wire.auth(hello, key, "flood")
-        started = time.monotonic()
         sock.sendall(b"".join(wire.encode(request, [b""] * wire.MAX_BUFFERS)))
+        # at once, not at the peer's handshake timeout (5 s): the reply takes milliseconds; half that timeout bounds it
+        sock.settimeout(FLOOD_REPLY_BOUND_S)
         reply = read_message(sock)
-        elapsed = time.monotonic() - started
         assert reply["t"] == wire.ERROR and reply["code"] == "protocol", reply
         assert "before authentication" in reply["message"]
         assert read_unit(sock) is None  # then the peer closes
-        return elapsed
 
 
 def test_a_flood_of_empty_buffers_before_auth_is_refused_at_once_and_costs_no_memory(guarded):
@@ -636,13 +634,11 @@ def test_a_flood_of_empty_buffers_before_auth_is_refused_at_once_and_costs_no_me
     key = peer.key.encode()
     for _ in range(20):  # warm up the peer's allocator
         flood_once(peer, key)
-    time.sleep(0.3)
     before = peer.rss()
-    slowest = max(flood_once(peer, key) for _ in range(200))
-    time.sleep(0.3)
-    grown = peer.rss() - before
-    assert slowest < 1.0  # at once, not at the handshake timeout
-    assert grown < 4 << 20, f"the peer grew by {grown / 2**20:.1f} MiB over 200 floods"
+    for _ in range(200):
+        flood_once(peer, key)
+    # what the last floods took is given back within seconds
+    wait_until(lambda: peer.rss() - before < 4 << 20, 10)
     assert peer.alive() and honest_call_works(direct)
 
 

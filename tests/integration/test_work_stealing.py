@@ -13,7 +13,7 @@ import pytest
 from gpulayer import serialization, wire
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
-from support import authenticated, new_key
+from support import authenticated, new_key, wait_until
 
 SLOWDOWN = "STEAL_SLOWDOWN"  # read by `nap`: how many times slower this peer's tasks run
 CPU = Requirements.build(accelerator="cpu")
@@ -125,10 +125,15 @@ def test_withdraw_takes_back_a_queued_task_only(peers, tmp_path):
 
 def test_a_peer_with_a_free_slot_tells_the_other_contending_submitters(peers, tmp_path):
     quick = peers["quick"]
-    first, second = authenticated(quick, "first"), authenticated(quick, "second")
+    first, second, watcher = (authenticated(quick, name) for name in ("first", "second", "watcher"))
+
+    def busy() -> bool:
+        watcher.send(wire.ping())
+        return next_message(watcher, (wire.PONG,))["load"][0] == 1
+
     try:
         submit(first, 1, tmp_path / "a", 0.3)
-        time.sleep(0.1)  # it started
+        wait_until(busy, 10)  # it started
         submit(second, 1, tmp_path / "b", 0.0)  # queued behind it: both contend for the slot
         assert next_message(second, (wire.ACCEPT,))["id"] == 1
         assert next_message(first, (wire.RESULT,))["id"] == 1
@@ -136,5 +141,5 @@ def test_a_peer_with_a_free_slot_tells_the_other_contending_submitters(peers, tm
         notice = next_message(first, (wire.PONG,), timeout=5)
         assert notice.get("id") is None and notice["load"] == [0, 0]  # unasked: "a slot is free here"
     finally:
-        first.close()
-        second.close()
+        for conn in (first, second, watcher):
+            conn.close()

@@ -98,9 +98,10 @@ def test_a_momentary_reset_of_every_connection_leaves_reachable_peers_usable(lan
     assert out["ok"] and set(out["results"]) == set(lan.names), out
     relay.call("cut_all")
     time.sleep(0.3)
-    first = agent.call("run", fn="where", timeout=30)
+    # at once: reconnecting takes about 0.014 s (bench/results/reliability.json); a peer taken for dead would
+    # be skipped for 5 s (DOWN_BACKOFF), past this bound of 2 s
+    first = agent.call("run", fn="where", timeout=2.0)
     reliability.record("connection_reset_blip", faults_injected={"connection_cuts": len(lan.peers)},
                        first_submit_after_s=round(first["elapsed"], 3), first_submit_ok=first["ok"],
                        first_submit_error=first.get("error"))
     assert first["ok"], first
-    assert first["elapsed"] < 2.0, first

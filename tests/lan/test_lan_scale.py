@@ -16,6 +16,9 @@ from scalelab import PeerSpec, ScaleLan, discovery, fairness, mdns_traffic, thro
 PEERS = 8
 PER_HOST = 2  # four namespaces of two peers each
 CHANGE_PACKETS_MAX = 60  # mDNS packets above the idle rate that one peer joining (or leaving) may cost
+# mDNS packets that 8 idle peers and a browser may send in the 8 s idle window: bench/results/scale.json has
+# 4 in 40 s; a peer announcing itself once a second would send 64
+IDLE_PACKETS_MAX = 40
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def test_a_fresh_submitter_sees_every_peer_and_a_map_spreads_over_them(scale_lan
 
 def test_a_peer_joining_or_leaving_costs_a_bounded_number_of_mdns_packets(scale_lan):
     traffic = mdns_traffic(scale_lan, idle_s=8.0, change_s=5.0)
-    assert traffic["idle"]["packets"] >= 0
+    assert traffic["idle"]["packets"] <= IDLE_PACKETS_MAX, traffic  # an idle LAN stays quiet
     for change in ("join", "leave"):
         assert traffic[change]["packets"] >= 1, traffic  # the change was seen on the bridge
         assert traffic[change]["above_idle"] <= CHANGE_PACKETS_MAX, traffic  # no storm

@@ -1,11 +1,9 @@
 """Shared helpers for the resources tests: recorded facts under facts/."""
 
 import json
-from pathlib import Path
 
 import pytest
-
-FACTS_DIR = Path(__file__).with_name("facts")
+from recorded import FACTS_DIR
 
 
 @pytest.fixture

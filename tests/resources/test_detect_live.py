@@ -18,7 +18,7 @@ def facts():
 
 
 def test_detect_this_machine(facts):
-    res = parse_facts(facts)
+    res = detect()
     assert json.loads(json.dumps(facts)) == facts
     assert (res.host, res.system, res.source) == (socket.gethostname(), platform.system(), "detected")
     assert res.python == platform.python_version()
@@ -27,11 +27,6 @@ def test_detect_this_machine(facts):
     assert "torch.cpu" in res.framework("torch").capabilities
     assert "mlx.cpu" in res.framework("mlx").capabilities
     assert res.cpu_count >= 1 and res.memory_gb > 0
-
-
-def test_detect_parses_collected_facts(facts, monkeypatch):
-    monkeypatch.setattr("gpulayer.resources.detect.collect_facts", lambda python=None: facts)
-    assert detect() == parse_facts(facts)
 
 
 def test_recorded_facts_have_the_live_shape(facts, load_facts):

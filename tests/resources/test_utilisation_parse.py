@@ -8,7 +8,7 @@ import math
 import shutil
 
 import pytest
-from conftest import FACTS_DIR
+from recorded import FACTS_DIR
 
 from gpulayer.resources.utilisation import (GB, NvmlReader, Sampler, clean_sample, parse_host, parse_ioreg,
                                             parse_nvml)

@@ -183,6 +183,16 @@ def test_cluster_id_is_not_a_plain_hash_of_the_key():
     assert security.cluster_id(key) != hashlib.sha256(key).hexdigest()[:12]
 
 
+def test_ray_token_is_hkdf_of_the_key_under_its_own_label():
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    key = b"0123456789abcdef" * 4
+    expected = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"gpulayer/ray-auth-token").derive(key)
+    assert security.ray_token(key) == expected.hex() == security.ray_token(key)
+    assert security.ray_token(key + b"0") != expected.hex()
+
+
 # ---- proofs ---------------------------------------------------------------------------------------------
 
 KEY = b"k" * 32

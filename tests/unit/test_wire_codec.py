@@ -5,6 +5,7 @@ No network: the codec is sans-IO and is fed from memory; the handshake runs over
 
 from __future__ import annotations
 
+import mmap
 import random
 import socket
 import struct
@@ -19,6 +20,8 @@ from hypothesis import strategies as st
 from gpulayer import security, wire
 from gpulayer.errors import AuthError, FrameTooLarge, GPULayerError, ProtocolError, VersionMismatch
 from gpulayer.resources.model import PROTOCOL_VERSION
+
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux: no swap or memory reserved for it
 
 HEADER = struct.Struct(">I")
 BIG = (1 << 17) + 1  # the first frame size that takes the reader's "own bytearray" path
@@ -330,6 +333,36 @@ def test_buffers_over_the_limit_are_refused_at_the_crossing_header():
     # bounds: [message frame, header 1, body 1, header 2, body 2]; stop right after the second header
     with pytest.raises(FrameTooLarge):
         feed(reader, data[:bounds[3]])
+
+
+def test_a_frame_header_says_at_most_4_gib_and_refuses_more():  # issue 24, item 10
+    assert wire.frame_header(2 ** 32 - 1) == HEADER.pack(2 ** 32 - 1) == b"\xff\xff\xff\xff"
+    with pytest.raises(FrameTooLarge) as info:
+        wire.frame_header(2 ** 32)
+    assert info.value.code == "too-large" and str(2 ** 32) in str(info.value) and "4 GiB" in str(info.value)
+
+
+def test_a_buffer_over_4_gib_is_refused_by_encode_before_anything_is_sent():
+    """A real 4 GiB + 1 buffer, reserved but never touched (no memory behind it)."""
+    big = mmap.mmap(-1, 2 ** 32 + 1, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+    try:
+        with pytest.raises(FrameTooLarge):
+            wire.encode({"t": wire.RESULT, "id": 1, "data": b""}, [b"small", big])
+        assert [len(p) for p in wire.encode({"t": wire.RESULT}, [memoryview(big)[:2 ** 32 - 1]])][1:] == \
+            [4, 2 ** 32 - 1]  # exactly 4 GiB less a byte: one frame
+    finally:
+        big.close()
+
+
+@pytest.mark.parametrize("frames, named", [([100, 33 << 20], "33.0 MiB, over the 32 MiB message limit"),
+                                           ([(32 << 20) - 100], "32.0 MiB, over the 32 MiB message limit"),
+                                           ([1, 2 ** 32], "over the 4 GiB that one frame can carry")])
+def test_a_message_the_wire_would_refuse_is_a_value_error_naming_its_size(monkeypatch, frames, named):
+    monkeypatch.setenv("GPULAYER_MAX_MESSAGE_MB", "32" if frames[-1] < 2 ** 32 else "8192")
+    with pytest.raises(ValueError, match="GPULAYER_MAX_MESSAGE_MB" if "limit" in named else "split it") as info:
+        wire.check_size("the task's result", frames)
+    assert named in str(info.value)
+    wire.check_size("the task's result", [1 << 20, 30 << 20])  # room to spare: no error
 
 
 def test_max_message_bytes_from_environment(monkeypatch):

@@ -1,6 +1,9 @@
 // GPUlayer dashboard: polls /api/peers and /api/tasks about once a second and redraws.
 // Every value from a peer is written with textContent, never parsed as HTML.
+// The requests carry the dashboard's token in the cookie that the page's URL (?token=) set.
 "use strict";
+
+if (new URLSearchParams(location.search).has("token")) history.replaceState(null, "", location.pathname);
 
 const REFRESH_MS = 1000;
 const TIMELINE_S = 300;  // the timeline shows the last five minutes
@@ -101,9 +104,15 @@ function renderRefusals(tasks) {
   document.getElementById("refusals").replaceChildren(...items);
 }
 
+async function getJSON(path) {
+  const reply = await fetch(path);
+  if (!reply.ok) throw new Error("HTTP " + reply.status + ": " + (await reply.text()).slice(0, 200));
+  return reply.json();
+}
+
 async function refresh() {
   try {
-    const [peers, tasks] = await Promise.all([fetch("/api/peers").then(r => r.json()), fetch("/api/tasks").then(r => r.json())]);
+    const [peers, tasks] = await Promise.all([getJSON("/api/peers"), getJSON("/api/tasks")]);
     renderPeers(peers);
     renderRunning(tasks.running);
     renderTimeline(tasks);
