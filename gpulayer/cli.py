@@ -1,4 +1,4 @@
-"""`gpulayer`: resources detect | peers | join | ray-node | demo | bench | dashboard | key init."""
+"""`gpulayer`: resources detect | peers | join | ray-node | demo | bench | dashboard | key init | key id."""
 
 from __future__ import annotations
 
@@ -27,14 +27,22 @@ def _resources_detect(args) -> int:
 def _peers(args) -> int:
     from . import api
 
-    rows = api.default_client().peers(wait=args.wait)
+    client = api.default_client()
+    rows = client.peers(wait=args.wait)
+    if args.all:  # the peers of other clusters seen: their ids only
+        rows += [{"name": peer_id, "peer_id": peer_id, "cluster": cluster, "state": "other cluster"}
+                 for peer_id, cluster in sorted(client.directory.foreign().items())]
+    note = client.directory.foreign_note()
     if args.json:
         print(json.dumps(rows, indent=2))
-    elif rows:
-        print(format_peers(rows))
+        return 0
+    if rows:
+        print(format_peers(rows, grey=sys.stdout.isatty()))
     else:
         print("no peers found (is a peer running with the same cluster key? is multicast blocked? "
               "try GPULAYER_PEERS=host:port)")
+    if note:
+        print(note + ("" if args.all else "; `gpulayer peers --all` lists them"))
     return 0
 
 
@@ -61,6 +69,13 @@ def _join(args) -> int:
     from .peer.__main__ import run
 
     return run(args)
+
+
+def _key_id(args) -> int:
+    from .security import cluster_id, load_key
+
+    print(cluster_id(load_key(args.key_file)))
+    return 0
 
 
 def _key_init(args) -> int:
@@ -117,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     peers = sub.add_parser("peers", help="list the peers of this cluster")
     peers.add_argument("--json", action="store_true")
+    peers.add_argument("--all", action="store_true", help="also list the peers of other clusters seen (greyed)")
     peers.add_argument("--wait", type=float, default=None, help="seconds to listen for mDNS answers (default 1.5)")
     peers.set_defaults(func=_peers)
 
@@ -161,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--path", default=None)
     init.add_argument("--force", action="store_true")
     init.set_defaults(func=_key_init)
+    key_id = key_sub.add_parser("id", help="print the cluster id of the key (peers advertise it; a peer of another "
+                                           "id is of another cluster)")
+    key_id.add_argument("--key-file", default=None, help="the key file (default: GPULAYER_KEY, else "
+                                                         "~/.config/gpulayer/key)")
+    key_id.set_defaults(func=_key_id)
     return parser
 
 

@@ -44,6 +44,7 @@ MAX_CLAIMS = 8  # unverified claims to one peer id at most (each costs a handsha
 LABEL_MAX = 63  # bytes in one DNS label (RFC 1035): a peer's mDNS instance name is one label
 MAX_LOOKUPS = 32  # mDNS service-info look-ups outstanding at once; more names wait for the next announcement
 LOOKUP_TIMEOUT_MS = 1500
+MAX_FOREIGN = 256  # peers of other clusters counted at most (their ids only)
 
 
 def configured_interfaces(interfaces: list[str] | None = None) -> list[str] | None:
@@ -106,6 +107,12 @@ class Advertiser:
         )
         self.zc.register_service(self.info, cooperating_responders=True)
 
+    def update(self, advert: Advert) -> None:
+        """Publish a new TXT record for the same service (what a new probe found)."""
+        self.info = ServiceInfo(SERVICE_TYPE, self.info.name, port=self.info.port, properties=advert.to_txt(),
+                                server=self.info.server, addresses=self.info.addresses)
+        self.zc.update_service(self.info)
+
     def close(self) -> None:
         try:
             self.zc.unregister_service(self.info)
@@ -154,7 +161,8 @@ class Directory:
     tries every claim's addresses and keeps the one whose handshake proves that id. At most
     `max_records` unverified claims in all, and MAX_CLAIMS to one peer id (a new one takes the
     place of one that failed), are held, so that a flood of adverts cannot grow the directory, or
-    the handshakes one peer costs, without bound.
+    the handshakes one peer costs, without bound. `on_new`, when set, is called with the first claim
+    to each peer id (outside the lock). Adverts of other clusters are only counted (`seen_elsewhere`).
     """
 
     def __init__(self, cluster: str, cache_path: Path | None = None, max_records: int = MAX_RECORDS):
@@ -164,12 +172,35 @@ class Directory:
         self._claims: dict[str, list[PeerRecord]] = {}  # peer id -> its claims, oldest first
         self._unverified = 0
         self._changed = threading.Condition()
+        self.on_new: Callable[[PeerRecord], None] | None = None  # told of each peer id's first claim
+        self._foreign: dict[str, str] = {}  # peer id -> cluster id, of adverts of other clusters (ids only)
+
+    def seen_elsewhere(self, advert: Advert) -> None:
+        """Count an advert of another cluster: its peer id and cluster id, nothing else, MAX_FOREIGN at most."""
+        with self._changed:
+            if advert.peer_id in self._foreign or len(self._foreign) < MAX_FOREIGN:
+                self._foreign[advert.peer_id] = advert.cluster
+
+    def foreign(self) -> dict[str, str]:
+        """The peers of other clusters seen: peer id -> its cluster id."""
+        with self._changed:
+            return dict(self._foreign)
+
+    def foreign_note(self) -> str:
+        """A sentence on the peers of other clusters seen (a wrong key looks like no peer at all), or ""."""
+        seen = self.foreign()
+        clusters, count = sorted(set(seen.values())), len(seen)
+        if not count:
+            return ""
+        return (f"{count} peer{'s' if count > 1 else ''} of another cluster (ids {', '.join(clusters)}) "
+                f"{'were' if count > 1 else 'was'} seen; this key's cluster id is {self.cluster} (`gpulayer key id`)")
 
     def upsert(self, record: PeerRecord) -> bool:
         """Add or refresh a claim; False when it is ignored (another cluster, or too many claims)."""
         if record.advert.cluster != self.cluster:
             return False
         with self._changed:
+            new = record.advert.peer_id not in self._claims
             claims = self._claims.setdefault(record.advert.peer_id, [])
             old = next((c for c in claims if c.claim == record.claim), None)
             if old is not None:
@@ -193,6 +224,8 @@ class Directory:
                 claims.append(record)
                 self._unverified += 1
             self._changed.notify_all()
+        if new and self.on_new is not None:
+            self.on_new(record)
         return True
 
     def remove(self, peer_id: str) -> None:
@@ -393,7 +426,10 @@ class Browser(ServiceListener):
         except ValueError as exc:
             log.debug("ignoring %s: %s", name, exc)
             return
-        if not addresses or advert.cluster != self.directory.cluster:
+        if advert.cluster != self.directory.cluster:
+            self.directory.seen_elsewhere(advert)
+            return
+        if not addresses:
             return
         if name in self._names or len(self._names) < 4 * self.directory.max_records:
             self._names[name] = advert.peer_id  # also when the directory is full: its goodbye counts
@@ -434,7 +470,10 @@ class Browser(ServiceListener):
                         continue
                     # into zeroconf's cache, as if heard by multicast: the browser then reports
                     # the peer, and later its goodbye
-                    loop.call_soon_threadsafe(self.zc.record_manager.async_updates_from_response, answer)
+                    try:
+                        loop.call_soon_threadsafe(self.zc.record_manager.async_updates_from_response, answer)
+                    except RuntimeError:  # the browser closed meanwhile: its loop is gone
+                        return
         finally:
             selector.close()
             for sock in sockets.values():

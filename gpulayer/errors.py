@@ -14,7 +14,8 @@ class ConfigError(GPULayerError):
 class NoMatchingPeer(GPULayerError):
     """No discovered peer fits the task. `reasons` maps each peer seen to why it does not fit."""
 
-    def __init__(self, requirements: object, reasons: dict[str, list[str]]):
+    def __init__(self, requirements: object, reasons: dict[str, list[str]], note: str = ""):
+        """`note`: what else was seen, such as peers of another cluster (discovery.Directory.foreign_note)."""
         self.requirements = requirements
         self.reasons = reasons
         if reasons:
@@ -25,7 +26,7 @@ class NoMatchingPeer(GPULayerError):
                 "no peers were discovered. Start one with `gpulayer join`, check that both sides "
                 "share the cluster key, or set GPULAYER_PEERS=host:port where multicast is blocked."
             )
-        super().__init__(f"no peer matches {requirements}; {detail}")
+        super().__init__(f"no peer matches {requirements}; {detail}" + (f"\n{note}" if note else ""))
 
 
 class PeerLost(GPULayerError):

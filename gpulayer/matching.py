@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from functools import lru_cache
 
@@ -253,6 +253,17 @@ def _match(req: Requirements, advert: Advert, _distributions: object) -> tuple[s
             why.append("lacks capability " + ", ".join(
                 f"{cap} (the function uses {inferred[cap]})" if cap in inferred else cap for cap in missing))
     return tuple(why)
+
+
+def missing_software(req: Requirements, advert: Advert) -> frozenset[str]:
+    """The frameworks (absent, or of another version) and capabilities that the task asks for and the
+    advert lacks, when nothing else keeps the task off the peer: what another probe of its job
+    interpreter may find (a pip install needs no restart). Empty otherwise."""
+    if match(replace(req, frameworks=(), capabilities=frozenset(), uses=()), advert):
+        return frozenset()
+    lacking = {name for name, spec in req.frameworks if advert.knows(name)
+               and ((version := advert.framework_version(name)) is None or spec and not _version_ok(version, spec))}
+    return frozenset(lacking | (needed_capabilities(req, advert) - advert.capabilities))
 
 
 def _version_ok(version: str, spec: str) -> bool:

@@ -27,12 +27,19 @@ def format_bytes(n: int | None) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def format_peers(rows: list[dict[str, Any]]) -> str:
+GREY, PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+def format_peers(rows: list[dict[str, Any]], grey: bool = False) -> str:
     """One line per row under a header, columns padded to their widest cell. VERIFIED says whether a
-    handshake with the cluster key proved the row's peer at its address (else it is an advert's claim)."""
+    handshake with the cluster key proved the row's peer at its address (else it is an advert's claim).
+    A peer of another cluster (a row with "cluster") shows its ids only, greyed when `grey` (a terminal)."""
     header = ("NAME", "ADDRESS", "VERIFIED", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "STATE")
     lines = [header]
     for r in rows:
+        if "cluster" in r:
+            lines.append((r["peer_id"], "-", "no", "?", "?", "?", "?", "-", "-", f"other cluster {r['cluster']}"))
+            continue
         if "accelerator" not in r:  # an unreachable static peer
             lines.append((r["name"], r["address"], "no", "?", "?", "?", "?", "-", "-", f"down: {r['error']}"))
             continue
@@ -49,4 +56,6 @@ def format_peers(rows: list[dict[str, Any]]) -> str:
                       f"{busy}/{r['slots']}{queued}{actors}", format_util(r.get("util")),
                       format_bytes(r.get("held_bytes")), state))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+    text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
+    greyed = [False] + ["cluster" in r and grey for r in rows]
+    return "\n".join(f"{GREY}{t}{PLAIN}" if g else t for t, g in zip(text, greyed, strict=True))

@@ -312,3 +312,16 @@ class LocalUser:
                 except psutil.NoSuchProcess:
                     pass
         subprocess.run(["userdel", self.name], check=True, capture_output=True, timeout=60)
+
+
+def job_venv(folder: Path, *flags: str) -> str:
+    """A venv made the ordinary way (`python -m venv`, with `flags`) with what a worker imports besides
+    gpulayer; returns its python."""
+    import importlib.metadata
+
+    subprocess.run([sys.executable, "-m", "venv", *flags, str(folder)], check=True, capture_output=True, timeout=120)
+    python = str(folder / "bin" / "python")
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in ("msgpack", "cloudpickle", "cryptography")]
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-cache-dir", *pins], check=True, capture_output=True,
+                   timeout=240)
+    return python

@@ -20,6 +20,7 @@ from typing import Any
 from .. import serialization, shm, wire
 from ..errors import ActorDied, ConfigError, GPULayerError, PeerLost, ProtocolError
 from ..matching import Requirements
+from ..resources.model import Advert
 from ..wire import check_timeout
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection
@@ -140,6 +141,9 @@ class DirectListener:
 
     def on_idle(self, conn: PeerConnection) -> None:
         pass
+
+    def on_advert(self, conn: PeerConnection, advert: Advert) -> None:
+        pass  # only the peer sends it
 
     def on_lost(self, conn: PeerConnection, tasks: list[Any], reason: str) -> None:
         assert conn.actor_id is not None

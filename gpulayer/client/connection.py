@@ -56,6 +56,9 @@ class ConnectionListener(Protocol):
     def on_idle(self, conn: PeerConnection) -> None:
         """The peer said, unasked, that it has a free slot and nothing queued (ADR 0011)."""
 
+    def on_advert(self, conn: PeerConnection, advert: Advert) -> None:
+        """The peer said, unasked, that it advertises something else now (a new probe found it)."""
+
     def on_lost(self, conn: PeerConnection, tasks: list[Any], reason: str) -> None:
         """The connection closed; `tasks` were still in flight on it."""
 
@@ -307,6 +310,7 @@ class PeerConnection:
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
             elif kind == wire.PONG and msg.get("id") is None:
+                self._new_advert(msg.get("advert"))
                 self.listener.on_idle(self)
             return
         if kind == wire.BYE:
@@ -338,6 +342,18 @@ class PeerConnection:
                 return
             del self.pending[msg["id"]]
         self.listener.on_outcome(self, task, msg, buffers)
+
+    def _new_advert(self, txt: Any) -> None:
+        """Take the advert that the peer sent on this channel, if it is a valid one of the same peer."""
+        if txt is None:
+            return
+        try:
+            advert = Advert.from_txt(txt)
+        except ValueError:
+            return
+        if (advert.peer_id, advert.cluster) == (self.advert.peer_id, self.advert.cluster):
+            self.advert = advert
+            self.listener.on_advert(self, advert)
 
     def fail(self, reason: str, silent: bool = False) -> None:
         """Close the connection and hand its tasks to the listener as lost."""

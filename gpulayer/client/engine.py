@@ -20,16 +20,18 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import discovery, held, remote_exceptions, serialization, wire
 from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
-from ..matching import Requirements, match
+from ..matching import Requirements, match, missing_software
 from ..task_options import check_keep, check_retries
 from ..wire import check_timeout
 from ..progress import MapProgressBar
+from ..resources.model import Advert
 from ..resources.utilisation import clean_sample
 from ..security import cluster_id, load_key
 from . import inference
@@ -190,7 +192,7 @@ class SubmittedTask:
     busy_delay: float = 0.0
     busy_rejections: int = 0
     queued: bool = False  # waiting in its peer's queue, which lets it be withdrawn (ADR 0011)
-    withdrawing: bool = False  # a WITHDRAW was sent for it
+    withdrawing: str = ""  # the id of the free peer that a WITHDRAW took it back for
     decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
     done: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -332,6 +334,7 @@ class Client:
         self.heartbeat = heartbeat or _env_float("GPULAYER_HEARTBEAT", 1.0)
         self.directory = discovery.Directory(self.cluster, discovery.default_cache_path())
         self.directory.load_cache()
+        self.directory.on_new = self._peer_appeared  # set after the cache: no task waits yet
         self.static = discovery.static_peers(peers)
         self.static_errors: dict[str, str] = {}
         self.placement = Placement(self.directory, self.static_errors, self._live_load)
@@ -508,32 +511,39 @@ class Client:
         for attempt in range(2):
             holders = [where.peer_id for where in task.held_args()[:1]]  # the largest argument's, if any
             ranked = self.placement.ranked(task.req, task.excluded, holders)
+            asking = not ranked  # then peers that may have installed what it asks since: they look again
+            if asking:
+                ranked = self.placement.to_ask(task.req, task.excluded)
             if not ranked and (attempt == 0 or failures):
                 self._wait_for_match(task.req, task.excluded)
                 ranked = self.placement.ranked(task.req, task.excluded, holders)
+                asking = not ranked
             for record in ranked:
-                conn = self._usable_connection(task.req, record, failures)
+                conn = self._usable_connection(task.req, record, failures, asking)
                 if conn is not None:
-                    conn = self.leases.connection_for(task, conn) or conn
+                    if not asking:  # a lease runs what its peer matched: an asked peer decides first
+                        conn = self.leases.connection_for(task, conn) or conn
                     task.conn = conn
                     conn.submit(task)
                     return
             if not failures:
                 break
-        raise NoMatchingPeer(task.req, {**self.placement.reasons(task.req, task.excluded), **failures})
+        raise NoMatchingPeer(task.req, {**self.placement.reasons(task.req, task.excluded), **failures},
+                             self.directory.foreign_note())
 
     place = _place  # for actors (client/actors.py), placed like tasks
 
     def _usable_connection(self, req: Requirements, record: discovery.PeerRecord,
-                           failures: dict[str, list[str]]) -> PeerConnection | None:
-        """The connection to a candidate if it is up and its verified advert still fits; else note why not."""
+                           failures: dict[str, list[str]], asking: bool = False) -> PeerConnection | None:
+        """The connection to a candidate if it is up and its verified advert still fits (`asking`: or
+        lacks only software, which the peer looks for again); else note why not."""
         try:
             conn = self._connection(record)
         except (OSError, GPULayerError) as exc:
             failures[f"{record.advert.name} ({record.address})"] = [f"down: {exc}"]
             return None
         why = match(req, conn.advert)
-        if why:  # the cached, static or mDNS advert was stale
+        if why and not (asking and missing_software(req, conn.advert)):  # the cached, static or mDNS advert was stale
             failures[f"{conn.name} ({conn.address})"] = list(why)
             return None
         return conn
@@ -674,32 +684,83 @@ class Client:
 
     def on_idle(self, conn: PeerConnection) -> None:
         """Work stealing (ADR 0011): the peer of `conn` has a free slot and an empty queue by its last
-        report, and none of our tasks is on its way there; take back one of our tasks that waits in
-        another peer's queue and that this peer can run: the last in the queue where it would end
-        latest, if it would end sooner here (by each peer's typical run time, so that a slow peer
-        going idle does not take work that a fast one is about to start). Its REJECT "withdrawn"
-        places it again (here, most likely); a task that started meanwhile runs on.
+        report (an outcome, a PONG, or its first PING when it appeared: `_peer_appeared`); take back
+        as many of our tasks waiting in other peers' queues as it has free slots, which it can run:
+        each the last in the queue where it would end latest, if it would end sooner here (by each
+        peer's typical run time, so that a slow peer going idle does not take work that a fast one
+        is about to start). Its REJECT "withdrawn" places it again (here, most likely); a task that
+        started meanwhile runs on, so that each task runs once.
         Called on the connection's reader thread: the search is in memory, and the WITHDRAW is sent
         from a helper thread (a big upload may hold the other connection's socket)."""
-        if len(self._connections) < 2 or conn.closed or conn.load[1] or conn.estimated_load >= conn.advert.slots:
+        if len(self._connections) < 2 or conn.closed or conn.load[1]:
             return
+        coming = sum(t.withdrawing == conn.peer_id for t in self._in_flight())  # taken back for it already
+        taken: dict[str, int] = {}  # peer id -> tasks taken from its queue in this round
+        for _ in range(conn.advert.slots - conn.estimated_load - coming):
+            found = self._to_withdraw(conn, taken)
+            if found is None:
+                return
+            task, other = found
+            task.withdrawing = conn.peer_id
+            taken[other.peer_id] = taken.get(other.peer_id, 0) + 1
+            self._helpers.submit(_send_quietly, other, wire.withdraw(task.task_id))
+
+    def _to_withdraw(self, conn: PeerConnection, taken: dict[str, int]) -> tuple[SubmittedTask, PeerConnection] | None:
+        """The task to take back for the free peer of `conn` (`on_idle`), and the connection it waits on."""
         typical = self.placement.contention.typical
         best: tuple[float, SubmittedTask, PeerConnection] | None = None
         for other in list(self._connections.values()):
             if other is conn or other.closed:
                 continue
-            waiting = [t for t in list(other.pending.values()) if isinstance(t, SubmittedTask) and t.queued
-                       and not t.withdrawing and conn.peer_id not in t.excluded and not match(t.req, conn.advert)]
+            waiting = [t for t in self._waiting(other) if conn.peer_id not in t.excluded and not match(t.req, conn.advert)]
             if waiting:
                 slots = max(other.advert.slots, 1)
-                queued = max(1, other.estimated_load - slots)  # tasks waiting there, ours at the back
+                queued = max(1, other.estimated_load - slots - taken.get(other.peer_id, 0))  # ours at the back
                 ends = typical(other.peer_id) * (queued / slots + 1)
                 if ends > typical(conn.peer_id) and (best is None or ends > best[0]):
                     best = (ends, max(waiting, key=lambda t: t.task_id), other)  # the last in its queue
-        if best is not None:
-            _, task, other = best
-            task.withdrawing = True
-            self._helpers.submit(_send_quietly, other, wire.withdraw(task.task_id))
+        return None if best is None else best[1:]
+
+    def _in_flight(self) -> list[SubmittedTask]:
+        """Our tasks sent to peers and not answered yet."""
+        return [t for conn in list(self._connections.values()) for t in list(conn.pending.values())
+                if isinstance(t, SubmittedTask)]
+
+    @staticmethod
+    def _waiting(conn: PeerConnection) -> list[SubmittedTask]:
+        """Our tasks waiting in the queue of `conn`'s peer that no WITHDRAW has taken back yet."""
+        return [t for t in list(conn.pending.values()) if isinstance(t, SubmittedTask) and t.queued and not t.withdrawing]
+
+    def _peer_appeared(self, record: discovery.PeerRecord) -> None:
+        """A peer that the directory did not know was found (ADR 0011): offer it work (`_offer_to`).
+        Called on the thread that found it."""
+        self._offer_to([record])
+
+    def _offer_to(self, records: list[discovery.PeerRecord]) -> None:
+        """Connect (from a helper thread) to each of the peers that could run one of our tasks waiting in
+        other peers' queues, and let it take them as a peer that went idle would (ADR 0011)."""
+        waiting = [t for conn in list(self._connections.values()) for t in self._waiting(conn)]
+        for record in records if waiting and not self._closed.is_set() else ():
+            if any(not match(t.req, record.advert) for t in waiting):
+                self._helpers.submit(self._offer_work, record)
+
+    def _offer_work(self, record: discovery.PeerRecord) -> None:
+        """Connect to a peer that appeared, ask its load (a PING), then take work to it if it is idle."""
+        try:
+            conn = self._connection(record)
+            conn.request(wire.ping(), CONNECT_TIMEOUT)
+        except (OSError, GPULayerError, FutureTimeout) as exc:
+            log.debug("no work taken to peer %s that appeared: %s", record.advert.name, exc)
+            return
+        self.on_idle(conn)
+
+    def on_advert(self, conn: PeerConnection, advert: Advert) -> None:
+        """The peer advertises something else now (a new probe of its job interpreter found it): its
+        verified record follows, and what it refused may run there now."""
+        record = self.directory.get(conn.peer_id)
+        source = record.source if record is not None and record.verified else "mdns"
+        self.directory.upsert(discovery.PeerRecord(advert, conn.addresses, source, verified=True))
+        self.placement.forget_refusals(conn.peer_id)
 
     def on_actor_end(self, conn: PeerConnection, msg: dict[str, Any]) -> None:
         handle = self.actors.get(msg.get("actor"))  # type: ignore[arg-type]
@@ -751,7 +812,7 @@ class Client:
     def _on_reject(self, task: SubmittedTask, conn: PeerConnection, code: str, message: str) -> None:
         cause = TaskRejected(code, f"{conn.name}: {message}")
         if code == "withdrawn" and task.withdrawing:  # taken back from its queue (`on_idle`): place it again
-            task.queued = task.withdrawing = False
+            task.queued, task.withdrawing = False, ""
             self._helpers.submit(self._place_again, task, cause)
             return
         if code == "busy":  # back off, then choose again among all fitting peers
@@ -800,6 +861,9 @@ class Client:
             now = time.monotonic()
             calling = {direct.peer_id for direct in [*self.directs.values(), *self.leases.all()] if direct.pending}
             self.leases.check_alive(3 * self.heartbeat)
+            # peers found while none of our tasks waited (a first burst that went out before the browse
+            # found them all): they get no PING from us, so offer them work once tasks wait elsewhere
+            self._offer_to([r for r in self.directory.records() if r.up and self.pooled(r.advert.peer_id) is None])
             for conn in list(self._connections.values()):
                 # a peer whose actors' workers have our calls counts as busy: its silence ends them too
                 if (conn.pending or conn.peer_id in calling) and now - conn.last_heard > 3 * self.heartbeat:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import shm, wire
 from ..errors import GPULayerError, PeerLost, WorkerDied
+from ..resources.model import Advert
 from ..taskenv import read_at_load
 from .connection import PeerConnection
 
@@ -155,6 +156,9 @@ class LeaseListener:
 
     def on_idle(self, conn: PeerConnection) -> None:
         pass
+
+    def on_advert(self, conn: PeerConnection, advert: Advert) -> None:
+        pass  # only the peer sends it
 
     def on_lost(self, conn: PeerConnection, tasks: list[Any], reason: str) -> None:
         self.leases.lost(conn, tasks, reason)

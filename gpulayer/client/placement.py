@@ -15,7 +15,7 @@ from typing import Any
 
 from ..accelerators import CPU
 from ..discovery import Directory, PeerRecord
-from ..matching import Requirements, match, rank_key
+from ..matching import Requirements, match, missing_software, rank_key
 
 # A peer's live load, handshake latency and free GB (None: not reported), when the engine has a connection to it.
 LoadOf = Callable[[str], "tuple[float, float, float | None] | None"]
@@ -88,6 +88,18 @@ class Placement:
     def refused(self, peer_id: str, req: Requirements, reason: str) -> None:
         """A peer refused a task as not matching: it will refuse these requirements again."""
         self._refusals[peer_id, req] = reason
+
+    def forget_refusals(self, peer_id: str) -> None:
+        """The peer advertises something else now: it may run what it refused."""
+        for key in [key for key in list(self._refusals) if key[0] == peer_id]:
+            self._refusals.pop(key, None)
+
+    def to_ask(self, req: Requirements, excluded: Collection[str] = ()) -> list[PeerRecord]:
+        """The peers that are up and may run the task after a new probe of their job interpreter (a pip
+        install since): those that refused it, and those whose advert lacks only the software it asks
+        for. Asked when no peer fits (issue 26, item 5); the peer answers at once when no probe is due."""
+        return [r for r in self.directory.records() if r.up and r.advert.peer_id not in excluded and
+                ((r.advert.peer_id, req) in self._refusals or missing_software(req, r.advert))]
 
     def refusal_reasons(self) -> list[dict[str, str]]:
         """The peers' no-match refusals remembered (for the dashboard): which peer, and why."""

@@ -25,7 +25,7 @@ import psutil
 
 from .. import discovery, security, shm, wire
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
-from ..matching import Requirements, match
+from ..matching import Requirements, match, missing_software
 from ..wire import check_timeout
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
@@ -33,6 +33,7 @@ from .actors import Actor, grace_from_env
 from .channel import AsyncChannel
 from .local import LocalLinks
 from .quiet import QuietLog
+from .reprobe import Reprobe
 from .workers import Worker
 from . import held
 from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, plan_slots
@@ -73,6 +74,7 @@ class Connection:
         self.authenticated = False
         self.tasks: dict[int, ScheduledTask] = {}
         self.calls: dict[int, tuple[Actor, int]] = {}  # its actor calls in flight (peer/actors.py)
+        self.probing: set[int] = set()  # its tasks waiting for a new probe of the job interpreter (reprobe.py)
         self.last_pong = 0.0
         self.link: socket.socket | None = None  # its local link for shared memory, if it has one (local.py)
         self.hello = wire.hello(security.new_nonce(), peer.peer_id, peer.advert.cluster, peer.advert.to_txt())
@@ -153,6 +155,7 @@ class Peer:
         # measured utilisation: for STATUS, and free memory for starting tasks
         self.held = held.HeldResults(held.limit_from_env(), grace_from_env())  # results kept (keep=True)
         self.sampler = Sampler(recorded=config.measured_from, on_sample=self._on_sample)
+        self.reprobe = Reprobe(config.python)  # looks again for what tasks ask and the last probe missed
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
@@ -429,6 +432,8 @@ class Peer:
                 self.scheduler.cancel_leased(msg["lease"], conn.client, request_id(msg))
             elif task is not None:
                 self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
+            elif request_id(msg) in conn.probing:
+                conn.probing.discard(request_id(msg))
             elif request_id(msg) in conn.calls:
                 self.scheduler.actors.cancel(conn, msg["id"])
         elif kind == wire.STATUS:
@@ -439,11 +444,13 @@ class Peer:
         else:
             self.refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
 
-    def _admit(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
-        """Check a SUBMIT (or an ACTOR, which creates an actor) and queue it, or REJECT it with the reason."""
+    def _admit(self, conn: Connection, msg: wire.Message, buffers: list[Any], probed: bool = False) -> None:
+        """Check a SUBMIT (or an ACTOR, which creates an actor) and queue it, or REJECT it with the reason.
+        A task that asks for software the job interpreter lacked waits for a new probe, when one is
+        due (`_admit_after_probe`); `probed` says that it did."""
         task_id = msg.get("id")
         problem = _check_submit(msg) if msg["t"] == wire.SUBMIT else _check_actor(msg)
-        if problem is None and task_id in conn.tasks:
+        if problem is None and (task_id in conn.tasks or task_id in conn.probing and not probed):
             problem = f"task id {task_id} is already in use on this connection"
         if problem is not None:
             return self._reject(conn, task_id, "bad-request", problem)
@@ -455,6 +462,11 @@ class Peer:
         except ValueError as exc:
             return self._reject(conn, task_id, "bad-request", str(exc))
         reasons = match(req, self.advert)
+        missing = missing_software(req, self.advert) if reasons and not probed else frozenset()
+        if missing and self.reprobe.due(missing):
+            conn.probing.add(task_id)
+            self.scheduler.spawn(self._admit_after_probe(conn, msg, buffers, missing))
+            return
         if reasons:
             return self._reject(conn, task_id, "no-match", "; ".join(reasons))
         if self.scheduler.queued >= self.config.max_queue:
@@ -474,6 +486,33 @@ class Peer:
         elif not self.scheduler.enqueue(task) and not task.answered:
             # it waits: say so, and that it may be withdrawn until it starts (a task that started needs no ACCEPT)
             conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id, "w": msg["t"] == wire.SUBMIT}))
+
+    async def _admit_after_probe(self, conn: Connection, msg: wire.Message, buffers: list[Any],
+                                 missing: frozenset[str]) -> None:
+        """Probe the job interpreter again for what the task asks (a pip install since the last probe),
+        advertise what changed, then admit the task or refuse it with what is still missing."""
+        found = await self.reprobe.look(self.config.resources, missing)
+        if found is not None:
+            self._advertise(found)
+        if msg["id"] in conn.probing and conn in self._connections:  # else cancelled meanwhile: it never runs
+            self._admit(conn, msg, buffers, probed=True)
+        conn.probing.discard(msg["id"])
+
+    def _advertise(self, resources: Resources) -> None:
+        """Take resources that a new probe found: the advert that new connections get and STATUS shows,
+        the mDNS record, and the submitters connected now (an unasked PONG with the advert)."""
+        advert = Advert.from_resources(resources, peer_id=self.peer_id, name=self.name, cluster=self.advert.cluster,
+                                       slots=len(self.slots))
+        self.config.resources, old, self.advert = resources, self.advert, advert
+        if advert == old:  # the same TXT record (maybe other distributions, which only this peer knows)
+            return
+        log.info("the job interpreter changed: advertising frameworks %s, capabilities %s",
+                 dict(advert.frameworks), sorted(advert.capabilities))
+        if self._advertiser is not None:
+            assert self._loop is not None
+            self._loop.run_in_executor(None, self._advertiser.update, advert)
+        for conn in list(self._connections):
+            conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": None, "advert": advert.to_txt()}))
 
     async def _enqueue_with_refs(self, conn: Connection, task: ScheduledTask, refs: list[dict[str, Any]]) -> None:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched

@@ -9,6 +9,7 @@ hw.memsize 34359738368 (32.0 GB), an "H100 80GB" has 81559 MiB in nvidia-smi (79
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import platform
@@ -62,11 +63,11 @@ def _cpu_brand(system: str) -> str | None:
     return platform.processor() or None
 
 
-def _probe(python: str) -> dict:
-    """The probe's JSON from running probe.py in `python`, or {"error": "..."} with at least the
-    interpreter's version when it can still be had (a probe that timed out on a loaded machine
-    must not leave the peer with an unknown Python, which no task shipped by value matches)."""
-    done = _run([python, str(PROBE)], PROBE_TIMEOUT_S)
+def _probe(python: str, *args: str) -> dict:
+    """The probe's JSON from running probe.py in `python` (with `args`), or {"error": "..."} with at
+    least the interpreter's version when it can still be had (a probe that timed out on a loaded
+    machine must not leave the peer with an unknown Python, which no task shipped by value matches)."""
+    done = _run([python, str(PROBE), *args], PROBE_TIMEOUT_S)
     if done["error"]:
         version = _run([python, "-I", "-S", "-c", "import platform; print(platform.python_version())"],
                        PYTHON_VERSION_TIMEOUT_S)
@@ -234,6 +235,21 @@ def parse_facts(facts: dict) -> Resources:
         source="detected",
         distributions=probe.get("distributions"),
     )
+
+
+def look_again(res: Resources, python: str, frameworks: bool) -> tuple[Resources, list[str]]:
+    """`res` with the distributions of the job interpreter `python` probed again, and with
+    `frameworks` its frameworks too (which imports them: seconds), unless an override declares
+    them; and the interpreter's sys.path. The devices stay as they were. A probe that fails
+    changes nothing (its error is logged)."""
+    probe = _probe(python, *([] if frameworks else ["distributions"]))
+    if probe.get("error"):
+        log.warning("probing the job interpreter %s again failed: %s", python, probe["error"])
+        return res, []
+    changes: dict = {"distributions": probe.get("distributions")}
+    if frameworks and res.source == "detected":
+        changes["frameworks"] = _frameworks(_installed(probe, "torch"), _installed(probe, "mlx"))
+    return dataclasses.replace(res, **changes), [p for p in probe.get("paths") or [] if isinstance(p, str)]
 
 
 def detect(python: str | None = None) -> Resources:

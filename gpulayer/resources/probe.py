@@ -5,6 +5,7 @@ Runs INSIDE the job interpreter, which may lack GPUlayer and every third-party p
 the standard library is imported at module level and it is run by file path:
 
     python /path/to/probe.py      # prints one JSON object on stdout
+    python /path/to/probe.py distributions   # only "python", "distributions" and "paths": no import
 
 Output (a framework is null when not installed, {"error": "..."} when its import fails; a
 section that raised has an "error" string; "ok" is null when no op was tried):
@@ -19,7 +20,10 @@ section that raised has an "error" string; "ok" is null when no op was tried):
              "backends": {"cpu": {"available": true, "ok": true, "error": null},
                           "metal": {"available": false, "ok": null, "error": null},
                           "cuda": {"available": false, "ok": null, "error": null}}},
-     "distributions": {"msgpack": "1.1.0", "torch": "2.4.1+cu121", ...}}
+     "distributions": {"msgpack": "1.1.0", "torch": "2.4.1+cu121", ...},
+     "paths": ["/usr/lib/python311.zip", ...]}
+
+"paths" is sys.path: a new probe is worth it once one of them changed (a pip install).
 """
 
 import importlib.metadata
@@ -139,14 +143,13 @@ def _distributions() -> dict:
     return found
 
 
-def probe() -> dict:
-    """What this interpreter offers; never raises for a missing or broken framework."""
-    return {
-        "python": {"version": platform.python_version(), "executable": sys.executable},
-        "torch": _torch(),
-        "mlx": _mlx(),
-        "distributions": _distributions(),
-    }
+def probe(frameworks: bool = True) -> dict:
+    """What this interpreter offers; never raises for a missing or broken framework. Without
+    `frameworks`, only its distributions (no import: fast)."""
+    found = {"python": {"version": platform.python_version(), "executable": sys.executable}}
+    if frameworks:
+        found.update(torch=_torch(), mlx=_mlx())
+    return {**found, "distributions": _distributions(), "paths": [p for p in sys.path if p]}
 
 
 def main() -> None:
@@ -154,7 +157,7 @@ def main() -> None:
     stdout = os.dup(1)
     os.dup2(2, 1)
     try:
-        result = probe()
+        result = probe(frameworks=sys.argv[1:] != ["distributions"])
     finally:
         sys.stdout.flush()
         os.dup2(stdout, 1)

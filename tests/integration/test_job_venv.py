@@ -8,36 +8,23 @@ lease (ADR 0013), whose worker must not need the peer's own packages (psutil).
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
-import subprocess
 import sys
 
 import pytest
 
 import gpulayer as gl
-from support import wait_until
-
-NEEDS = ("msgpack", "cloudpickle", "cryptography")  # what a worker imports besides gpulayer
+from support import job_venv, wait_until
 
 
 def prefix():
     return sys.prefix
 
 
-def _venv(folder, *flags: str) -> str:
-    subprocess.run([sys.executable, "-m", "venv", *flags, str(folder)], check=True, capture_output=True, timeout=120)
-    python = str(folder / "bin" / "python")
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in NEEDS]
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-cache-dir", *pins], check=True, capture_output=True,
-                   timeout=240)
-    return python
-
-
 @pytest.fixture(scope="module")
 def venvs(tmp_path_factory):
     root = tmp_path_factory.mktemp("job-venvs")
-    return {"linked": _venv(root / "linked"), "copied": _venv(root / "copied", "--copies")}
+    return {"linked": job_venv(root / "linked"), "copied": job_venv(root / "copied", "--copies")}
 
 
 @pytest.fixture(scope="module")
