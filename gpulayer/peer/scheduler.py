@@ -414,11 +414,11 @@ class Scheduler:
         """
         while self._queue:
             ready = [s for s in self.slots if s.ready]
-            if self.borrowed:
-                ready += [s for s in self.borrowed if s.lent_by is not None and s.ready]
+            lent = [s for s in self.borrowed if s.lent_by is not None and s.ready] if self.borrowed else []
+            every = ready + lent if lent else ready  # an actor never starts on a lent slot: it would keep it
             free = self.available_memory()
-            found = next(((t, g) for t in islice(self._queue, LOOKAHEAD) if (g := _group(t.req, ready, free))), None) \
-                if ready else None
+            found = next(((t, g) for t in islice(self._queue, LOOKAHEAD)
+                          if (g := _group(t.req, ready if t.actor_class else every, free))), None) if every else None
             if found is None:
                 if self.leases:
                     self._yield_for_queue(ready, free)
@@ -572,13 +572,15 @@ class Scheduler:
             self._take_back(task)
 
     def _lend(self, task: ScheduledTask, slot: Slot) -> None:
-        """Open a borrowed slot of `slot`'s device for the queue while `task` waits: a spare one with a warm
-        worker, else a new one. The task's memory stays reserved on the device, so only a task that fits
-        beside it starts there."""
-        spare = next((b for b in self.borrowed if b.lent_by is None and b.task is None and b.env == slot.env), None)
-        if spare is not None:
-            self._spare_since.pop(spare.index, None)
-            spare.lent_by = task
+        """Open a borrowed slot of `slot`'s device for the queue while `task` waits: a closed one whose task
+        still runs (it runs on lent capacity again: a task that waits on one future after another keeps
+        the peer within its concurrency), else a spare with a warm worker, else a new one. The task's
+        memory stays reserved on the device, so only a task that fits beside it starts there."""
+        closed = [b for b in self.borrowed if b.lent_by is None and b.env == slot.env]
+        if closed:
+            reopened = max(closed, key=lambda b: b.task is not None)
+            self._spare_since.pop(reopened.index, None)
+            reopened.lent_by = task
             return
         borrowed = Slot(self._next_index, slot.device, slot.memory_gb, dict(slot.env), slot.unified, lent_by=task)
         self._next_index += 1
