@@ -602,13 +602,11 @@ class Scheduler:
 
     def _take_back(self, task: ScheduledTask) -> None:
         """The task goes on (or ended): its borrowed slots close. One that runs a task lets it end (the peer
-        runs over its concurrency until then); one that a lease holds asks it to end."""
+        runs over its concurrency until then); no lease holds one (`lease` lends planned slots only)."""
         task.blocked = False
         for slot in self.borrowed:
             if slot.lent_by is task:
                 slot.lent_by = None
-                if isinstance(slot.task, ScheduledTask) and slot.task.lease is not None:
-                    self._yield(slot.task)
 
     async def _retire_spares(self) -> None:
         """Stop the workers of borrowed slots that no wait needed for SPARE_IDLE_S; ends when none is left."""
