@@ -59,8 +59,10 @@ def outer(x):
 
 def test_a_task_that_runs_a_task_finishes_on_a_one_slot_peer(solo):
     assert gl.submit(outer, 4, peer="solo", accelerator="cpu").result(BOUND_S) == (41, True)
-    # the peer is back to its one slot: its load counts no borrowed slot
+    # the peer is back to its one slot: its load counts no borrowed slot, and the lent slot's worker,
+    # kept a while for the next wait, is stopped (one warm worker is left)
     assert wait_until(lambda: status(solo)["load"] == [0, 0], timeout=BOUND_S)
+    assert wait_until(lambda: len(solo.workers()) == 1, timeout=BOUND_S)
 
 
 def test_four_outer_tasks_on_two_slots_all_finish(start):
