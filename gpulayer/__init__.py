@@ -8,7 +8,7 @@ without the discovery stack.
 """
 
 from .errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError,
-                     RemoteError, TaskRejected, TaskTimeout, WorkerDied)
+                     RemoteError, TaskRejected, TaskTimeout, WaitCycle, WorkerDied)
 from .taskenv import task_folder
 
 __version__ = "0.1.0"
@@ -16,7 +16,7 @@ _API = ("run", "submit", "map", "options", "remote", "peers", "device", "actors"
         "RemoteFunction", "ActorClass", "Options")
 
 __all__ = [*_API, "ActorDied", "AuthError", "ConfigError", "GPULayerError", "NoMatchingPeer", "PeerLost",
-           "ProtocolError", "RemoteError", "TaskRejected", "TaskTimeout", "WorkerDied", "task_folder"]
+           "ProtocolError", "RemoteError", "TaskRejected", "TaskTimeout", "WaitCycle", "WorkerDied", "task_folder"]
 
 
 def __getattr__(name: str):

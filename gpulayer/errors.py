@@ -51,6 +51,10 @@ class VersionMismatch(ProtocolError):
     code = "version"
 
 
+class WaitCycle(GPULayerError):
+    """A wait on a future that could never end: an actor of max_concurrency=1 waiting on a call to itself."""
+
+
 class TaskRejected(GPULayerError):
     """The peer refused the task (busy, no match, bad request)."""
 

@@ -232,6 +232,16 @@ def write_override(path: Path, accelerator: str, memory_gb: float = 32.0, framew
     return path
 
 
+def key_config(base: Path, key: str) -> str:
+    """`base` as a config folder holding the cluster key file, as `gpulayer key init` writes it: a peer
+    started with XDG_CONFIG_HOME there lets its tasks (whose environment never holds the key) read it."""
+    (base / "gpulayer").mkdir()
+    path = base / "gpulayer" / "key"
+    path.write_text(key)
+    path.chmod(0o600)
+    return str(base)
+
+
 def solo_peer(peer_factory, name: str, *args: str):
     """For a fixture to `yield from`: (peer, client), one single-slot peer of a fresh cluster (started
     with GPULAYER_KEY in its environment, as PeerProcess does) and a submitter of that cluster,

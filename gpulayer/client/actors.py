@@ -100,6 +100,10 @@ class ActorCall(SubmittedTask):
 
     handle: ActorHandle | None = None
 
+    @property
+    def actor(self) -> str | None:
+        return self.handle.actor_id if self.handle is not None else None
+
     def message(self) -> tuple[wire.Outgoing, list[Any]]:
         assert self.args is not None and self.handle is not None
         return wire.call(self.task_id, self.handle.actor_id, self.name, self.args, self.timeout), self.buffers or []

@@ -24,9 +24,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import discovery, held, remote_exceptions, serialization, wire
+from .. import discovery, held, lending, remote_exceptions, serialization, wire
 from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
-                      TaskRejected, TaskTimeout, WorkerDied)
+                      TaskRejected, TaskTimeout, WaitCycle, WorkerDied)
 from ..matching import Requirements, match, missing_software
 from ..task_options import check_keep, check_retries
 from ..wire import check_timeout
@@ -78,8 +78,22 @@ class TaskFuture(Future[Any]):
             self._peer = task.peer_name
 
     def result(self, timeout: float | None = None) -> Any:
-        value = super().result(timeout)
+        if lending.lender is not None and not self.done():  # in a task, on a peer: it waits (ADR 0014)
+            value = self._wait_lent(timeout)
+        else:
+            value = super().result(timeout)
         return value.fetch(timeout) if isinstance(value, HeldResult) else value
+
+    def _wait_lent(self, timeout: float | None) -> Any:
+        """Wait with the slot of the task that waits lent to its peer; a wait that could never end raises."""
+        task = self._task
+        assert lending.lender is not None
+        if task is not None and lending.lender.waits_on_itself(task.actor):
+            raise WaitCycle(f"this actor ({task.actor}) runs one call at a time and would wait on a call to "
+                            "itself, which can only start after this one ends: give it max_concurrency=2 or "
+                            "more, or do not wait for the call's result here")
+        with lending.lent():
+            return super().result(timeout)
 
     @property
     def held(self) -> HeldResult | None:
@@ -204,6 +218,11 @@ class SubmittedTask:
     def peer_name(self) -> str | None:
         return self.conn.name if self.conn is not None else None
 
+    @property
+    def actor(self) -> str | None:
+        """The id of the actor that runs it (an actor's call), else None."""
+        return None
+
     def message(self) -> tuple[wire.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None
         return wire.submit(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
@@ -303,8 +322,10 @@ class MapWindow:
 
     def acquire(self) -> None:
         with self._cond:
-            while self._in_flight >= self._size():  # the size may grow without a release: look again soon
-                self._cond.wait(WINDOW_RECHECK_S)
+            if self._in_flight >= self._size():
+                with lending.lent():  # in a task: its slot is lent while the window is full (ADR 0014)
+                    while self._in_flight >= self._size():  # the size may grow without a release: look again soon
+                        self._cond.wait(WINDOW_RECHECK_S)
             self._in_flight += 1
 
     def release(self) -> None:

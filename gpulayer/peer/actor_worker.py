@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import serialization, shm, wire
+from .. import lending, serialization, shm, wire
 from ..errors import ProtocolError
 from .worker import _flush, _invoke, _run
 
@@ -288,6 +288,9 @@ def become_actor(conn: wire.BlockingConnection, msg: dict, buffers: list) -> Non
     else:
         conn.send({"t": wire.RESULT, "id": msg.get("id"), "data": serialization.dumps(None)[0]})
         actor = Actor(conn, instance, msg.get("conc", 1))
+        if lending.lender is not None:  # a call that waits on a future lends the actor's slot (ADR 0014)
+            lending.lender.send, lending.lender.actor = actor.peer.send, msg.get("actor")
+            lending.lender.concurrency = msg.get("conc", 1)
         actor.serve(actor.peer)
     _flush()
     os._exit(0)  # without waiting for calls still running in threads: the peer ends this process anyway

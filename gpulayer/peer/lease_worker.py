@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from .. import wire
+from .. import lending, wire
 from ..errors import ProtocolError
 from ..taskenv import read_at_load
 from .actor_worker import Stream, output_to, route_output, take_connection
@@ -66,7 +66,8 @@ class Lease:
         watcher = threading.Thread(target=self._watch_link, name="gpulayer-lease-link", daemon=True)
         watcher.start()
         threading.Thread(target=self._keep_alive, name="gpulayer-lease-beat", daemon=True).start()
-        reason = self._run_tasks(functions)
+        with lending.sending(self._tell_peer):  # on the link under its lock while the lease lasts
+            reason = self._run_tasks(functions)
         self._done.set()
         if self._stopping:  # `_stop_worker` answered the task, ended the lease, and ends this worker
             threading.Event().wait()

@@ -39,6 +39,7 @@ CONTENDING_S = 2.0  # a submitter that queued a task this recently contends for 
 IDLE_NOTICE_GAP_S = 0.02  # the least time between two rounds of telling contenders that a slot is free
 MEASURE_MAX_AGE_S = 5.0  # an older measurement of free memory is not used (the sampler runs at 1 Hz)
 LEASE_IDLE_S = 0.5  # a lease ends when no task came on it for this long (ADR 0013)
+SPARE_IDLE_S = 10.0  # a borrowed slot's worker that no wait needs is kept this long for the next (ADR 0014)
 
 
 class TaskOwner(Protocol):
@@ -80,6 +81,8 @@ class ScheduledTask:
     started: float = 0.0  # time.monotonic() when it started: its outcome says how long it ran ("ran")
     lease: str | None = None  # not a task but a lease (ADR 0013): its worker runs a submitter's tasks itself
     yielding: bool = False  # the lease's worker was asked to end it
+    blocked: bool = False  # its worker waits on a future: its slots are lent meanwhile (ADR 0014)
+    actor_id: str = ""  # the id of the actor it creates, given to its worker with the ACTOR message
 
 
 class LeaseOwner:
@@ -157,6 +160,11 @@ class Scheduler:
         self.measured: Sample | None = None  # the last measured utilisation (`measure`)
         self.actors = Actors(self._free_actor_slot, grace_from_env())
         self.leases: dict[str, ScheduledTask] = {}  # by lease id
+        # slots lent by blocked tasks (`lent_by` set) and spare ones kept warm for the next wait (ADR 0014)
+        self.borrowed: list[Slot] = []
+        self._spare_since: dict[int, float] = {}  # a spare's index -> since when no wait needed it
+        self._retiring: asyncio.Task[Any] | None = None  # `_retire_spares`, while borrowed slots exist
+        self._next_index = len(slots)
         self._background: set[asyncio.Task[Any]] = set()
         self._pythonpath = job_pythonpath(python)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -173,7 +181,7 @@ class Scheduler:
     async def stop(self) -> None:
         """Stop the workers and the background jobs (tasks must have been answered or cancelled)."""
         self.stopping = True
-        await asyncio.gather(*(self._worker(s).stop() for s in self.slots), return_exceptions=True)
+        await asyncio.gather(*(self._worker(s).stop() for s in [*self.slots, *self.borrowed]), return_exceptions=True)
         for job in list(self._background):
             job.cancel()
         if self._pythonpath:
@@ -193,7 +201,9 @@ class Scheduler:
 
     @property
     def busy(self) -> int:
-        return sum(s.task is not None for s in self.slots)
+        """Slots with a task, borrowed ones included (a blocked task is still running)."""
+        busy = sum(s.task is not None for s in self.slots)
+        return busy + sum(s.task is not None for s in self.borrowed) if self.borrowed else busy
 
     @property
     def held_by_actors(self) -> int:
@@ -202,7 +212,7 @@ class Scheduler:
     def actors_hold_all(self, req: Requirements) -> bool:
         """Whether actors hold so many of the slots that fit `req` that it could never start here."""
         free = {s.device for s in self.slots
-                if _fits(req, s) and _actor_of(s) is None}
+                if _fits(req, s) and (_actor_of(s) is None or s.task.blocked)}  # type: ignore[attr-defined]
         return len(free) < req.devices
 
     @property
@@ -210,6 +220,9 @@ class Scheduler:
         return len(self._queue)
 
     def load(self) -> list[int]:
+        """[busy, queued]: a blocked task's slot counts as free while it is lent (a borrowed one, busy)."""
+        if self.borrowed:
+            return [self.busy - sum(s.lent_by is not None for s in self.borrowed), len(self._queue)]
         return [self.busy, len(self._queue)]
 
     def report(self, msg: wire.Outgoing) -> wire.Outgoing:
@@ -369,7 +382,8 @@ class Scheduler:
         """GB of each GPU device not reserved: its memory less the `gpu_memory_gb` that the tasks and actors
         holding its slots declared (per device: a devices=N task reserves it on each of its N devices)."""
         free = {s.device: s.memory_gb for s in self.slots if s.memory_gb is not None}
-        for task in {s.task for s in self.slots if isinstance(s.task, ScheduledTask)}:
+        slots = [*self.slots, *self.borrowed] if self.borrowed else self.slots
+        for task in {s.task for s in slots if isinstance(s.task, ScheduledTask)}:
             for device in {s.device for s in task.group}:
                 if device in free:
                     free[device] -= task.req.gpu_memory_gb or 0.0
@@ -400,9 +414,11 @@ class Scheduler:
         """
         while self._queue:
             ready = [s for s in self.slots if s.ready]
+            lent = [s for s in self.borrowed if s.lent_by is not None and s.ready] if self.borrowed else []
+            every = ready + lent if lent else ready  # an actor never starts on a lent slot: it would keep it
             free = self.available_memory()
-            found = next(((t, g) for t in islice(self._queue, LOOKAHEAD) if (g := _group(t.req, ready, free))), None) \
-                if ready else None
+            found = next(((t, g) for t in islice(self._queue, LOOKAHEAD)
+                          if (g := _group(t.req, ready if t.actor_class else every, free))), None) if every else None
             if found is None:
                 if self.leases:
                     self._yield_for_queue(ready, free)
@@ -428,8 +444,9 @@ class Scheduler:
                 task.buffers = [*(task.buffers or []), *(b for _, _, bufs in task.refs for b in bufs)]
                 task.refs = []
         else:
+            task.actor_id = new_actor_id()
             msg = {"t": wire.ACTOR, "id": task.client_id, "cls": task.msg["cls"], "args": task.msg["args"],
-                   "conc": task.msg["conc"]}
+                   "conc": task.msg["conc"], "actor": task.actor_id}
         buffers, task.msg, task.buffers = task.buffers or [], None, None
         env = {**task.env, **_device_env(task.req, lead)}
         fresh = any(read_at_load(name) for name in task.env)
@@ -485,6 +502,8 @@ class Scheduler:
                 slot.task = None
         if task.lease is not None:
             self.leases.pop(task.lease, None)
+        if task.blocked:
+            self._take_back(task)
         if task.timer is not None:
             task.timer.cancel()
             task.timer = None
@@ -511,7 +530,7 @@ class Scheduler:
     def _new_worker(self, slot: Slot, env: dict[str, str] | None = None, preload: list[str] | None = None) -> Worker:
         """A worker for `slot`, not started: a warm one, or one with `env` on top of the slot's and other preloads."""
         return Worker(slot, self.python, self.preload if preload is None else preload, self._on_reply,
-                      self._on_output, self._on_worker_exit, self._pythonpath, env, self.workdir,
+                      self._on_output, self._on_worker_exit, self._on_wait, self._pythonpath, env, self.workdir,
                       keep_folders=not self._own_workdir)
 
     def _on_reply(self, worker: Worker, reply: wire.Message, buffers: list[Any]) -> None:
@@ -536,6 +555,71 @@ class Scheduler:
         self._answer(task, reply, buffers)
         self._start_queued()
         self._tell_idle(task.owner)
+
+    # ---- lending the slots of blocked tasks (ADR 0014) -------------------------------------------
+
+    def _on_wait(self, worker: Worker, blocked: bool) -> None:
+        """The worker's task blocks on a future (lend its slots) or goes on (take them back)."""
+        task = worker.slot.task
+        if worker.slot.worker is not worker or not isinstance(task, ScheduledTask) or task.blocked == blocked:
+            return
+        if blocked:
+            task.blocked = True
+            for slot in task.group:
+                self._lend(task, slot)
+            self._start_queued()
+        else:
+            self._take_back(task)
+
+    def _lend(self, task: ScheduledTask, slot: Slot) -> None:
+        """Open a borrowed slot of `slot`'s device for the queue while `task` waits: a closed one whose task
+        still runs (it runs on lent capacity again: a task that waits on one future after another keeps
+        the peer within its concurrency), else a spare with a warm worker, else a new one. The task's
+        memory stays reserved on the device, so only a task that fits beside it starts there."""
+        closed = [b for b in self.borrowed if b.lent_by is None and b.env == slot.env]
+        if closed:
+            reopened = max(closed, key=lambda b: b.task is not None)
+            self._spare_since.pop(reopened.index, None)
+            reopened.lent_by = task
+            return
+        borrowed = Slot(self._next_index, slot.device, slot.memory_gb, dict(slot.env), slot.unified, lent_by=task)
+        self._next_index += 1
+        borrowed.worker = self._new_worker(borrowed)
+        self.borrowed.append(borrowed)
+        if self._retiring is None or self._retiring.done():
+            self._retiring = self.spawn(self._retire_spares())
+        self.spawn(self._start_borrowed(borrowed))
+
+    async def _start_borrowed(self, slot: Slot) -> None:
+        try:
+            await self._worker(slot).start(self.worker_start_timeout)
+        except (WorkerDied, OSError) as exc:
+            log.error("no worker for a lent slot: %s", exc)
+            if slot.task is None:
+                self.borrowed.remove(slot)
+            return
+        self._start_queued()
+
+    def _take_back(self, task: ScheduledTask) -> None:
+        """The task goes on (or ended): its borrowed slots close. One that runs a task lets it end (the peer
+        runs over its concurrency until then); no lease holds one (`lease` lends planned slots only)."""
+        task.blocked = False
+        for slot in self.borrowed:
+            if slot.lent_by is task:
+                slot.lent_by = None
+
+    async def _retire_spares(self) -> None:
+        """Stop the workers of borrowed slots that no wait needed for SPARE_IDLE_S; ends when none is left."""
+        while self.borrowed:
+            await asyncio.sleep(SPARE_IDLE_S / 2)
+            now = time.monotonic()
+            for slot in list(self.borrowed):
+                if slot.lent_by is not None or slot.task is not None or not self._worker(slot).ready:
+                    self._spare_since.pop(slot.index, None)
+                elif now - self._spare_since.setdefault(slot.index, now) >= SPARE_IDLE_S:
+                    del self._spare_since[slot.index]
+                    self.borrowed.remove(slot)
+                    self.spawn(self._worker(slot).stop())
 
     def _on_worker_exit(self, worker: Worker, code: int | None) -> None:
         slot = worker.slot
@@ -569,7 +653,7 @@ class Scheduler:
             task.timer = None
         assert task.actor_class is not None
         owner: CallOwner = task.owner  # type: ignore[assignment]  # a connection is both
-        task.actor = Actor(new_actor_id(), task.actor_class, owner.client, owner, worker.slot, worker)
+        task.actor = Actor(task.actor_id, task.actor_class, owner.client, owner, worker.slot, worker)
         self.actors.add(task.actor)
         reply["actor"], reply["slot"] = task.actor.actor_id, worker.slot.index
 

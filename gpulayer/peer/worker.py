@@ -17,10 +17,11 @@ import importlib.util
 import os
 import socket
 import sys
+import threading
 import time
 import types
 
-from .. import held, remote_exceptions, serialization, shm, taskenv, wire
+from .. import held, lending, remote_exceptions, serialization, shm, taskenv, wire
 from . import spawning
 
 _FN_CACHE_SIZE = 128
@@ -85,6 +86,8 @@ def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, 
     own, values = held_arguments(msg, buffers)
     with held.provided(values):
         reply, out = _run(msg.get("id"), lambda: functions.load(msg["fn"]), msg["args"], own)
+    if lending.lender is not None:
+        lending.lender.task_ended()
     return reply, shm.reuse(out, own)
 
 
@@ -251,6 +254,13 @@ def main(argv=None) -> None:
     conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None,
                "direct": link is not None and importlib.util.find_spec("cryptography") is not None})
     functions = FunctionCache()
+    link_lock = threading.Lock()  # a thread of a task that waits on a future tells the peer (lending.py)
+
+    def tell_peer(msg: dict) -> None:
+        with link_lock:
+            conn.send(msg)
+
+    lending.install(tell_peer)
     while True:
         try:
             msg, buffers = conn.recv()
@@ -275,7 +285,8 @@ def main(argv=None) -> None:
         with task_environment(msg.get("env")):
             reply, out = run_task(msg, buffers, functions)
         del msg, buffers
-        conn.send(reply, out)
+        with link_lock:
+            conn.send(reply, out)
         del reply, out  # a result may be a view of an argument's segment: let the mapping go now
         if reaper is not None:
             reaper.maybe_reap()

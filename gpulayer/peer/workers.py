@@ -37,6 +37,7 @@ class Slot:
     unified: bool = False  # its device's memory is the system's (a Mac)
     worker: Worker | None = None
     task: object = None  # the scheduler's running ScheduledTask, if any
+    lent_by: object = None  # a borrowed slot: the blocked task whose slot it stands in for (ADR 0014)
 
     @property
     def ready(self) -> bool:
@@ -90,6 +91,7 @@ def tcp_socketpair() -> tuple[socket.socket, socket.socket]:
 OnReply = Callable[["Worker", dict[str, Any], list[Any]], None]  # the task's RESULT or ERROR
 OnOutput = Callable[["Worker", str, bytes], None]  # a piece of its stdout ("out") or stderr ("err")
 OnExit = Callable[["Worker", "int | None"], None]  # it died unexpectedly, with this exit code
+OnWait = Callable[["Worker", bool], None]  # its task blocks on a future (True), or goes on (False)
 
 
 class Worker:
@@ -97,17 +99,17 @@ class Worker:
     on top of the slot's environment, its own preloads).
 
     `send` hands it a task; its reply arrives through `on_reply(worker, msg, buffers)`, its
-    output through `on_output(worker, stream, data)`, and an unexpected death through
-    `on_exit(worker, exit_code)`.
+    output through `on_output(worker, stream, data)`, an unexpected death through
+    `on_exit(worker, exit_code)`, and its task's waits on futures through `on_wait(worker, blocked)`.
     """
 
     def __init__(self, slot: Slot, python: str, preload: list[str], on_reply: OnReply, on_output: OnOutput,
-                 on_exit: OnExit, pythonpath: str | None = None, extra_env: dict[str, str] | None = None,
-                 cwd: str | None = None, keep_folders: bool = False):
+                 on_exit: OnExit, on_wait: OnWait, pythonpath: str | None = None,
+                 extra_env: dict[str, str] | None = None, cwd: str | None = None, keep_folders: bool = False):
         self.slot = slot
         self.python = python
         self.preload = preload
-        self.on_reply, self.on_output, self.on_exit = on_reply, on_output, on_exit
+        self.on_reply, self.on_output, self.on_exit, self.on_wait = on_reply, on_output, on_exit, on_wait
         self.pythonpath = pythonpath
         self.extra_env = extra_env or {}
         self.cwd = cwd
@@ -208,6 +210,8 @@ class Worker:
                 failed = wire.error("worker-died", f"the worker's reply did not arrive whole: {exc}", msg.get("id"))
                 msg, buffers = dict(failed), []
             self.on_reply(self, msg, buffers)
+        elif msg["t"] == wire.WAIT:
+            self.on_wait(self, msg.get("blocked") is True)
 
     def _on_channel_closed(self, reason: str, error: ProtocolError | None) -> None:
         self.ready = False

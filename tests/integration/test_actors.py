@@ -25,7 +25,7 @@ from gpulayer import serialization, shm, wire
 from gpulayer.client.engine import DOWN_BACKOFF
 from gpulayer.errors import TaskRejected, TaskTimeout
 from gpulayer.peer_table import format_peers
-from support import wait_until, write_override
+from support import key_config, wait_until, write_override
 
 GRACE = "1"  # GPULAYER_ACTOR_GRACE of the peers here: seconds an actor outlives its submitter
 
@@ -34,12 +34,7 @@ GRACE = "1"  # GPULAYER_ACTOR_GRACE of the peers here: seconds an actor outlives
 def key_dir(tmp_path_factory, cluster_key):
     """A config folder holding the cluster key file, as `gpulayer key init` writes it: the peers' tasks
     (whose environment never holds the key) read it to call actors whose handles they were given."""
-    base = tmp_path_factory.mktemp("config")
-    (base / "gpulayer").mkdir()
-    path = base / "gpulayer" / "key"
-    path.write_text(cluster_key)
-    path.chmod(0o600)
-    return str(base)
+    return key_config(tmp_path_factory.mktemp("config"), cluster_key)
 
 
 @pytest.fixture(scope="module")
