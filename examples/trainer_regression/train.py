@@ -81,10 +81,11 @@ def main() -> None:
     if args.remote:
         import gpulayer as gl
 
-        # on the peer, "auto" picks the device the peer assigned to the task (GPULAYER_DEVICE)
-        result = gl.run(train_fn, "auto", args.epochs,
-                        accelerator=args.accelerator if args.accelerator != "auto" else None,
-                        frameworks={"torch": ">=2.3"})
+        # on the peer, "auto" picks the device the peer assigned to the task (GPULAYER_DEVICE); train_fn
+        # takes an accelerator of its own, so the task options are given apart from its arguments
+        options = gl.options(accelerator=args.accelerator if args.accelerator != "auto" else None,
+                             frameworks={"torch": ">=2.3"})
+        result = options.run(train_fn, "auto", args.epochs)
         print(f"remote run on {result['device']}:")
         for epoch, loss in enumerate(result["epoch_losses"]):
             print(f"epoch {epoch}: train_loss={loss:.4f}")

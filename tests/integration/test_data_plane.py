@@ -271,15 +271,14 @@ def test_a_process_of_another_user_gets_no_local_link(peer):
 # ---- nothing left behind ----------------------------------------------------------------------
 
 def gpulayer_segments(pid: int) -> int:
-    """How many gpulayer memfds process `pid` holds open or mapped."""
-    count = 0
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            count += os.readlink(fd).startswith("/memfd:gpulayer")
-        except OSError:
-            pass
-    maps = Path(f"/proc/{pid}/maps").read_text()
-    return count + maps.count("/memfd:gpulayer")
+    """How many gpulayer memfds process `pid` holds open or mapped (none once it has exited: a worker
+    listed a moment ago may be gone, replaced by the peer)."""
+    try:
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir() if fd.is_symlink()]
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return sum(link.startswith("/memfd:gpulayer") for link in links) + maps.count("/memfd:gpulayer")
 
 
 def shm_names() -> set[str]:
