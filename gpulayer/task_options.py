@@ -148,10 +148,18 @@ def _read_shape(fn: Callable[..., Any]) -> _Shape | None:
 def _near_option(names: Iterable[str]) -> tuple[str, str] | tuple[None, None]:
     """(name, option) for the first of `names` that misspells a task option, else (None, None)."""
     for name in sorted(names):
-        close = difflib.get_close_matches(name, NAMES, n=1, cutoff=0.75)
-        if close:
-            return name, close[0]
+        near = _misspelt(name)
+        if near is not None:
+            return name, near
     return None, None
+
+
+@functools.lru_cache(maxsize=1024)
+def _misspelt(name: str) -> str | None:
+    """The task option that `name` is a near-miss of (cached: a loop of calls with the same keywords of
+    a **kwargs function compares them once)."""
+    close = difflib.get_close_matches(name, NAMES, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _name(fn: Callable[..., Any]) -> str:
