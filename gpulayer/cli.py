@@ -29,10 +29,11 @@ def _peers(args) -> int:
 
     client = api.default_client()
     rows = client.peers(wait=args.wait)
-    if args.all:  # the peers of other clusters seen: their ids only
+    directory = getattr(client, "directory", None)  # the LAN's (mDNS); a Ray backend has none
+    if args.all and directory is not None:  # the peers of other clusters seen: their ids only
         rows += [{"name": peer_id, "peer_id": peer_id, "cluster": cluster, "state": "other cluster"}
-                 for peer_id, cluster in sorted(client.directory.foreign().items())]
-    note = client.directory.foreign_note()
+                 for peer_id, cluster in sorted(directory.foreign().items())]
+    note = directory.foreign_note() if directory is not None else ""
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
