@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Union
 import msgpack
 
 from . import held, security, shm
+from .shm import MAX_BUFFERS as MAX_BUFFERS  # re-exported: the frame header's buffer count is checked against it
 from .errors import AuthError, ConfigError, FrameTooLarge, ProtocolError, VersionMismatch
 
 if TYPE_CHECKING:
@@ -325,7 +326,6 @@ def status_request() -> Message:
 
 HEADER = struct.Struct(">I")
 PRE_AUTH_MAX_FRAME = 4096
-MAX_BUFFERS = 4096
 _SMALL = 1 << 18  # the shared receive buffer after auth; bigger frames get a buffer of their own
 _HUGE_MIN = 4 << 20
 BULK_PIECE = 1 << 20  # while a large frame arrives, wake up for this much at a time
