@@ -7,9 +7,11 @@ msgpack, cloudpickle and cryptography) import it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 TASK_FOLDER_ENV = "GPULAYER_TASK_FOLDER"  # set by the worker while a task runs: the folder it started in
@@ -117,3 +119,14 @@ def restore_clean_room() -> None:
     """After a task: put back what it changed (nothing outside a worker)."""
     if _room is not None:
         _room.restore()
+
+
+@contextlib.contextmanager
+def task_environment(env: dict[str, str] | None) -> Iterator[None]:
+    """A task's environment variables (the SUBMIT's "env") set while it runs; after it, everything the
+    task changed of the worker's state is put back (CleanRoom)."""
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        restore_clean_room()

@@ -51,7 +51,7 @@ from ..errors import ActorDied, ConfigError, NoMatchingPeer, PeerLost, RemoteErr
 from ..matching import Requirements, match
 from ..task_options import check_retries
 from ..wire import check_timeout
-from ..peer.worker import task_environment
+from ..taskenv import task_environment
 from ..progress import MapProgressBar
 from ..resources.model import Advert, Resources
 from ..wire import check_env

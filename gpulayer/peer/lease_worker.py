@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterator
 
 from .. import lending, wire
 from ..errors import ProtocolError
-from ..taskenv import read_at_load
+from ..taskenv import read_at_load, task_environment
 from .actor_worker import Stream, output_to, route_output, take_connection
-from .worker import FunctionCache, _flush, run_task, task_environment
+from .running import FunctionCache, flush_output, run_task
 
 POLL_S = 0.05  # while idle, how often the lease looks whether the peer wants the slot back
 DRAIN_S = 2.0  # after LEASE_END, how long the submitter is given to close its side
@@ -248,7 +248,7 @@ class Lease:
         except OSError:
             pass
         self._tell_peer({"t": wire.BYE, "reason": reason, "kill": True})
-        _flush()
+        flush_output()
         time.sleep(KILL_WAIT_S)
         os._exit(3)
 
@@ -326,7 +326,7 @@ class DescriptorOutput:
 
     def close(self) -> None:
         """Give descriptors 1 and 2 back (the pipes end once the children that hold them end)."""
-        _flush()
+        flush_output()
         with self._lock:
             for fd, original in self._originals.items():
                 os.dup2(original, fd)
