@@ -21,6 +21,7 @@ from typing import Any
 
 from . import wire
 from .client.actors import ActorHandle, ActorSpec
+from .runtime import default_client
 from .task_options import TaskOptions
 
 ACTOR_OPTIONS = ("max_concurrency", "restarts")
@@ -57,8 +58,6 @@ class ActorClass:
         p = self._parsed
         spec = ActorSpec(self.__gpulayer_class__, args, kwargs, p.requirements, p.timeout, p.retries, p.env,
                          self._concurrency, self._restarts)
-        from .api import default_client
-
         return default_client().create_actor(spec)  # on a LAN peer, or a Ray actor
 
     def options(self, **overrides: Any) -> ActorClass:

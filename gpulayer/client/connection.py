@@ -387,3 +387,11 @@ def _connect(addresses: list[tuple[str, int]]) -> tuple[socket.socket, str]:
         wire.tune(sock)
         return sock, f"{host}:{port}"
     raise ConnectionError("; ".join(errors) or "no address")
+
+
+def send_quietly(conn: PeerConnection, msg: wire.Outgoing) -> None:
+    """Send a message that needs no answer; a connection that is gone takes it with it."""
+    try:
+        conn.send(msg)
+    except OSError:
+        pass
