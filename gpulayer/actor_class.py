@@ -19,7 +19,7 @@ import functools
 from concurrent.futures import Future
 from typing import Any
 
-from . import wire
+from .checks import check_concurrency
 from .client.actors import ActorHandle, ActorSpec
 from .runtime import default_client
 from .task_options import TaskOptions
@@ -45,7 +45,7 @@ class ActorClass:
         self.__gpulayer_class__ = cls
         self._options = options
         self._parsed = TaskOptions.parse({k: v for k, v in options.items() if k not in ACTOR_OPTIONS})
-        self._concurrency = wire.check_concurrency(options.get("max_concurrency", 1))
+        self._concurrency = check_concurrency(options.get("max_concurrency", 1))
         self._restarts = check_restarts(options.get("restarts", 0))
         functools.update_wrapper(self, cls, updated=())
 

@@ -21,7 +21,7 @@ from .. import serialization, shm, wire
 from ..errors import ActorDied, ConfigError, GPULayerError, PeerLost, ProtocolError
 from ..matching import Requirements
 from ..resources.model import Advert
-from ..wire import check_timeout
+from ..checks import check_timeout
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection
 from .tasks import SubmittedTask, TaskFuture

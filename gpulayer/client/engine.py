@@ -29,7 +29,8 @@ from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchi
                       TaskRejected, TaskTimeout, WaitCycle, WorkerDied)
 from ..matching import Requirements, match, missing_software
 from ..task_options import check_keep, check_retries
-from ..wire import check_timeout
+from ..checks import check_timeout
+from ..taskenv import check_env
 from ..progress import MapProgressBar
 from ..resources.model import Advert
 from ..resources.utilisation import clean_sample
@@ -197,7 +198,7 @@ class Client:
         Futures among the arguments are waited for first (the task is placed when they are done,
         and their failure is its own); `keep` holds the result on the peer (docs/data.md).
         """
-        timeout, retries, env = check_timeout(timeout), check_retries(retries), wire.check_env(env)
+        timeout, retries, env = check_timeout(timeout), check_retries(retries), check_env(env)
         call = (tuple(args), kwargs or {})
         data, buffers, deps = _pickle_call(fn, call)
         task = SubmittedTask(fn_bytes or serialization.dumps_function(fn), None, None, req, timeout, retries,
@@ -249,7 +250,7 @@ class Client:
 
     def received_bytes(self) -> int:
         """Bytes this submitter has read from its peer connections so far (on the socket: records and all)."""
-        return self._received_before + sum(conn._wire.received for conn in
+        return self._received_before + sum(conn.received for conn in
                                            [*self._connections.values(), *self.directs.values(), *self.leases.all()])
 
     def map(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], *, req: Requirements, timeout: float | None = None,
@@ -582,7 +583,7 @@ class Client:
         with self._lock:
             if self._connections.get(conn.peer_id) is conn:
                 del self._connections[conn.peer_id]
-                self._received_before += conn._wire.received
+                self._received_before += conn.received
         if conn.silent and not self._closed.is_set():
             # cut off or frozen: skip it for a while. A reset or a close means its host answered;
             # if the peer is dead, the next connect is refused at once.

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterator
 
 from .. import lending, wire
 from ..errors import ProtocolError
-from ..taskenv import read_at_load, task_environment
+from ..checks import check_timeout
+from ..taskenv import check_env, read_at_load, task_environment
 from .actor_worker import Stream, output_to, route_output, take_connection
 from .running import FunctionCache, flush_output, run_task
 
@@ -357,8 +358,8 @@ def check_leased_submit(msg: dict) -> str | None:
     if msg.get("keep") is not None or msg.get("refs"):
         return "a task that keeps its result or takes held ones goes through the peer, not on a lease"
     try:
-        wire.check_timeout(msg.get("timeout"))
-        env = wire.check_env(msg.get("env"))
+        check_timeout(msg.get("timeout"))
+        env = check_env(msg.get("env"))
     except (TypeError, ValueError) as exc:
         return str(exc)
     if any(read_at_load(name) for name in env):
