@@ -283,6 +283,11 @@ class PeerConnection:
         return len(self.pending) + max(0, sum(self.load) - self._load_base)
 
     @property
+    def received(self) -> int:
+        """Bytes read from this connection's socket so far (records and all)."""
+        return self._wire.received
+
+    @property
     def last_heard(self) -> float:
         return self._wire.last_received
 

@@ -220,6 +220,23 @@ class Trainer:
             callbacks.append(ModelCheckpoint())
         return _checkpoints_last(callbacks)
 
+    # ---------------------------------------------------------------- what the module and the step read
+
+    @property
+    def metric_store(self) -> MetricStore | None:
+        """Where `Module.log` writes now; None where nothing is collected (predict, setup, after the run)."""
+        return self._store
+
+    @property
+    def hooks(self) -> Dispatch | None:
+        """This run's hooks, bound to its module and callbacks (None before a run)."""
+        return self._hooks
+
+    @property
+    def clip_params(self) -> list[Tensor]:
+        """The parameters that gradient clipping applies to: all of the optimizer's."""
+        return self._clip_params
+
     # ---------------------------------------------------------------- what hooks and users read
 
     @property
@@ -388,7 +405,7 @@ class Trainer:
                                       "glt.Trainer: return the loss from training_step")
         warn_unsupported(model)
         self.state, self.module, self.datamodule = stage, model, datamodule
-        model._trainer = self
+        model.trainer = self
         if datamodule is not None:
             datamodule.trainer = self
         self._merge_model_callbacks(model)
@@ -432,14 +449,14 @@ class Trainer:
         self.device = self.placement.device(self.global_rank)
         self.precision.setup()
         model.to(device=self.device, dtype=self.precision.param_dtype)
-        model._trainer = self
+        model.trainer = self
         self.module = model
         self._progress = make_progress(self.enable_progress_bar and self.is_global_zero)
         if self._hooks is None:  # a DDP worker: the parent ran the start of the run
             self._hooks = Dispatch(self, model, self.callbacks)
 
-    def _fit_as_rank(self, rank: int, world_size: int, model, train, val, ckpt_path) -> None:
-        """Called in each DDP worker process."""
+    def fit_as_rank(self, rank: int, world_size: int, model, train, val, ckpt_path) -> None:
+        """`fit` as DDP rank `rank` of `world_size`: called in each worker process (distributed.py)."""
         self.global_rank, self.world_size = rank, world_size
         self._all_reduce = distributed.all_reduce_sum
         if rank:
@@ -449,8 +466,8 @@ class Trainer:
         for lg in self.loggers:  # rank 0's: its rows are in this process
             lg.finalize("success")
 
-    def _summary(self, model: Module) -> dict:
-        """What the parent of DDP workers takes back from rank 0."""
+    def rank_zero_summary(self, model: Module) -> dict:
+        """What the parent of DDP workers takes back from rank 0 (distributed.py)."""
         return {"state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
                 "current_epoch": self.current_epoch, "global_step": self.global_step,
                 "callback_metrics": self.callback_metrics, "logged_metrics": self.logged_metrics,
@@ -459,7 +476,7 @@ class Trainer:
 
     def _apply_summary(self, model: Module, summary: dict) -> None:
         model.load_state_dict(summary["state_dict"])
-        model._trainer = self
+        model.trainer = self
         self.module = model
         self.current_epoch, self.global_step = summary["current_epoch"], summary["global_step"]
         self.callback_metrics, self.logged_metrics = summary["callback_metrics"], summary["logged_metrics"]
@@ -508,8 +525,8 @@ class Trainer:
         if not (self.enable_autolog_hparams and self.loggers and self.is_global_zero):
             return
         params = dict(self.datamodule.hparams_initial) if self.datamodule is not None and \
-            self.datamodule._log_hyperparams else {}
-        if model._log_hyperparams:
+            self.datamodule.logs_hyperparameters else {}
+        if model.logs_hyperparameters:
             params.update(model.hparams_initial)
         for lg in self.loggers:
             lg.log_hyperparams(params)
