@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import serialization, shm, wire
-from ..errors import ActorDied, ConfigError, GPULayerError, PeerLost, ProtocolError
+from ..checks import check_timeout
+from ..errors import ActorDied, GPULayerError, PeerLost, ProtocolError
 from ..matching import Requirements
 from ..resources.model import Advert
-from ..checks import check_timeout
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection
 from .tasks import SubmittedTask, TaskFuture

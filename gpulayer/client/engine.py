@@ -1,4 +1,4 @@
-"""The submitter's engine: the connection pool, futures, retries, the heartbeat and `map`'s window.
+"""The submitter's engine: the connection pool, retries, the heartbeat and `map`'s window (futures: tasks.py).
 
 Each peer gets one authenticated TCP connection (see connection.py). A heartbeat thread
 pings every connection; one that stays silent while it has tasks is declared lost, so that
@@ -8,33 +8,29 @@ them at once, when its socket resets).
 
 from __future__ import annotations
 
-import codecs
 import functools
 import logging
 import os
-import sys
 import threading
 import time
 import uuid
-import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import discovery, held, lending, remote_exceptions, serialization, wire
+from ..checks import check_timeout
 from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
-                      TaskRejected, TaskTimeout, WaitCycle, WorkerDied)
+                      TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match, missing_software
 from ..task_options import check_keep, check_retries
-from ..checks import check_timeout
-from ..taskenv import check_env
 from ..progress import MapProgressBar
 from ..resources.model import Advert
 from ..resources.utilisation import clean_sample
 from ..security import cluster_id, load_key
+from ..taskenv import check_env
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection, send_quietly
 from .leases import Leases
