@@ -19,8 +19,9 @@ import functools
 from concurrent.futures import Future
 from typing import Any
 
-from . import wire
+from .checks import check_concurrency
 from .client.actors import ActorHandle, ActorSpec
+from .runtime import default_client
 from .task_options import TaskOptions
 
 ACTOR_OPTIONS = ("max_concurrency", "restarts")
@@ -44,7 +45,7 @@ class ActorClass:
         self.__gpulayer_class__ = cls
         self._options = options
         self._parsed = TaskOptions.parse({k: v for k, v in options.items() if k not in ACTOR_OPTIONS})
-        self._concurrency = wire.check_concurrency(options.get("max_concurrency", 1))
+        self._concurrency = check_concurrency(options.get("max_concurrency", 1))
         self._restarts = check_restarts(options.get("restarts", 0))
         functools.update_wrapper(self, cls, updated=())
 
@@ -57,8 +58,6 @@ class ActorClass:
         p = self._parsed
         spec = ActorSpec(self.__gpulayer_class__, args, kwargs, p.requirements, p.timeout, p.retries, p.env,
                          self._concurrency, self._restarts)
-        from .api import default_client
-
         return default_client().create_actor(spec)  # on a LAN peer, or a Ray actor
 
     def options(self, **overrides: Any) -> ActorClass:

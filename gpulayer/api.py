@@ -9,49 +9,14 @@ retries, python, env) are defined and checked in one table, `gpulayer.task_optio
 
 from __future__ import annotations
 
-import atexit
 import functools
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from .backends.base import Backend, make
 from .actor_class import ActorClass
+from .runtime import configure as configure, default_client as default_client, shutdown as shutdown
 from .task_options import TaskOptions, check_arguments, no_keep, split_call
-
-_client: Backend | None = None
-_client_lock = threading.Lock()
-
-
-def default_client() -> Backend:
-    """The process-wide backend (the LAN's Client unless GPULAYER_BACKEND says otherwise), created on first use."""
-    global _client
-    with _client_lock:
-        if _client is None or _client.closed:
-            _client = make()
-        return _client
-
-
-def configure(backend: str | None = None, **options: Any) -> Backend:
-    """Replace the process-wide backend: "lan" (key, interfaces, peers, mdns, echo_output, discovery_timeout, leases)
-    or "ray" (address, echo_output, init_options); the default is GPULAYER_BACKEND, else "lan"."""
-    global _client
-    with _client_lock:
-        if _client is not None:
-            _client.close()
-        _client = make(backend, **options)
-        return _client
-
-
-@atexit.register
-def shutdown() -> None:
-    """Close the process-wide Client (saves the peer cache); runs at exit."""
-    global _client
-    with _client_lock:
-        if _client is not None:
-            _client.close()
-            _client = None
 
 
 def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> Future[Any]:

@@ -59,6 +59,9 @@ def _code_with_filename(args: tuple, filename: str) -> types.CodeType:
     return types.CodeType(*args).replace(co_filename=filename)
 
 
+CODE_MARKER = _code_with_filename.__name__.encode()  # in every pickle that ships code by value (_Pickler)
+
+
 @functools.lru_cache(maxsize=None)
 def _installed_dirs() -> tuple[str, ...]:
     paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
@@ -109,6 +112,22 @@ def _ship_local_module(name: str | None) -> None:
     path = getattr(module, "__file__", None)
     if path and not os.path.realpath(path).startswith(_installed_dirs()) and not _provided(top):
         cloudpickle.register_pickle_by_value(module)
+
+
+def module_of(obj: object) -> str:
+    """The name of the module `obj` says it comes from, or "" (none, not a str, or a `__getattr__` that raises)."""
+    try:
+        module = getattr(obj, "__module__", None)
+    except Exception:  # an object whose __getattr__ raises anything
+        return ""
+    return module if isinstance(module, str) else ""
+
+
+def ships_by_value(obj: types.FunctionType | type) -> bool:
+    """Whether pickling ships a function or class by value (its code), not by reference (its module and
+    name): the submitter's own modules go by value (`_ship_local_module`), and cloudpickle decides the rest."""
+    _ship_local_module(module_of(obj))
+    return not cloudpickle.cloudpickle._should_pickle_by_reference(obj)
 
 
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})

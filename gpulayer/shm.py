@@ -43,6 +43,7 @@ import time
 import weakref
 from typing import Any, Iterable
 
+MAX_BUFFERS = 4096  # out-of-band buffers of one message, inline and by descriptor (wire checks frames against it)
 SHM_MIN = 1 << 20  # buffers this big travel by descriptor over a local link
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 MAX_FDS_PER_SEND = 250  # under the kernel's SCM_MAX_FD (253)
@@ -433,8 +434,6 @@ def split(buffers: Iterable[Any], copy: bool) -> tuple[list[Any], list[Handle], 
 
 def check_places(places: Any, inline: int) -> list[tuple[int, int]]:
     """A message's "fds" field, checked against its `inline` buffers: [(position, size)] in order."""
-    from .wire import MAX_BUFFERS
-
     if not isinstance(places, list) or len(places) + inline > MAX_BUFFERS:
         raise ShmError(f"bad 'fds': a list of at most {MAX_BUFFERS} [position, size] pairs, not {type(places).__name__}")
     checked = []

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checks import check_timeout
 from .matching import Requirements
-from .wire import check_env, check_timeout
+from .taskenv import check_env
 
 # The requirements a peer must meet (checked together by Requirements.build), with defaults.
 REQUIREMENTS: dict[str, Any] = {"accelerator": None, "gpu_memory_gb": None, "frameworks": None,
@@ -53,7 +54,7 @@ class TaskOptions:
     requirements: Requirements
     timeout: float | None = None
     retries: int = 0
-    env: dict[str, str] = field(default_factory=dict)  # variables the task runs with (wire.check_env)
+    env: dict[str, str] = field(default_factory=dict)  # variables the task runs with (taskenv.check_env)
     keep: bool = False  # the result stays on its peer until asked for (docs/data.md)
 
     @classmethod

@@ -7,13 +7,46 @@ msgpack, cloudpickle and cryptography) import it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 TASK_FOLDER_ENV = "GPULAYER_TASK_FOLDER"  # set by the worker while a task runs: the folder it started in
 kept_folders: set[str] = set()  # task folders that asked to be kept; the worker leaves them in place
+
+# What the peer sets for a task's slot, so that tasks on different devices stay apart: a task's env may
+# not change these. CUDA_DEVICE_ORDER renumbers the GPUs that CUDA_VISIBLE_DEVICES names.
+SLOT_ENV_PREFIX = "GPULAYER_"
+SLOT_ENV_NAMES = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
+
+
+def check_env(env: Any) -> dict[str, str]:
+    """A task's environment variables (the `env` option and the SUBMIT field), checked; None is {}.
+
+    Names are non-empty str without "=" or NUL, values str without NUL. The names the peer sets for
+    the slot (GPULAYER_*, CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER) are refused, except
+    CUDA_VISIBLE_DEVICES="" (hide every GPU), which cannot reach another slot's device.
+    Raises ValueError (TypeError for a value that is not a dict) naming the variable.
+    """
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise TypeError(f"env must be a dict of variable names to str values, not {type(env).__name__}")
+    for name, value in env.items():
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            raise ValueError(f"env: {name!r} is not a variable name (a non-empty str without '=' or NUL)")
+        if not isinstance(value, str) or "\0" in value:
+            raise ValueError(f"env[{name!r}] must be a str without NUL, not {value!r}")
+        if (name.startswith(SLOT_ENV_PREFIX) or name in SLOT_ENV_NAMES) and \
+                not (name == "CUDA_VISIBLE_DEVICES" and value == ""):
+            raise ValueError(f"env[{name!r}]: the peer sets {name} for the task's slot (device isolation); "
+                             "a task may not change it (CUDA_VISIBLE_DEVICES='' to hide every GPU is allowed)")
+    return dict(env)
+
 
 # Variables that the interpreter reads when it starts, or a library (torch, mlx, Metal, CUDA, the
 # math and thread libraries) when it loads or initialises: setting one in a warm worker, where torch
@@ -117,3 +150,14 @@ def restore_clean_room() -> None:
     """After a task: put back what it changed (nothing outside a worker)."""
     if _room is not None:
         _room.restore()
+
+
+@contextlib.contextmanager
+def task_environment(env: dict[str, str] | None) -> Iterator[None]:
+    """A task's environment variables (the SUBMIT's "env") set while it runs; after it, everything the
+    task changed of the worker's state is put back (CleanRoom)."""
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        restore_clean_room()

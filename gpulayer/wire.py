@@ -11,7 +11,6 @@ and calls `feed(n)`. Large frames are read straight into their own bytearray.
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import socket
@@ -24,7 +23,9 @@ from typing import TYPE_CHECKING, Any, TypedDict, Union
 import msgpack
 
 from . import held, security, shm
+from .checks import check_timeout
 from .errors import AuthError, ConfigError, FrameTooLarge, ProtocolError, VersionMismatch
+from .shm import MAX_BUFFERS as MAX_BUFFERS  # re-exported: the frame header's buffer count is checked against it
 
 if TYPE_CHECKING:
     from . import records
@@ -128,37 +129,6 @@ def submit(task_id: int, fn: bytes, args: bytes, req: dict[str, Any], timeout: f
     return msg
 
 
-# What the peer sets for a task's slot, so that tasks on different devices stay apart: a task's env may
-# not change these. CUDA_DEVICE_ORDER renumbers the GPUs that CUDA_VISIBLE_DEVICES names.
-SLOT_ENV_PREFIX = "GPULAYER_"
-SLOT_ENV_NAMES = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
-
-
-def check_env(env: Any) -> dict[str, str]:
-    """A task's environment variables (the `env` option and the SUBMIT field), checked; None is {}.
-
-    Names are non-empty str without "=" or NUL, values str without NUL. The names the peer sets for
-    the slot (GPULAYER_*, CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER) are refused, except
-    CUDA_VISIBLE_DEVICES="" (hide every GPU), which cannot reach another slot's device.
-    Raises ValueError (TypeError for a value that is not a dict) naming the variable.
-    """
-    if env is None:
-        return {}
-    if not isinstance(env, dict):
-        raise TypeError(f"env must be a dict of variable names to str values, not {type(env).__name__}")
-    for name, value in env.items():
-        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
-            raise ValueError(f"env: {name!r} is not a variable name (a non-empty str without '=' or NUL)")
-        if not isinstance(value, str) or "\0" in value:
-            raise ValueError(f"env[{name!r}] must be a str without NUL, not {value!r}")
-        if (name.startswith(SLOT_ENV_PREFIX) or name in SLOT_ENV_NAMES) and \
-                not (name == "CUDA_VISIBLE_DEVICES" and value == ""):
-            raise ValueError(f"env[{name!r}]: the peer sets {name} for the task's slot (device isolation); "
-                             "a task may not change it (CUDA_VISIBLE_DEVICES='' to hide every GPU is allowed)")
-    return dict(env)
-
-
-MAX_CONCURRENCY = 64  # the most calls one actor may run at once (threads in its worker)
 ACTOR_ID_HEX = 32  # an actor id: 16 random bytes in hex, unguessable
 
 
@@ -215,15 +185,6 @@ def check_method(value: Any) -> str | None:
     return None
 
 
-def check_timeout(timeout: Any) -> float | None:
-    """None, or a finite positive number of seconds."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
-    return float(timeout)
-
-
 def check_call(msg: Mapping[str, Any]) -> str | None:
     """What is wrong with a CALL's method, arguments or timeout, or None."""
     problem = check_method(msg.get("method"))
@@ -236,13 +197,6 @@ def check_call(msg: Mapping[str, Any]) -> str | None:
             problem = (f"bad timeout {printable(repr(msg.get('timeout')), 60)}: "
                        "a positive, finite number of seconds or nil")
     return problem
-
-
-def check_concurrency(value: Any) -> int:
-    """max_concurrency: an integer from 1 to MAX_CONCURRENCY; ValueError otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONCURRENCY:
-        raise ValueError(f"max_concurrency must be an integer from 1 to {MAX_CONCURRENCY}, not {value!r}")
-    return value
 
 
 MAX_REFS = 256  # held results one task may take as arguments
@@ -325,7 +279,6 @@ def status_request() -> Message:
 
 HEADER = struct.Struct(">I")
 PRE_AUTH_MAX_FRAME = 4096
-MAX_BUFFERS = 4096
 _SMALL = 1 << 18  # the shared receive buffer after auth; bigger frames get a buffer of their own
 _HUGE_MIN = 4 << 20
 BULK_PIECE = 1 << 20  # while a large frame arrives, wake up for this much at a time

@@ -50,11 +50,10 @@ from ..client.actors import ActorMethod, ActorSpec
 from ..errors import ActorDied, ConfigError, NoMatchingPeer, PeerLost, RemoteError, TaskTimeout, WorkerDied
 from ..matching import Requirements, match
 from ..task_options import check_retries
-from ..wire import check_timeout
-from ..peer.worker import task_environment
+from ..checks import check_timeout
+from ..taskenv import check_env, task_environment
 from ..progress import MapProgressBar
 from ..resources.model import Advert, Resources
-from ..wire import check_env
 
 LABEL = "gpulayer.io/"  # the prefix of every label `gpulayer ray-node` sets
 FRAMEWORK_LABEL, CAPABILITY_LABEL = LABEL + "fw.", LABEL + "cap."

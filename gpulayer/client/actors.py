@@ -15,18 +15,25 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import serialization, shm, wire
-from ..errors import ActorDied, ConfigError, GPULayerError, PeerLost, ProtocolError
+from ..checks import check_timeout
+from ..errors import ActorDied, GPULayerError, PeerLost, ProtocolError
 from ..matching import Requirements
 from ..resources.model import Advert
-from ..wire import check_timeout
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection
-from .engine import Client, SubmittedTask, TaskFuture
+from .tasks import SubmittedTask, TaskFuture
+
+if TYPE_CHECKING:
+    from .engine import Client
 
 log = logging.getLogger("gpulayer.client")
+
+rebuild_handle: Callable[..., ActorHandle] | None = None
+"""What a pickled handle names to be rebuilt in another process: `gpulayer.runtime.actor_handle`, set
+when that module loads (it owns the process-wide client the rebuilt handle calls through)."""
 
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for the peer's word that the actor ended
 DIRECT_ENV = "GPULAYER_DIRECT_CALLS"
@@ -333,29 +340,13 @@ class ActorHandle:
         self.close()
 
     def __reduce__(self) -> tuple[Callable[..., ActorHandle], tuple[Any, ...]]:
-        return _from_reference, (self.actor_id, self.peer_id, self.peer, self.addresses, self.slot,
+        assert rebuild_handle is not None, "gpulayer.runtime sets it when it loads (before any handle exists)"
+        return rebuild_handle, (self.actor_id, self.peer_id, self.peer, self.addresses, self.slot,
                                  self.class_name, self.req)
 
     def __repr__(self) -> str:
         state = "" if self._dead is None else f", ended: {self._dead}"
         return f"<actor {self.class_name} {self.actor_id[:8]} on {self.peer}, slot {self.slot}{state}>"
-
-
-def _from_reference(actor_id: str, peer_id: str, peer_name: str, addresses: list[tuple[str, int]],
-                    slot: int | None, class_name: str, req: Requirements) -> ActorHandle:
-    """A handle unpickled in another process (a task, another actor): it calls through that process's client."""
-    return ActorHandle(lan_client(), actor_id, peer_id, peer_name, [(str(h), int(p)) for h, p in addresses],
-                       slot, class_name, req)
-
-
-def lan_client() -> Client:
-    """The process-wide client, which must be the LAN's: actors live on GPUlayer peers."""
-    from ..api import default_client
-
-    client = default_client()
-    if not isinstance(client, Client):
-        raise ConfigError("actors run on GPUlayer peers: they need the LAN backend (GPULAYER_BACKEND=lan)")
-    return client
 
 
 class ActorMethod:

@@ -283,6 +283,11 @@ class PeerConnection:
         return len(self.pending) + max(0, sum(self.load) - self._load_base)
 
     @property
+    def received(self) -> int:
+        """Bytes read from this connection's socket so far (records and all)."""
+        return self._wire.received
+
+    @property
     def last_heard(self) -> float:
         return self._wire.last_received
 
@@ -387,3 +392,11 @@ def _connect(addresses: list[tuple[str, int]]) -> tuple[socket.socket, str]:
         wire.tune(sock)
         return sock, f"{host}:{port}"
     raise ConnectionError("; ".join(errors) or "no address")
+
+
+def send_quietly(conn: PeerConnection, msg: wire.Outgoing) -> None:
+    """Send a message that needs no answer; a connection that is gone takes it with it."""
+    try:
+        conn.send(msg)
+    except OSError:
+        pass

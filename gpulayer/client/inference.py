@@ -24,21 +24,17 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from cloudpickle import cloudpickle
-
 from .. import serialization
 from ..matching import Requirements
 from ..resources.model import PROBED_FRAMEWORKS
 
-# The global every code object shipped by value is rebuilt with (see serialization._Pickler).
-_CODE_MARKER = serialization._code_with_filename.__name__.encode()
 PYTHON = "%d.%d" % sys.version_info[:2]
 
 
 def with_inferred(req: Requirements, fn: Callable[..., Any], *pickles: bytes) -> Requirements:
     """`req` with `code_python` set when one of `pickles` holds code, and `uses` when the function
     uses a GPU framework and no `frameworks=` were given."""
-    code_python = PYTHON if any(_CODE_MARKER in p for p in pickles) else req.code_python
+    code_python = PYTHON if any(serialization.CODE_MARKER in p for p in pickles) else req.code_python
     uses = req.uses if req.frameworks else frameworks_used(fn)
     if (code_python, uses) == (req.code_python, req.uses):
         return req
@@ -75,7 +71,7 @@ def _frameworks(fn: object) -> tuple[str, ...]:
         seen[id(obj)] = obj
         if isinstance(obj, types.ModuleType):
             found.add(_root(obj.__name__))
-        elif isinstance(obj, (types.FunctionType, type)) and _by_value(obj):
+        elif isinstance(obj, (types.FunctionType, type)) and serialization.ships_by_value(obj):
             todo += _referenced(obj)
         elif isinstance(obj, types.MethodType):
             todo += [obj.__func__, obj.__self__]
@@ -86,28 +82,13 @@ def _frameworks(fn: object) -> tuple[str, ...]:
         elif isinstance(obj, property):
             todo += [obj.fget, obj.fset, obj.fdel]
         else:  # pickled by reference, or an instance: where it and its class come from
-            found.add(_root(_module_of(obj)))
+            found.add(_root(serialization.module_of(obj)))
             todo.append(type(obj))
     return tuple(sorted(found & PROBED_FRAMEWORKS))
 
 
-def _module_of(obj: object) -> str:
-    try:
-        module = getattr(obj, "__module__", None)
-    except Exception:  # an object whose __getattr__ raises anything
-        return ""
-    return module if isinstance(module, str) else ""
-
-
 def _root(module: str) -> str:
     return module.partition(".")[0]
-
-
-def _by_value(obj: types.FunctionType | type) -> bool:
-    """Whether the pickler ships `obj` by value (its code), not by reference (its module and name):
-    the submitter's own modules are shipped by value (serialization), and cloudpickle decides the rest."""
-    serialization._ship_local_module(_module_of(obj))
-    return not cloudpickle._should_pickle_by_reference(obj)
 
 
 def _referenced(obj: types.FunctionType | type) -> Iterator[object]:

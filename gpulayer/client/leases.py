@@ -20,10 +20,11 @@ from ..errors import GPULayerError, PeerLost, WorkerDied
 from ..resources.model import Advert
 from ..taskenv import read_at_load
 from .connection import PeerConnection
+from .tasks import SubmittedTask
 
 if TYPE_CHECKING:
     from ..matching import Requirements
-    from .engine import Client, SubmittedTask
+    from .engine import Client
 
 log = logging.getLogger("gpulayer.client")
 
@@ -181,8 +182,6 @@ def _leasable(task: SubmittedTask) -> bool:
     """Whether a lease may run the task: a plain task of one device that holds nothing on the peer,
     takes no held result, has small buffers (big ones go by shared memory through the peer) and no
     variable that needs a fresh worker."""
-    from .engine import SubmittedTask
-
     return type(task) is SubmittedTask and task.keep is None and task.req.devices == 1 \
         and not any(f.held is not None for f in task.deps) \
         and sum(memoryview(b).nbytes for b in task.buffers or ()) < shm.SHM_MIN \

@@ -12,6 +12,7 @@ import sys
 from .. import security, wire
 from ..errors import GPULayerError
 from ..resources import detect, override
+from ..taskenv import SLOT_ENV_PREFIX
 from .server import PeerConfig, run_peer
 
 
@@ -51,7 +52,7 @@ def env_assignment(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
-    if name.startswith(wire.SLOT_ENV_PREFIX):
+    if name.startswith(SLOT_ENV_PREFIX):
         raise argparse.ArgumentTypeError(f"{name} is a GPUlayer setting, not a variable for tasks: use the "
                                          "peer's options, or its own environment")
     return name, value

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import lending, serialization, shm, wire
 from ..errors import ProtocolError
-from .worker import _flush, _invoke, _run
+from .running import flush_output, invoke, run_call
 
 _output = threading.local()  # .sink: where the current thread's stdout and stderr go, while it runs a direct call
 
@@ -188,7 +188,7 @@ class Actor:
             return
         name, args = msg.get("method"), msg.get("args")
         with self._turn, self._watched(stream, msg), output_to(stream, call_id):
-            reply, out = _run(call_id, lambda: self._method(name), args, buffers)
+            reply, out = run_call(call_id, lambda: self._method(name), args, buffers)
         del msg, args, buffers
         more = stream.direct and self._pool is None and arrived(stream.conn)  # calls that came with it wait
         stream.send(reply, out, hold=more)
@@ -240,7 +240,7 @@ class Actor:
                 other.send(wire.error("actor-died", f"the actor was stopped: {reason}"))
             self.peer.send({"t": wire.BYE, "reason": reason})
         finally:
-            _flush()
+            flush_output()
             os._exit(3)
 
 
@@ -281,7 +281,7 @@ def become_actor(conn: wire.BlockingConnection, msg: dict, buffers: list) -> Non
         cls = serialization.loads(msg["cls"])
         return getattr(cls, "__gpulayer_class__", cls)  # an @gl.remote class pickled by reference
 
-    instance, failed = _invoke(msg.get("id"), construct, msg["args"], buffers)
+    instance, failed = invoke(msg.get("id"), construct, msg["args"], buffers)
     del buffers
     if failed is not None:
         conn.send(failed)
@@ -292,6 +292,6 @@ def become_actor(conn: wire.BlockingConnection, msg: dict, buffers: list) -> Non
             lending.lender.send, lending.lender.actor = actor.peer.send, msg.get("actor")
             lending.lender.concurrency = msg.get("conc", 1)
         actor.serve(actor.peer)
-    _flush()
+    flush_output()
     os._exit(0)  # without waiting for calls still running in threads: the peer ends this process anyway
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from .. import wire
 from ..errors import ConfigError
-from ..wire import check_timeout
+from ..checks import check_timeout
 from .workers import Slot, Worker
 
 log = logging.getLogger("gpulayer.peer")

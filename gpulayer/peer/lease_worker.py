@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterator
 
 from .. import lending, wire
 from ..errors import ProtocolError
-from ..taskenv import read_at_load
+from ..checks import check_timeout
+from ..taskenv import check_env, read_at_load, task_environment
 from .actor_worker import Stream, output_to, route_output, take_connection
-from .worker import FunctionCache, _flush, run_task, task_environment
+from .running import FunctionCache, flush_output, run_task
 
 POLL_S = 0.05  # while idle, how often the lease looks whether the peer wants the slot back
 DRAIN_S = 2.0  # after LEASE_END, how long the submitter is given to close its side
@@ -248,7 +249,7 @@ class Lease:
         except OSError:
             pass
         self._tell_peer({"t": wire.BYE, "reason": reason, "kill": True})
-        _flush()
+        flush_output()
         time.sleep(KILL_WAIT_S)
         os._exit(3)
 
@@ -326,7 +327,7 @@ class DescriptorOutput:
 
     def close(self) -> None:
         """Give descriptors 1 and 2 back (the pipes end once the children that hold them end)."""
-        _flush()
+        flush_output()
         with self._lock:
             for fd, original in self._originals.items():
                 os.dup2(original, fd)
@@ -357,8 +358,8 @@ def check_leased_submit(msg: dict) -> str | None:
     if msg.get("keep") is not None or msg.get("refs"):
         return "a task that keeps its result or takes held ones goes through the peer, not on a lease"
     try:
-        wire.check_timeout(msg.get("timeout"))
-        env = wire.check_env(msg.get("env"))
+        check_timeout(msg.get("timeout"))
+        env = check_env(msg.get("env"))
     except (TypeError, ValueError) as exc:
         return str(exc)
     if any(read_at_load(name) for name in env):

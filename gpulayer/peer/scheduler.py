@@ -28,7 +28,7 @@ from ..matching import MEMORY_SLACK_GB, Requirements
 from ..resources.model import Resources
 from ..resources.utilisation import Sample
 from .actors import Actor, Actors, CallOwner, grace_from_env, new_actor_id
-from ..taskenv import read_at_load
+from ..taskenv import check_env, read_at_load
 from .workers import Slot, Worker, describe_exit, job_pythonpath
 
 log = logging.getLogger("gpulayer.peer")
@@ -266,11 +266,11 @@ class Scheduler:
     def enqueue(self, task: ScheduledTask) -> bool:
         """Queue an admitted task and start what can start; True if it started at once.
 
-        A task whose env breaks the rules of `wire.check_env` is answered with bad-request instead.
+        A task whose env breaks the rules of `taskenv.check_env` is answered with bad-request instead.
         """
         assert task.msg is not None
         try:
-            task.env = wire.check_env(task.msg.get("env"))
+            task.env = check_env(task.msg.get("env"))
         except (TypeError, ValueError) as exc:
             self._answer(task, wire.error("bad-request", str(exc)))
             return False

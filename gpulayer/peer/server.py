@@ -26,7 +26,7 @@ import psutil
 from .. import discovery, security, shm, wire
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..matching import Requirements, match, missing_software
-from ..wire import check_timeout
+from ..checks import check_concurrency, check_timeout
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
 from .actors import Actor, grace_from_env
@@ -641,7 +641,7 @@ def _check_actor(msg: wire.Message) -> str | None:
     if not isinstance(msg.get("name"), str):
         return "an ACTOR needs its class's 'name'"
     try:
-        wire.check_concurrency(msg.get("conc"))
+        check_concurrency(msg.get("conc"))
         check_timeout(msg.get("timeout"))
     except ValueError as exc:
         return str(exc)

@@ -209,7 +209,7 @@ class CudaGraphStep:
     MAX_GRAPHS = 8
 
     def __init__(self, trainer, module: Module, step_fn: Callable, recorder: _LogRecorder):
-        overridden = [getattr(fn, "func", fn).__qualname__ for name in _STEP_HOOKS for fn in trainer._hooks.calls(name)]
+        overridden = [getattr(fn, "func", fn).__qualname__ for name in _STEP_HOOKS for fn in trainer.hooks.calls(name)]
         if overridden:
             raise UnsupportedConfiguration(
                 f"compile='cudagraphs' replays the step's device work without running Python: "
@@ -261,7 +261,7 @@ class CudaGraphStep:
         clip = self.trainer.gradient_clip_val
         if clip:
             by_value = self.trainer.gradient_clip_algorithm == "value"
-            (torch.nn.utils.clip_grad_value_ if by_value else torch.nn.utils.clip_grad_norm_)(self.trainer._clip_params, clip)
+            (torch.nn.utils.clip_grad_value_ if by_value else torch.nn.utils.clip_grad_norm_)(self.trainer.clip_params, clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return output

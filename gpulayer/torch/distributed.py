@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 
 def spawn_fit(trainer, module, train, val, ckpt_path) -> dict:
-    """Run `trainer.fit` in one process per device; returns rank 0's `trainer._summary()`."""
+    """Run `trainer.fit` in one process per device; returns rank 0's `trainer.rank_zero_summary()`."""
     world_size = trainer.placement.devices
     with tempfile.TemporaryDirectory(prefix="glt-ddp-") as tmp:
         result = os.path.join(tmp, "rank0.pt")
@@ -96,9 +96,9 @@ def _fit_worker(rank, world_size, port, rng, trainer, module, train, val, ckpt_p
     dist.init_process_group(DISTRIBUTED[CUDA] if kind == CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world_size)
     try:
-        trainer._fit_as_rank(rank, world_size, module, train, val, ckpt_path)
+        trainer.fit_as_rank(rank, world_size, module, train, val, ckpt_path)
         if rank == 0:
-            torch.save(trainer._summary(module), result)
+            torch.save(trainer.rank_zero_summary(module), result)
         # no rank tears gloo down while another still talks to it (that aborts the process); should a rank
         # fail instead, spawn terminates the others, so this never waits for a rank that is gone
         dist.barrier()

@@ -56,6 +56,11 @@ class HyperparametersMixin:
         object.__setattr__(self, "_log_hyperparams", logger)
 
     @property
+    def logs_hyperparameters(self) -> bool:
+        """Whether the saved hyperparameters go to the logger (`save_hyperparameters(logger=...)`)."""
+        return self._log_hyperparams
+
+    @property
     def hparams(self) -> AttributeDict:
         if not hasattr(self, "_hparams"):
             object.__setattr__(self, "_hparams", AttributeDict())

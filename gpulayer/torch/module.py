@@ -58,12 +58,13 @@ class Module(HyperparametersMixin, ModelHooks, nn.Module):
         if trainer is None:
             warnings.warn(f"self.log({name!r}) outside a glt.Trainer run records nothing", stacklevel=2)
             return
-        if trainer._store is None:
+        store = trainer.metric_store
+        if store is None:
             raise RuntimeError(f"self.log({name!r}) is called where nothing is collected: log in the training, "
                                f"validation or test steps and their batch or epoch hooks (not in predict, "
                                f"on_fit_start/end, setup or after the run)")
-        trainer._store.log(name, value, prog_bar=prog_bar, logger=True if logger is None else logger,
-                           on_step=on_step, on_epoch=on_epoch, reduce_fx=reduce_fx, batch_size=batch_size)
+        store.log(name, value, prog_bar=prog_bar, logger=True if logger is None else logger,
+                  on_step=on_step, on_epoch=on_epoch, reduce_fx=reduce_fx, batch_size=batch_size)
 
     def log_dict(self, dictionary: Mapping[str, Any], prog_bar: bool = False, logger: bool | None = None,
                  on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx="mean",
@@ -85,6 +86,11 @@ class Module(HyperparametersMixin, ModelHooks, nn.Module):
     @property
     def trainer(self):
         return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer) -> None:
+        """Set by the Trainer that runs this module (not pickled)."""
+        self._trainer = trainer
 
     @property
     def logger(self):

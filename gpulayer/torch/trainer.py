@@ -189,10 +189,10 @@ class Trainer:
         self._ddp = None
         self._resume_epoch = 0  # the epoch a checkpoint saved now resumes at
         self._progress: TrainerProgress = TrainerProgress()
-        self._hooks: Dispatch | None = None  # this run's bound hooks
-        self._store: MetricStore | None = None  # where Module.log writes now
+        self.hooks: Dispatch | None = None  # this run's hooks, bound to its module and callbacks (compiled.py reads it)
+        self.metric_store: MetricStore | None = None  # where Module.log writes now; None where nothing is collected
         self._train_store: MetricStore | None = None
-        self._clip_params: list[Tensor] = []
+        self.clip_params: list[Tensor] = []  # what gradient clipping applies to: the optimizer's parameters
         self._compiled_step = None  # compile=: this fit's step function (compiled.py)
         self._deadline: float | None = None  # max_time, on time.monotonic()
         self._val: Any = None  # this fit's validation loader (or its _Source until first needed)
@@ -202,8 +202,8 @@ class Trainer:
     def __getstate__(self):
         """Picklable for DDP workers: configuration and callbacks, not the state of a run."""
         return {**self.__dict__, "module": None, "optimizer": None, "lr_scheduler": None,
-                "_progress": TrainerProgress(), "_store": None, "_train_store": None, "_ddp": None, "_clip_params": [],
-                "_compiled_step": None, "_hooks": None, "datamodule": None, "_val": None, "_train": None}
+                "_progress": TrainerProgress(), "metric_store": None, "_train_store": None, "_ddp": None, "clip_params": [],
+                "_compiled_step": None, "hooks": None, "datamodule": None, "_val": None, "_train": None}
 
     @staticmethod
     def _checked_callbacks(callbacks, enable_checkpointing: bool) -> list[Callback]:
@@ -289,7 +289,7 @@ class Trainer:
         return per_epoch * self.max_epochs if self.max_epochs is not None else float("inf")
 
     training = property(lambda self: self.state == "fit" and not self.sanity_checking
-                        and self._store is self._train_store)
+                        and self.metric_store is self._train_store)
     validating = property(lambda self: self.state == "validate" or self.sanity_checking)
     testing = property(lambda self: self.state == "test")
     predicting = property(lambda self: self.state == "predict")
@@ -362,8 +362,8 @@ class Trainer:
                 state["datamodule"] = self.datamodule.state_dict()
                 if self.datamodule.hparams:
                     state["datamodule_hyper_parameters"] = dict(self.datamodule.hparams)
-            if self._hooks is not None:
-                self._hooks("on_save_checkpoint", state)
+            if self.hooks is not None:
+                self.hooks("on_save_checkpoint", state)
         checkpoint.save(state, path)
 
     def print(self, *args, **kwargs) -> None:
@@ -388,18 +388,18 @@ class Trainer:
                                       "glt.Trainer: return the loss from training_step")
         warn_unsupported(model)
         self.state, self.module, self.datamodule = stage, model, datamodule
-        model._trainer = self
+        model.trainer = self
         if datamodule is not None:
             datamodule.trainer = self
         self._merge_model_callbacks(model)
-        self._hooks = Dispatch(self, model, self.callbacks)
+        self.hooks = Dispatch(self, model, self.callbacks)
         if self.is_global_zero:
             if datamodule is not None:
                 datamodule.prepare_data()
             model.prepare_data()
         if datamodule is not None:
             datamodule.setup(stage)
-        self._hooks("setup", stage)
+        self.hooks("setup", stage)
         model.configure_model()
 
     def _merge_model_callbacks(self, model: Module) -> None:
@@ -413,7 +413,7 @@ class Trainer:
         self.callbacks = _checkpoints_last([cb for cb in self.callbacks if type(cb) not in types] + extra)
 
     def _end(self, model: Module, stage: str) -> None:
-        self._hooks("teardown", stage)
+        self.hooks("teardown", stage)
         if self.datamodule is not None:
             self.datamodule.teardown(stage)
         if self.is_global_zero:
@@ -432,14 +432,14 @@ class Trainer:
         self.device = self.placement.device(self.global_rank)
         self.precision.setup()
         model.to(device=self.device, dtype=self.precision.param_dtype)
-        model._trainer = self
+        model.trainer = self
         self.module = model
         self._progress = make_progress(self.enable_progress_bar and self.is_global_zero)
-        if self._hooks is None:  # a DDP worker: the parent ran the start of the run
-            self._hooks = Dispatch(self, model, self.callbacks)
+        if self.hooks is None:  # a DDP worker: the parent ran the start of the run
+            self.hooks = Dispatch(self, model, self.callbacks)
 
-    def _fit_as_rank(self, rank: int, world_size: int, model, train, val, ckpt_path) -> None:
-        """Called in each DDP worker process."""
+    def fit_as_rank(self, rank: int, world_size: int, model, train, val, ckpt_path) -> None:
+        """`fit` as DDP rank `rank` of `world_size`: called in each worker process (distributed.py)."""
         self.global_rank, self.world_size = rank, world_size
         self._all_reduce = distributed.all_reduce_sum
         if rank:
@@ -449,8 +449,8 @@ class Trainer:
         for lg in self.loggers:  # rank 0's: its rows are in this process
             lg.finalize("success")
 
-    def _summary(self, model: Module) -> dict:
-        """What the parent of DDP workers takes back from rank 0."""
+    def rank_zero_summary(self, model: Module) -> dict:
+        """What the parent of DDP workers takes back from rank 0 (distributed.py)."""
         return {"state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
                 "current_epoch": self.current_epoch, "global_step": self.global_step,
                 "callback_metrics": self.callback_metrics, "logged_metrics": self.logged_metrics,
@@ -459,7 +459,7 @@ class Trainer:
 
     def _apply_summary(self, model: Module, summary: dict) -> None:
         model.load_state_dict(summary["state_dict"])
-        model._trainer = self
+        model.trainer = self
         self.module = model
         self.current_epoch, self.global_step = summary["current_epoch"], summary["global_step"]
         self.callback_metrics, self.logged_metrics = summary["callback_metrics"], summary["logged_metrics"]
@@ -508,8 +508,8 @@ class Trainer:
         if not (self.enable_autolog_hparams and self.loggers and self.is_global_zero):
             return
         params = dict(self.datamodule.hparams_initial) if self.datamodule is not None and \
-            self.datamodule._log_hyperparams else {}
-        if model._log_hyperparams:
+            self.datamodule.logs_hyperparameters else {}
+        if model.logs_hyperparameters:
             params.update(model.hparams_initial)
         for lg in self.loggers:
             lg.log_hyperparams(params)
@@ -520,7 +520,7 @@ class Trainer:
         store = self._train_store
         store.epoch_hook = True
         try:
-            self._hooks(name)
+            self.hooks(name)
         finally:
             store.epoch_hook = False
 
@@ -528,10 +528,10 @@ class Trainer:
 
     def _fit(self, model: Module, train: Any, val: Any, ckpt_path: str | None) -> None:
         self._setup(model)
-        hooks = self._hooks
+        hooks = self.hooks
         self._train = train  # resolved on first need (estimated_stepping_batches may ask early)
         self.optimizer, self.lr_scheduler = optim.parse(model.configure_optimizers())
-        self._clip_params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.clip_params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.current_epoch = self.global_step = self._resume_epoch = 0
         self.should_stop = self._train_started = False
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
@@ -568,7 +568,7 @@ class Trainer:
             hooks("on_exception", e)
             raise
         finally:
-            self._store = self._ddp = self._compiled_step = None
+            self.metric_store = self._ddp = self._compiled_step = None
             self._progress.close()
 
     def _restore(self, model: Module, ckpt: dict) -> None:
@@ -601,9 +601,9 @@ class Trainer:
         self.sanity_checking = True
         rng = randomness.capture(self.device)
         try:
-            self._hooks("on_sanity_check_start")
+            self.hooks("on_sanity_check_start")
             self._run_eval(model, self._val_loader(), "validation", limit=steps, publish=False)
-            self._hooks("on_sanity_check_end")
+            self.hooks("on_sanity_check_end")
         finally:
             self.sanity_checking = False
             randomness.restore(rng, self.device)
@@ -629,13 +629,13 @@ class Trainer:
         epoch = self.current_epoch
         self._resume_epoch = epoch
         distributed.set_epoch(loader, epoch)
-        store = self._store = self._train_store = MetricStore(self.device, training=True)
+        store = self.metric_store = self._train_store = MetricStore(self.device, training=True)
         n_batches = _limit(_length(loader), self.limit_train_batches)
         validating = (val is not None and self.limit_val_batches != 0
                       and (epoch + 1) % self.check_val_every_n_epoch == 0)
         val_every = self._val_every(n_batches) if validating else None
         model.train()
-        hooks = self._hooks
+        hooks = self.hooks
         if not self._train_started:
             self._train_started = True
             self._epoch_hook("on_train_start")
@@ -711,12 +711,12 @@ class Trainer:
         self._publish_epoch(store)
         self._progress.end_epoch(batches_done, self.global_step, self.progress_bar_metrics)
         store.epoch_hook = True
-        self._store = store  # the module's on_train_epoch_end logs into this epoch, before the monitors read
+        self.metric_store = store  # the module's on_train_epoch_end logs into this epoch, before the monitors read
         for fn in hooks.calls("on_train_epoch_end"):
             fn()
             if store.dirty:
                 self._publish_epoch(store)
-        self._store = None
+        self.metric_store = None
         self._step_scheduler("epoch", epoch, plateau=True)
         self.current_epoch = epoch + 1
 
@@ -728,16 +728,16 @@ class Trainer:
         Returns whether `max_steps` is reached."""
         optimizer = self.optimizer
         if not stepped:
-            before_step = self._hooks.calls("on_before_optimizer_step")
+            before_step = self.hooks.calls("on_before_optimizer_step")
             if self.gradient_clip_val or before_step:
                 self.precision.unscale_(optimizer)  # the hooks and clipping see the true gradients
             for fn in before_step:
                 fn(optimizer)
             if self.gradient_clip_val:
                 if self.gradient_clip_algorithm == "value":
-                    torch.nn.utils.clip_grad_value_(self._clip_params, self.gradient_clip_val)
+                    torch.nn.utils.clip_grad_value_(self.clip_params, self.gradient_clip_val)
                 else:
-                    torch.nn.utils.clip_grad_norm_(self._clip_params, self.gradient_clip_val)
+                    torch.nn.utils.clip_grad_norm_(self.clip_params, self.gradient_clip_val)
             self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
@@ -780,7 +780,7 @@ class Trainer:
 
     def _validate_in_fit(self, model: Module, val: Iterable) -> None:
         self._run_eval(model, self._val_loader(), "validation")
-        self._store = self._train_store
+        self.metric_store = self._train_store
 
     # ---------------------------------------------------------------- validate / test / predict
 
@@ -798,8 +798,8 @@ class Trainer:
             n_batches = limit if n_batches is None else min(n_batches, limit)
         if publish:
             self.num_val_batches = [n_batches if n_batches is not None else float("inf")]
-        store = self._store = MetricStore(self.device)
-        hooks, move, autocast = self._hooks, self._batch_mover(model), self.precision.autocast
+        store = self.metric_store = MetricStore(self.device)
+        hooks, move, autocast = self.hooks, self._batch_mover(model), self.precision.autocast
         batch_start, batch_end = hooks.calls(f"on_{stage}_batch_start"), hooks.calls(f"on_{stage}_batch_end")
         getattr(model, f"on_{stage}_model_eval")()
         hooks(f"on_{stage}_start")
@@ -820,7 +820,7 @@ class Trainer:
         if not publish:
             store.reset_metrics()
         values = store.means(self._all_reduce, self.world_size) if publish else Published()
-        self._store = None  # Lightning: no logging in on_validation_end
+        self.metric_store = None  # Lightning: no logging in on_validation_end
         if publish:
             self._publish(values)
         hooks(f"on_{stage}_end")
@@ -829,7 +829,7 @@ class Trainer:
 
     def _run_predict(self, model: Module, loader: Iterable) -> list:
         n_batches = _limit(_length(loader), self.limit_predict_batches)
-        hooks, move, autocast = self._hooks, self._batch_mover(model), self.precision.autocast
+        hooks, move, autocast = self.hooks, self._batch_mover(model), self.precision.autocast
         batch_start, batch_end = hooks.calls("on_predict_batch_start"), hooks.calls("on_predict_batch_end")
         outputs = []
         model.on_predict_model_eval()
@@ -884,7 +884,7 @@ class Trainer:
                 self._progress.report(stage, results)
             return [results]
         finally:
-            self._store = None
+            self.metric_store = None
             self._progress.close()
             self._end(model, stage)
 

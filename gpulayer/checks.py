@@ -1,0 +1,27 @@
+"""Checks of values that a user gives as options and that travel in messages: a timeout, an actor's
+max_concurrency. A leaf module: the option table (task_options, actor_class), the wire and the
+peer check with the same function, and the option table needs no transport for it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MAX_CONCURRENCY = 64  # the most calls one actor may run at once (threads in its worker)
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """None, or a finite positive number of seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def check_concurrency(value: Any) -> int:
+    """max_concurrency: an integer from 1 to MAX_CONCURRENCY; ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONCURRENCY:
+        raise ValueError(f"max_concurrency must be an integer from 1 to {MAX_CONCURRENCY}, not {value!r}")
+    return value
