@@ -25,16 +25,21 @@ def test_local_run_loss_falls(example, capsys):
     assert "epoch 1: train_loss=" in capsys.readouterr().out
 
 
-def test_remote_branch_calls_gl_run(example, monkeypatch, capsys):
+def test_remote_branch_runs_train_fn_with_task_options_given_apart(example, monkeypatch, capsys):
+    """train_fn takes an accelerator of its own, so the example gives the task's through gl.options."""
     calls = []
 
-    def fake_run(fn, *args, accelerator=None, frameworks=None, **kwargs):
-        calls.append((fn, args, accelerator, frameworks))
-        return fn(*args, **kwargs)
+    class FakeOptions:
+        def __init__(self, **options):
+            self.options = options
 
-    monkeypatch.setitem(vars(gpulayer), "run", fake_run)  # not setattr: that would load the real API first
+        def run(self, fn, *args, **kwargs):
+            calls.append((fn, args, self.options))
+            return fn(*args, **kwargs)
+
+    monkeypatch.setitem(vars(gpulayer), "options", FakeOptions)  # not setattr: that would load the real API first
     monkeypatch.setenv("GPULAYER_DEVICE", "cpu")  # what the peer sets in the task; "auto" must follow it
     monkeypatch.setattr(sys, "argv", ["train.py", "--remote", "--accelerator", "cpu", "--epochs", "1"])
     example.main()
-    assert calls == [(example.train_fn, ("auto", 1), "cpu", {"torch": ">=2.3"})]
+    assert calls == [(example.train_fn, ("auto", 1), {"accelerator": "cpu", "frameworks": {"torch": ">=2.3"}})]
     assert "remote run on cpu" in capsys.readouterr().out
