@@ -352,6 +352,11 @@ class Agent:
         self.monitor_thread.join(30)
         return {"seen": self.monitor_seen}
 
+    def op_open_connections(self):
+        """The ids of this submitter's connections to peers (leases too) that are open now."""
+        conns = [*self.client._connections.values(), *self.client.leases.all()]
+        return {"ids": [id(c) for c in conns if not c.closed]}
+
     def op_stacks(self):
         """Where every thread is now (for a failure's message)."""
         names = {t.ident: t.name for t in threading.enumerate()}

@@ -18,13 +18,19 @@ import time
 
 import pytest
 from lanlab import HERE, lan_env, runs
+from support import wait_until
 
 from gpulayer.discovery import SERVICE_TYPE, instance_label
 
 LAN_PEERS = 2
 LAN_CONCURRENCY = 2
 ROGUE = HERE / "lan_rogue.py"
+# Bounds are the timeouts of the calls that wait, an order of magnitude above what was measured (the LAN
+# report's advert_ptr_flood and relay_behind_rogue_advert, 2026-12-06; bench/results/reliability.json has
+# no run of these tests yet): the first task under the flood took 0.44 s (0.39 s without it), and each
+# task through the tampering relay ended within 0.33 s.
 FIND_BOUND = 5.0  # seconds for a fresh submitter to find the honest peers and run a task, flood or not
+RELAYED_BOUND = 10.0  # seconds for a task through the tampering relay to end, in its result or a clear error
 HOLD_SECONDS = 3.0  # how long verified records are watched after the goodbyes
 
 
@@ -188,9 +194,12 @@ def test_a_flood_of_bogus_names_does_not_keep_a_fresh_submitter_from_the_honest_
         bad.append(rogue.call("register", instance=f"badtxt{i:02d}-{peer_id}",
                               txt={**base, "id": peer_id, "n": f"badtxt{i:02d}", **override}, port=9)["instance"])
     try:
-        time.sleep(1.0)  # the flood is on the wire, and every bogus name announced
+        wait_until(lambda: rogue.call("flood_sent")["packets"] >= 4, 10)  # the flood is on the wire (and the
+        # bad names announced: register returns once they are)
         agent = lan.submitter("flooded", start=False)
-        first = agent.call("run", fn="where", timeout=20)  # discovery starts with this task
+        # discovery starts with this task: its submit waits for a match up to GPULAYER_DISCOVERY_TIMEOUT (3 s)
+        # and its result up to FIND_BOUND
+        first = agent.call("run", fn="where", timeout=FIND_BOUND)
         listed = agent.call("wait_names", present=lan.names, timeout=FIND_BOUND)
         heard = agent.call("heard")["names"]  # the flood reached this submitter's browser
         out = agent.call("map", fn="where", items=list(range(10)), reply_timeout=60)
@@ -201,7 +210,7 @@ def test_a_flood_of_bogus_names_does_not_keep_a_fresh_submitter_from_the_honest_
             rogue.call("unregister", instance=name)
     assert len(flood) + len(bad) == 40 and packets >= 4 and stopped["answers"] >= 1, stopped
     assert len(set(heard) & set(flood + bad)) >= 35, heard
-    assert first["ok"] and first["elapsed"] < FIND_BOUND, first
+    assert first["ok"], first
     assert listed["ok"], listed
     assert {r["name"] for r in listed["records"]} == set(lan.names), listed["records"]  # nothing bogus listed
     assert out["ok"] and set(out["results"]) <= set(lan.names), out
@@ -347,7 +356,7 @@ def test_a_relay_behind_a_rogue_advert_forwards_only_what_it_cannot_read_or_chan
 
     def attempt(tamper: str, fn: str, args: list) -> dict:
         tampering(rogue, relayed, tamper)
-        out = agent.call("run", fn=fn, args=args, peer="hidden", timeout=20)
+        out = agent.call("run", fn=fn, args=args, peer="hidden", timeout=RELAYED_BOUND)
         outcomes.append((tamper, out))
         return out
 
@@ -370,8 +379,7 @@ def test_a_relay_behind_a_rogue_advert_forwards_only_what_it_cannot_read_or_chan
     assert out["ok"] and out["value"] == secret, out
     connections = rogue.call("endpoint", port=relayed["port"])["connections"]
 
-    for tamper, out in outcomes:
-        assert out["elapsed"] < 10.0, (tamper, out)
+    for tamper, out in outcomes:  # a task that hung would have ended in "Timeout"
         assert out["ok"] or "hidden" in out["message"], (tamper, out)  # a clear error: which peer, and why
     assert not (folder / "peer-unpickled").exists(), "the peer unpickled (ran) the relay's SUBMIT"
     assert not (folder / "submitter-unpickled").exists(), "the submitter unpickled the relay's RESULT"
@@ -388,7 +396,8 @@ def test_a_relay_behind_a_rogue_advert_forwards_only_what_it_cannot_read_or_chan
     refusals = hidden.log().count("failed authentication")
     assert refusals >= 3, hidden.log()[-3000:]  # the injected, replayed and flipped records, each refused
     reliability.record("relay_behind_rogue_advert", relayed_connections=len(connections),
-                       outcomes=[[t, o["ok"], o.get("error"), (o.get("message") or "")[:160]] for t, o in outcomes],
+                       outcomes=[[t, o["ok"], o.get("error"), (o.get("message") or "")[:160], round(o["elapsed"], 3)]
+                                 for t, o in outcomes],
                        peer_refusals=refusals, attacker_code_run=False, attacker_data_unpickled=False,
                        argument_seen_by_relay=False, runs_of_replayed_submit=len(marked),
                        faults_injected={"injected_submit": 1, "replaced_result": 1, "replayed_record": 1,
