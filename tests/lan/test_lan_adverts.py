@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import secrets
 import sys
-import time
 
 import pytest
 from lanlab import HERE, lan_env, runs
@@ -337,11 +336,13 @@ def relayed_submitter(lan, relayed, label: str, **configure):
     return agent
 
 
-def tampering(rogue, relayed, tamper: str, **cfg) -> None:
-    """From the next connection on, the relay tampers so; the current ones are cut."""
+def tampering(rogue, relayed, agent, tamper: str, **cfg) -> None:
+    """From the next connection on, the relay tampers so; the current ones are cut, and `agent` saw it: its
+    next task opens a new connection."""
+    before = set(agent.call("open_connections", peer="hidden")["ids"])
     rogue.call("set_tamper", port=relayed["port"], tamper=tamper, **cfg)
     rogue.call("cut_all", port=relayed["port"])
-    time.sleep(0.5)  # the submitter has seen the cut: its next task opens a new connection
+    wait_until(lambda: not before & set(agent.call("open_connections", peer="hidden")["ids"]), 10)
 
 
 def test_a_relay_behind_a_rogue_advert_forwards_only_what_it_cannot_read_or_change(lan, rogue, relayed,
@@ -355,7 +356,7 @@ def test_a_relay_behind_a_rogue_advert_forwards_only_what_it_cannot_read_or_chan
     outcomes = []
 
     def attempt(tamper: str, fn: str, args: list) -> dict:
-        tampering(rogue, relayed, tamper)
+        tampering(rogue, relayed, agent, tamper)
         out = agent.call("run", fn=fn, args=args, peer="hidden", timeout=RELAYED_BOUND)
         outcomes.append((tamper, out))
         return out
@@ -415,11 +416,11 @@ def test_a_task_submitted_as_its_connection_closes_still_completes(lan, rogue, r
     rounds = {}
     try:
         for delay in RACE_DELAYS:
-            tampering(rogue, relayed, "inject_submit_fast", fast_delay=delay)
+            tampering(rogue, relayed, agent, "inject_submit_fast", fast_delay=delay)
             rounds[delay] = agent.call("submit_many", fn="echo", args=[1], peer="hidden", count=RACE_ATTEMPTS,
                                        pause=0.05, wait=5.0, reply_timeout=120)
     finally:
-        tampering(rogue, relayed, "forward")
+        tampering(rogue, relayed, agent, "forward")
     reliability.record("task_submitted_on_a_closing_connection", attempts=RACE_ATTEMPTS * len(RACE_DELAYS),
                        rounds={str(d): {k: v for k, v in out.items() if k != "t"} for d, out in rounds.items()},
                        never_completed=sum(out["pending"] for out in rounds.values()))
@@ -431,11 +432,11 @@ def test_a_record_that_arrives_with_auth_ok_is_opened_as_a_record(lan, rogue, re
     """TCP is a byte stream: AUTH_OK and the peer's first record may come in one segment (here the
     relay makes them: the peer's refusal of its injected SUBMIT, right behind AUTH_OK)."""
     agent = relayed_submitter(lan, relayed, "coalesced")
-    tampering(rogue, relayed, "inject_submit_coalesced")
+    tampering(rogue, relayed, agent, "inject_submit_coalesced")
     try:
         out = agent.call("run", fn="echo", args=[1], peer="hidden", timeout=20)
     finally:
-        tampering(rogue, relayed, "forward")
+        tampering(rogue, relayed, agent, "forward")
     reliability.record("record_in_the_segment_of_auth_ok", error=out.get("error"),
                        message=(out.get("message") or "")[:300])
     assert not (relayed["folder"] / "peer-unpickled").exists()
