@@ -13,6 +13,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  before any process group: see _fit_worker
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -93,6 +94,10 @@ def _fit_worker(rank, world_size, port, rng, trainer, module, train, val, ckpt_p
     randomness.restore(rng, torch.device(CPU))
     # spawn hands tensors over in shared memory: without a private copy, CPU ranks would share parameters
     module = copy.deepcopy(module)
+    # torch.distributed.nn.functional binds the WORLD group of the moment as its functions' default argument.
+    # DDP imports it: imported only after init_process_group, it would keep this group (gloo's threads) alive
+    # past destroy_process_group, to the interpreter's exit, which then aborted the rank now and then
+    # ("terminate called without an active exception"). It is imported with this module, before the group.
     dist.init_process_group(DISTRIBUTED[CUDA] if kind == CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world_size)
     try:

@@ -352,6 +352,11 @@ class Agent:
         self.monitor_thread.join(30)
         return {"seen": self.monitor_seen}
 
+    def op_open_connections(self, peer=None):
+        """The ids of this submitter's connections (leases too) that are open now, to `peer` (a name) if given."""
+        conns = [*self.client._connections.values(), *self.client.leases.all()]
+        return {"ids": [id(c) for c in conns if not c.closed and peer in (None, c.name)]}
+
     def op_stacks(self):
         """Where every thread is now (for a failure's message)."""
         names = {t.ident: t.name for t in threading.enumerate()}

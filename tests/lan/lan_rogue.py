@@ -423,6 +423,9 @@ class Rogue:
             thread.start()
         return {"names": [p.alias for p in pointers]}
 
+    def op_flood_sent(self):
+        return {"packets": self.flood_sent}
+
     def op_flood_stop(self):
         self.flood_stop_event.set()
         for thread in self.flood_threads:

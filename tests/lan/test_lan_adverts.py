@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import secrets
 import sys
-import time
 
 import pytest
 from lanlab import HERE, lan_env, runs
+from support import wait_until
 
 from gpulayer.discovery import SERVICE_TYPE, instance_label
 
 LAN_PEERS = 2
 LAN_CONCURRENCY = 2
 ROGUE = HERE / "lan_rogue.py"
+# Bounds are the timeouts of the calls that wait, an order of magnitude above what was measured (the LAN
+# report's advert_ptr_flood and relay_behind_rogue_advert, 2026-12-06; bench/results/reliability.json has
+# no run of these tests yet): the first task under the flood took 0.44 s (0.39 s without it), and each
+# task through the tampering relay ended within 0.33 s.
 FIND_BOUND = 5.0  # seconds for a fresh submitter to find the honest peers and run a task, flood or not
+RELAYED_BOUND = 10.0  # seconds for a task through the tampering relay to end, in its result or a clear error
 HOLD_SECONDS = 3.0  # how long verified records are watched after the goodbyes
 
 
@@ -188,9 +193,12 @@ def test_a_flood_of_bogus_names_does_not_keep_a_fresh_submitter_from_the_honest_
         bad.append(rogue.call("register", instance=f"badtxt{i:02d}-{peer_id}",
                               txt={**base, "id": peer_id, "n": f"badtxt{i:02d}", **override}, port=9)["instance"])
     try:
-        time.sleep(1.0)  # the flood is on the wire, and every bogus name announced
+        wait_until(lambda: rogue.call("flood_sent")["packets"] >= 4, 10)  # the flood is on the wire (and the
+        # bad names announced: register returns once they are)
         agent = lan.submitter("flooded", start=False)
-        first = agent.call("run", fn="where", timeout=20)  # discovery starts with this task
+        # discovery starts with this task: its submit waits for a match up to GPULAYER_DISCOVERY_TIMEOUT (3 s)
+        # and its result up to FIND_BOUND
+        first = agent.call("run", fn="where", timeout=FIND_BOUND)
         listed = agent.call("wait_names", present=lan.names, timeout=FIND_BOUND)
         heard = agent.call("heard")["names"]  # the flood reached this submitter's browser
         out = agent.call("map", fn="where", items=list(range(10)), reply_timeout=60)
@@ -201,7 +209,7 @@ def test_a_flood_of_bogus_names_does_not_keep_a_fresh_submitter_from_the_honest_
             rogue.call("unregister", instance=name)
     assert len(flood) + len(bad) == 40 and packets >= 4 and stopped["answers"] >= 1, stopped
     assert len(set(heard) & set(flood + bad)) >= 35, heard
-    assert first["ok"] and first["elapsed"] < FIND_BOUND, first
+    assert first["ok"], first
     assert listed["ok"], listed
     assert {r["name"] for r in listed["records"]} == set(lan.names), listed["records"]  # nothing bogus listed
     assert out["ok"] and set(out["results"]) <= set(lan.names), out
@@ -328,11 +336,13 @@ def relayed_submitter(lan, relayed, label: str, **configure):
     return agent
 
 
-def tampering(rogue, relayed, tamper: str, **cfg) -> None:
-    """From the next connection on, the relay tampers so; the current ones are cut."""
+def tampering(rogue, relayed, agent, tamper: str, **cfg) -> None:
+    """From the next connection on, the relay tampers so; the current ones are cut, and `agent` saw it: its
+    next task opens a new connection."""
+    before = set(agent.call("open_connections", peer="hidden")["ids"])
     rogue.call("set_tamper", port=relayed["port"], tamper=tamper, **cfg)
     rogue.call("cut_all", port=relayed["port"])
-    time.sleep(0.5)  # the submitter has seen the cut: its next task opens a new connection
+    wait_until(lambda: not before & set(agent.call("open_connections", peer="hidden")["ids"]), 10)
 
 
 def test_a_relay_behind_a_rogue_advert_forwards_only_what_it_cannot_read_or_change(lan, rogue, relayed,
@@ -346,8 +356,8 @@ def test_a_relay_behind_a_rogue_advert_forwards_only_what_it_cannot_read_or_chan
     outcomes = []
 
     def attempt(tamper: str, fn: str, args: list) -> dict:
-        tampering(rogue, relayed, tamper)
-        out = agent.call("run", fn=fn, args=args, peer="hidden", timeout=20)
+        tampering(rogue, relayed, agent, tamper)
+        out = agent.call("run", fn=fn, args=args, peer="hidden", timeout=RELAYED_BOUND)
         outcomes.append((tamper, out))
         return out
 
@@ -370,8 +380,7 @@ def test_a_relay_behind_a_rogue_advert_forwards_only_what_it_cannot_read_or_chan
     assert out["ok"] and out["value"] == secret, out
     connections = rogue.call("endpoint", port=relayed["port"])["connections"]
 
-    for tamper, out in outcomes:
-        assert out["elapsed"] < 10.0, (tamper, out)
+    for tamper, out in outcomes:  # a task that hung would have ended in "Timeout"
         assert out["ok"] or "hidden" in out["message"], (tamper, out)  # a clear error: which peer, and why
     assert not (folder / "peer-unpickled").exists(), "the peer unpickled (ran) the relay's SUBMIT"
     assert not (folder / "submitter-unpickled").exists(), "the submitter unpickled the relay's RESULT"
@@ -388,7 +397,8 @@ def test_a_relay_behind_a_rogue_advert_forwards_only_what_it_cannot_read_or_chan
     refusals = hidden.log().count("failed authentication")
     assert refusals >= 3, hidden.log()[-3000:]  # the injected, replayed and flipped records, each refused
     reliability.record("relay_behind_rogue_advert", relayed_connections=len(connections),
-                       outcomes=[[t, o["ok"], o.get("error"), (o.get("message") or "")[:160]] for t, o in outcomes],
+                       outcomes=[[t, o["ok"], o.get("error"), (o.get("message") or "")[:160], round(o["elapsed"], 3)]
+                                 for t, o in outcomes],
                        peer_refusals=refusals, attacker_code_run=False, attacker_data_unpickled=False,
                        argument_seen_by_relay=False, runs_of_replayed_submit=len(marked),
                        faults_injected={"injected_submit": 1, "replaced_result": 1, "replayed_record": 1,
@@ -406,11 +416,11 @@ def test_a_task_submitted_as_its_connection_closes_still_completes(lan, rogue, r
     rounds = {}
     try:
         for delay in RACE_DELAYS:
-            tampering(rogue, relayed, "inject_submit_fast", fast_delay=delay)
+            tampering(rogue, relayed, agent, "inject_submit_fast", fast_delay=delay)
             rounds[delay] = agent.call("submit_many", fn="echo", args=[1], peer="hidden", count=RACE_ATTEMPTS,
                                        pause=0.05, wait=5.0, reply_timeout=120)
     finally:
-        tampering(rogue, relayed, "forward")
+        tampering(rogue, relayed, agent, "forward")
     reliability.record("task_submitted_on_a_closing_connection", attempts=RACE_ATTEMPTS * len(RACE_DELAYS),
                        rounds={str(d): {k: v for k, v in out.items() if k != "t"} for d, out in rounds.items()},
                        never_completed=sum(out["pending"] for out in rounds.values()))
@@ -422,11 +432,11 @@ def test_a_record_that_arrives_with_auth_ok_is_opened_as_a_record(lan, rogue, re
     """TCP is a byte stream: AUTH_OK and the peer's first record may come in one segment (here the
     relay makes them: the peer's refusal of its injected SUBMIT, right behind AUTH_OK)."""
     agent = relayed_submitter(lan, relayed, "coalesced")
-    tampering(rogue, relayed, "inject_submit_coalesced")
+    tampering(rogue, relayed, agent, "inject_submit_coalesced")
     try:
         out = agent.call("run", fn="echo", args=[1], peer="hidden", timeout=20)
     finally:
-        tampering(rogue, relayed, "forward")
+        tampering(rogue, relayed, agent, "forward")
     reliability.record("record_in_the_segment_of_auth_ok", error=out.get("error"),
                        message=(out.get("message") or "")[:300])
     assert not (relayed["folder"] / "peer-unpickled").exists()

@@ -37,33 +37,31 @@ def test_a_late_peer_shows_up_and_a_cleanly_stopped_one_disappears(lan, reliabil
     assert agent.call("wait_names", present=lan.names, timeout=10)["ok"]
     launched = time.time()
     late = lan.start_peer("late", wait=False)
-    agent.send("wait_names", present=["late"], timeout=60)
     late.wait_ready()
-    seen = agent.reply(70)
+    # the peer announces itself before it writes its ready file, so the submitter lists it by then or just
+    # after: it did 0.45 s before the ready file, 1.6 s after the launch (bench/results/reliability.json,
+    # discovery_join_leave); APPEAR_BOUND, the wait's timeout, is an order of magnitude above
+    seen = agent.call("wait_names", present=["late"], timeout=APPEAR_BOUND)
     assert seen["ok"], seen["records"]
-    # from the peer's launch (it probes its interpreter, starts workers, listens, then announces),
-    # and from its ready file (written just after the announcement: so about zero, or even less)
     after_launch = seen["wall"] - launched
     after_ready = seen["wall"] - late.ready_file.stat().st_mtime
-    assert after_ready < APPEAR_BOUND
     ran = agent.call("run", fn="where", peer="late")
     assert ran["ok"] and ran["value"] == "late", ran
 
-    agent.send("wait_names", absent=["late"], timeout=30)
-    time.sleep(0.3)  # the agent is waiting now
-    stop_at = time.time()
     assert late.stop() == 0
-    gone = agent.reply(40)
+    # SIGTERM -> goodbye -> removed from the submitter's directory: 0.005 s after the stop
+    # (bench/results/reliability.json, discovery_join_leave); without a goodbye zeroconf would list it
+    # for about 19 minutes, far past DISAPPEAR_BOUND, the wait's timeout
+    gone = agent.call("wait_names", absent=["late"], timeout=DISAPPEAR_BOUND)
     assert gone["ok"], gone["records"]
-    disappeared = gone["wall"] - stop_at  # SIGTERM -> goodbye -> removed from the submitter's directory
-    assert disappeared < DISAPPEAR_BOUND
     out = agent.call("map", fn="where", items=list(range(30)), reply_timeout=180)
     assert out["ok"] and set(out["results"]) <= set(lan.names), out  # nothing is sent to the departed peer
     reliability.record("discovery_join_leave", appeared_after_launch_s=round(after_launch, 3),
                        appeared_after_ready_file_s=round(after_ready, 4),
                        note="launch includes the peer's ~2 s interpreter probe; the ready file is written after "
-                            "zeroconf's announcements, so the submitter lists the peer before it (negative)",
-                       disappeared_s=round(disappeared, 4), bound_s=APPEAR_BOUND,
+                            "zeroconf's announcements, so the submitter lists the peer before it (negative); "
+                            "disappeared_s counts from the end of the peer's clean stop",
+                       disappeared_s=round(gone["elapsed"], 4), bound_s=APPEAR_BOUND,
                        faults_injected={"clean_stop": 1})
 
 

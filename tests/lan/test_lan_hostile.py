@@ -14,7 +14,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import tracemalloc
 
 import msgpack
@@ -22,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from lanlab import HERE, BackgroundSampler, lan_env
-from support import built_or_refused, new_key
+from support import built_or_refused, new_key, wait_until
 
 from gpulayer import security, wire
 from gpulayer.errors import GPULayerError, ProtocolError
@@ -32,6 +31,7 @@ LAN_PEERS = 1
 LAN_CONCURRENCY = 2
 LAN_PEER_ENV = {"GPULAYER_MAX_MESSAGE_MB": "8"}
 ATTACK_SECONDS = 30.0
+FD_SLACK = 8  # descriptors the peer may hold beyond those it had before the attack
 RSS_GROWTH_BOUND = 128 << 20  # 256 pending handshakes with their buffers, and slack
 HEADER = struct.Struct(">I")
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -266,8 +266,10 @@ def attacked(lan, reliability, tmp_path_factory):
     assert proc.returncode == 0, log.read_text()[-3000:]
     report = json.loads(out.decode().strip().splitlines()[-1])
 
-    # afterwards: every hostile connection is closed again, and the peer still does honest work
-    time.sleep(1.0)
+    # afterwards: every hostile connection is closed again (a refused one lingers 1 s at most: Peer.refuse's
+    # close_gracefully), and the peer still does honest work
+    if target.alive():
+        wait_until(lambda: watch.proc.num_fds() <= watch.base_fds + FD_SLACK, 30)
     fds_after = watch.proc.num_fds() if target.alive() else None
     rss_after = watch.proc.memory_info().rss if target.alive() else None
     after = honest.call("run", fn="echo", args=[2])
@@ -300,7 +302,7 @@ def test_a_live_peer_under_attack_never_crashes_never_unpickles_and_keeps_servin
     assert not served["failures"], served["failures"][:10]
     assert served["ok"] >= 100, served
     assert attacked["after"]["ok"] and attacked["after"]["value"] == 2, attacked["after"]
-    assert attacked["fds_after"] <= watch.base_fds + 8, (watch.base_fds, attacked["fds_after"])  # nothing leaks
+    assert attacked["fds_after"] <= watch.base_fds + FD_SLACK, (watch.base_fds, attacked["fds_after"])  # no leak
 
 
 def test_a_live_peer_under_attack_keeps_its_memory_bounded(attacked):
