@@ -320,6 +320,7 @@ def max_message_bytes() -> int:
 
 FRAME_MAX = (1 << 32) - 1  # the most bytes a frame's 4-byte length can say
 ENVELOPE_ROOM = 1 << 16  # what a message's map may add to its payload (type, id, options, the peer's load)
+SMALLEST_MESSAGE_LIMIT = 1 << 20  # GPULAYER_MAX_MESSAGE_MB is a whole number of MiB, at least 1
 
 
 def frame_header(length: int) -> bytes:
@@ -332,7 +333,10 @@ def frame_header(length: int) -> bytes:
 def check_size(what: str, frames: list[int]) -> None:
     """ValueError, before anything is sent, for a message whose payload (its pickle, then its buffers:
     `frames`, in bytes) the wire would refuse: over GPULAYER_MAX_MESSAGE_MB in all, or a frame over 4 GiB."""
-    limit, total = max_message_bytes(), sum(frames)
+    total = sum(frames)
+    if total + ENVELOPE_ROOM <= SMALLEST_MESSAGE_LIMIT:  # fits any limit that can be set: no look at the env
+        return
+    limit = max_message_bytes()
     if total + ENVELOPE_ROOM > limit:
         raise ValueError(f"{what} take {total / 2**20:.1f} MiB, over the {limit >> 20} MiB message limit "
                          "(GPULAYER_MAX_MESSAGE_MB, on the submitter and its peers)")

@@ -112,9 +112,9 @@ def _explain_missing_file(exc: BaseException) -> None:
     filename = getattr(exc, "filename", None)
     if isinstance(exc, FileNotFoundError) and isinstance(filename, str) and not os.path.isabs(filename) \
             and hasattr(exc, "add_note"):
-        exc.add_note(f"gpulayer: the task looked for {filename!r} in its own folder on the peer ({taskenv.working_folder()}). Files do "
-                     "not travel with a function: pass the data as an argument, or use a path that exists on the "
-                     "peer (see docs/scheduling.md, \"A task's folder\")")
+        exc.add_note(f"gpulayer: the task looked for {filename!r} in its own folder on the peer "
+                     f"({taskenv.working_folder()}). Files do not travel with a function: pass the data as an "
+                     "argument, or use a path that exists on the peer (see docs/scheduling.md, \"A task's folder\")")
 
 
 def run_call(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
