@@ -15,7 +15,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import shm, wire
+from ..protocol import messages
+from ..transport import shm
 from ..errors import GPULayerError, PeerLost, WorkerDied
 from ..resources.model import Advert
 from ..taskenv import read_at_load
@@ -77,7 +78,7 @@ class Leases:
     def _open(self, main: PeerConnection, req: Requirements) -> None:
         try:
             lease = PeerConnection(LeaseListener(self), main.addresses, self.client.key, self.client.client_id,
-                                   wire.lease(0, req.to_wire(), self.client.heartbeat))
+                                   messages.lease(0, req.to_wire(), self.client.heartbeat))
         except (OSError, GPULayerError) as exc:  # no free worker, an older peer, gone: through the peer
             log.debug("no lease from peer %s: %s", main.name, exc)
             return
@@ -98,7 +99,7 @@ class Leases:
         main = self.client.pooled(lease.peer_id)
         if main is not None and lease.lease_id is not None:
             try:
-                main.send({**wire.cancel(task_id), "lease": lease.lease_id})
+                main.send({**messages.cancel(task_id), "lease": lease.lease_id})
             except OSError:
                 pass
 

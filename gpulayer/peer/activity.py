@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from ..wire import RESULT
+from ..protocol.messages import RESULT
 
 FINISHED_KEEP = 300  # finished tasks kept
 REFUSALS_KEEP = 50  # refusals kept

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from gpulayer import shm
+from gpulayer.transport import shm
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
 from support import new_key
