@@ -19,7 +19,6 @@ from ..protocol import messages
 from ..transport import shm
 from ..errors import GPULayerError, PeerLost, WorkerDied
 from ..resources.model import Advert
-from ..taskenv import read_at_load
 from .connection import PeerConnection
 from .tasks import SubmittedTask
 
@@ -180,10 +179,8 @@ def _fits(req: Requirements, lease: Requirements) -> bool:
 
 
 def _leasable(task: SubmittedTask) -> bool:
-    """Whether a lease may run the task: a plain task of one device that holds nothing on the peer,
-    takes no held result, has small buffers (big ones go by shared memory through the peer) and no
-    variable that needs a fresh worker."""
-    return type(task) is SubmittedTask and task.keep is None and task.req.devices == 1 \
-        and not any(f.held is not None for f in task.deps) \
+    """Whether a lease may run the task: a plain task of one device with small buffers (big ones go by
+    shared memory through the peer) whose SUBMIT the leased worker would not refuse (`lease_refusal`)."""
+    return type(task) is SubmittedTask and task.req.devices == 1 \
         and sum(memoryview(b).nbytes for b in task.buffers or ()) < shm.SHM_MIN \
-        and not any(read_at_load(name) for name in task.env)
+        and messages.lease_refusal({"keep": task.keep, "refs": task.held_args(), "env": task.env}) is None

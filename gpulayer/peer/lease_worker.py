@@ -32,8 +32,7 @@ from .. import lending
 from ..protocol import messages
 from ..transport import blocking
 from ..errors import ProtocolError
-from ..checks import check_timeout
-from ..taskenv import check_env, read_at_load, task_environment
+from ..taskenv import task_environment
 from .actor_worker import Stream, output_to, route_output, take_connection
 from .running import FunctionCache, flush_output, run_task
 
@@ -119,7 +118,7 @@ class Lease:
         """Run one SUBMIT and answer it, or refuse it with an answer; False when the lease ends before it
         (it did not start, and is not answered: LEASE_END tells the submitter so)."""
         task_id = msg.get("id")
-        problem = check_leased_submit(msg)
+        problem = messages.check_submit(msg, leased=True)
         if problem is not None:
             self.stream.send(messages.error("bad-request", problem, task_id if isinstance(task_id, int) else None))
             return True
@@ -348,25 +347,6 @@ def _write_all(fd: int, data: bytes) -> None:
             data = data[os.write(fd, data):]
     except OSError:
         pass
-
-
-def check_leased_submit(msg: dict) -> str | None:
-    """What keeps a SUBMIT from running on a lease, or None. Held results and big buffers go through
-    the peer (its shared memory and its fetches), and so do variables that need a fresh worker."""
-    if not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool) or msg["id"] < 1:
-        return "a SUBMIT needs a positive integer 'id'"
-    if not isinstance(msg.get("fn"), bytes) or not isinstance(msg.get("args"), bytes):
-        return "a SUBMIT needs 'fn' and 'args' as binary pickles"
-    if msg.get("keep") is not None or msg.get("refs"):
-        return "a task that keeps its result or takes held ones goes through the peer, not on a lease"
-    try:
-        check_timeout(msg.get("timeout"))
-        env = check_env(msg.get("env"))
-    except (TypeError, ValueError) as exc:
-        return str(exc)
-    if any(read_at_load(name) for name in env):
-        return "a task whose env needs a fresh worker goes through the peer, not on a lease"
-    return None
 
 
 def serve_lease(link: blocking.BlockingConnection, msg: dict, functions: FunctionCache) -> bool:

@@ -28,7 +28,6 @@ from ..protocol import framing, handshake, messages
 from ..transport import shm, sockets
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..matching import Requirements, match, missing_software
-from ..checks import check_concurrency, check_timeout
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
 from .actors import Actor, grace_from_env
@@ -451,7 +450,7 @@ class Peer:
         A task that asks for software the job interpreter lacked waits for a new probe, when one is
         due (`_admit_after_probe`); `probed` says that it did."""
         task_id = msg.get("id")
-        problem = _check_submit(msg) if msg["t"] == messages.SUBMIT else _check_actor(msg)
+        problem = messages.check_submit(msg) if msg["t"] == messages.SUBMIT else messages.check_actor(msg)
         if problem is None and (task_id in conn.tasks or task_id in conn.probing and not probed):
             problem = f"task id {task_id} is already in use on this connection"
         if problem is not None:
@@ -475,7 +474,7 @@ class Peer:
             return self._reject(conn, task_id, "busy", f"the queue is full ({self.config.max_queue} tasks)")
         if self.scheduler.actors_hold_all(req):
             return self._reject(conn, task_id, "busy", "actors hold the slots that fit")
-        keep = msg.get("keep") if msg["t"] == messages.SUBMIT else None  # checked by _check_submit; actors keep nothing
+        keep = msg.get("keep") if msg["t"] == messages.SUBMIT else None  # checked by check_submit; actors keep nothing
         if keep is not None and keep in self.held:
             return self._reject(conn, task_id, "bad-request", "the keep id names a result held already")
         task = ScheduledTask(conn, task_id, msg, buffers, req, msg.get("timeout"),
@@ -619,35 +618,6 @@ def request_id(msg: messages.Message) -> int:
     """The message's "id" when it is an int, else -1 (which names no task or call)."""
     value = msg.get("id")
     return value if isinstance(value, int) and not isinstance(value, bool) else -1
-
-
-def _check_submit(msg: messages.Message) -> str | None:
-    if not isinstance(msg.get("id"), int):
-        return "a SUBMIT needs an integer 'id'"
-    if not isinstance(msg.get("fn"), bytes) or not isinstance(msg.get("args"), bytes):
-        return "a SUBMIT needs 'fn' and 'args' as binary pickles"
-    try:
-        check_timeout(msg.get("timeout"))
-    except ValueError:
-        return f"bad timeout {msg.get('timeout')!r}: a positive, finite number of seconds or nil"
-    if "keep" in msg and (problem := messages.check_result_id(msg["keep"])) is not None:
-        return f"bad 'keep': {problem}"
-    return messages.check_refs(msg["refs"]) if "refs" in msg else None
-
-
-def _check_actor(msg: messages.Message) -> str | None:
-    if not isinstance(msg.get("id"), int):
-        return "an ACTOR needs an integer 'id'"
-    if not isinstance(msg.get("cls"), bytes) or not isinstance(msg.get("args"), bytes):
-        return "an ACTOR needs 'cls' and 'args' as binary pickles"
-    if not isinstance(msg.get("name"), str):
-        return "an ACTOR needs its class's 'name'"
-    try:
-        check_concurrency(msg.get("conc"))
-        check_timeout(msg.get("timeout"))
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 MEMORY_HEADROOM_MB = 512  # the default of GPULAYER_MEMORY_HEADROOM_MB

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from typing import Any, TypedDict, Union
 
 from .. import held
-from ..checks import check_timeout
+from ..checks import check_concurrency, check_timeout
+from ..taskenv import check_env, read_at_load
 
 PROTOCOL_VERSION = 2  # in every message ("v") and every advert ("ver"); bump on any incompatible change
 
@@ -173,13 +174,38 @@ def check_call(msg: Mapping[str, Any]) -> str | None:
     problem = check_method(msg.get("method"))
     if problem is None and not isinstance(msg.get("args"), bytes):
         problem = "a CALL needs 'args' as a binary pickle"
+    return problem or _timeout_problem(msg.get("timeout"))
+
+
+def _timeout_problem(value: Any) -> str | None:
+    """Why `value` is not a task's or call's "timeout" (check_timeout), or None."""
+    try:
+        check_timeout(value)
+    except ValueError:
+        return f"bad timeout {printable(repr(value), 60)}: a positive, finite number of seconds or nil"
+    return None
+
+
+def _id_problem(what: str, task_id: Any) -> str | None:
+    """Why `task_id` is not the "id" of `what` (a message that starts a task: a positive integer), or None."""
+    if not isinstance(task_id, int) or isinstance(task_id, bool) or task_id < 1:
+        return f"{what} needs a positive integer 'id'"
+    return None
+
+
+def check_actor(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with an ACTOR (the creation of an actor), or None."""
+    problem = _id_problem("an ACTOR", msg.get("id"))
+    if problem is None and (not isinstance(msg.get("cls"), bytes) or not isinstance(msg.get("args"), bytes)):
+        problem = "an ACTOR needs 'cls' and 'args' as binary pickles"
+    if problem is None and not isinstance(msg.get("name"), str):
+        problem = "an ACTOR needs its class's 'name'"
     if problem is None:
         try:
-            check_timeout(msg.get("timeout"))
-        except ValueError:
-            problem = (f"bad timeout {printable(repr(msg.get('timeout')), 60)}: "
-                       "a positive, finite number of seconds or nil")
-    return problem
+            check_concurrency(msg.get("conc"))
+        except ValueError as exc:
+            problem = str(exc)
+    return problem or _timeout_problem(msg.get("timeout"))
 
 
 MAX_REFS = 256  # held results one task may take as arguments
@@ -217,6 +243,38 @@ def check_refs(value: Any) -> str | None:
         if not isinstance(entry.get("peer"), str) or not isinstance(at, list) \
                 or not 0 < len(at) <= MAX_REF_ADDRESSES or not all(_address(a) for a in at):
             return f"a held result's 'peer' is its peer id and 'at' 1 to {MAX_REF_ADDRESSES} [host, port] pairs"
+    return None
+
+
+def check_submit(msg: Mapping[str, Any], leased: bool = False) -> str | None:
+    """What is wrong with a SUBMIT, or None: the peer asks it at admission, a leased worker (`leased`) before
+    it runs the task; then it must also be one that a lease runs (`lease_refusal`). The scheduler checks
+    `env` of what goes through the peer (an ACTOR's too)."""
+    problem = _id_problem("a SUBMIT", msg.get("id"))
+    if problem is None and (not isinstance(msg.get("fn"), bytes) or not isinstance(msg.get("args"), bytes)):
+        problem = "a SUBMIT needs 'fn' and 'args' as binary pickles"
+    problem = problem or _timeout_problem(msg.get("timeout"))
+    if problem is None and "keep" in msg and (problem := check_result_id(msg["keep"])) is not None:
+        problem = f"bad 'keep': {problem}"
+    if problem is None and "refs" in msg:
+        problem = check_refs(msg["refs"])
+    if problem is None and leased:
+        problem = lease_refusal(msg)
+    return problem
+
+
+def lease_refusal(msg: Mapping[str, Any]) -> str | None:
+    """Why a SUBMIT goes through the peer rather than on a lease (ADR 0013), or None: a task that keeps its
+    result or takes held ones (the peer holds and fetches them), or whose `env` needs a fresh worker. The
+    leased worker refuses such a SUBMIT with it; the submitter asks it before it sends a task there."""
+    if msg.get("keep") is not None or msg.get("refs"):
+        return "a task that keeps its result or takes held ones goes through the peer, not on a lease"
+    try:
+        env = check_env(msg.get("env"))
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if any(read_at_load(name) for name in env):
+        return "a task whose env needs a fresh worker goes through the peer, not on a lease"
     return None
 
 
