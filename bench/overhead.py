@@ -32,12 +32,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from gpulayer.protocol.framing import receive_buffer
 
 import cloudpickle
 import msgpack
 import numpy as np
 
-from gpulayer.protocol.framing import receive_buffer
 
 HEADER = struct.Struct(">I")
 RESULTS = Path(__file__).resolve().parent / "results"

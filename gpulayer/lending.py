@@ -13,8 +13,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
-
 from .protocol import messages
+
 
 
 class Lender:

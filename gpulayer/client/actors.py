@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import serialization
-from ..protocol import messages
-from ..transport import shm
 from ..checks import check_timeout
 from ..errors import ActorDied, GPULayerError, PeerLost, ProtocolError
 from ..matching import Requirements
+from ..protocol import messages
 from ..resources.model import Advert
+from ..transport import shm
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection
 from .tasks import SubmittedTask, TaskFuture

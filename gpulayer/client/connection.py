@@ -16,11 +16,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..protocol import framing, handshake, messages
-from ..transport import blocking, shm, sockets
 from ..errors import GPULayerError, PeerLost, ProtocolError
+from ..protocol import framing, handshake, messages
 from ..resources.model import Advert
 from ..resources.utilisation import MAX_GB, finite
+from ..transport import blocking, shm, sockets
 
 CONNECT_TIMEOUT = 2.0
 OUTBOX_MAX = 1 << 18  # bytes of SUBMITs that a lease keeps back for one write at most

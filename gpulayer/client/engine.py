@@ -21,11 +21,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from .. import discovery, held, lending, remote_exceptions, serialization
-from ..protocol import framing, messages
 from ..checks import check_timeout
 from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match, missing_software
+from ..protocol import framing, messages
 from ..task_options import check_keep, check_retries
 from ..progress import MapProgressBar
 from ..resources.model import Advert

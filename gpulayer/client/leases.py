@@ -15,10 +15,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import messages
-from ..transport import shm
 from ..errors import GPULayerError, PeerLost, WorkerDied
+from ..protocol import messages
 from ..resources.model import Advert
+from ..transport import shm
 from .connection import PeerConnection
 from .tasks import SubmittedTask
 

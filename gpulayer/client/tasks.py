@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import held, lending, serialization
-from ..protocol import messages
 from ..errors import GPULayerError, PeerLost, WaitCycle
 from ..matching import Requirements
+from ..protocol import messages
 from .connection import PeerConnection, send_quietly
 
 if TYPE_CHECKING:

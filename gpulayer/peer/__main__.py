@@ -10,8 +10,8 @@ import os
 import sys
 
 from .. import security
-from ..protocol import framing
 from ..errors import GPULayerError
+from ..protocol import framing
 from ..resources import detect, override
 from ..taskenv import SLOT_ENV_PREFIX
 from .server import PeerConfig, run_peer

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import lending, serialization
+from ..errors import ProtocolError
 from ..protocol import framing, messages
 from ..transport import blocking, shm
-from ..errors import ProtocolError
 from .running import flush_output, invoke, run_call
 
 _output = threading.local()  # .sink: where the current thread's stdout and stderr go, while it runs a direct call

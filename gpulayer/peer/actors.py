@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..protocol import messages
 from ..errors import ConfigError
 from ..checks import check_timeout
+from ..protocol import messages
 from .workers import Slot, Worker
 
 log = logging.getLogger("gpulayer.peer")

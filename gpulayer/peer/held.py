@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ConfigError, GPULayerError, ProtocolError
 from ..protocol import framing, handshake, messages
 from ..transport import blocking, sockets
-from ..errors import ConfigError, GPULayerError, ProtocolError
 from .actors import DEFAULT_GRACE
 
 log = logging.getLogger("gpulayer.peer")

@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable, Iterator
 
 from .. import lending
-from ..protocol import messages
-from ..transport import blocking
 from ..errors import ProtocolError
+from ..protocol import messages
 from ..taskenv import task_environment
+from ..transport import blocking
 from .actor_worker import Stream, output_to, route_output, take_connection
 from .running import FunctionCache, flush_output, run_task
 

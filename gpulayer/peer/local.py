@@ -17,9 +17,9 @@ import os
 import socket
 from typing import Protocol
 
+from .quiet import QuietLog
 from ..protocol import messages
 from ..transport import shm
-from .quiet import QuietLog
 
 PENDING_MAX = 64  # links accepted and waiting for their token; the oldest goes first
 TOKEN_TIMEOUT = 2.0  # seconds a link may take to present its token

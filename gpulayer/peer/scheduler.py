@@ -22,10 +22,10 @@ from itertools import islice
 from typing import Any, Protocol
 
 from .. import accelerators
-from ..protocol import messages
 from .activity import Activity
 from ..errors import WorkerDied
 from ..matching import MEMORY_SLACK_GB, Requirements
+from ..protocol import messages
 from ..resources.model import Resources
 from ..resources.utilisation import Sample
 from .actors import Actor, Actors, CallOwner, grace_from_env, new_actor_id

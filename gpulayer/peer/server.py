@@ -24,14 +24,14 @@ from typing import Any
 import psutil
 
 from .. import discovery, security
-from ..protocol import framing, handshake, messages
-from ..transport import shm, sockets
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..matching import Requirements, match, missing_software
+from ..protocol import framing, handshake, messages
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
-from .actors import Actor, grace_from_env
+from ..transport import shm, sockets
 from ..transport.channel import AsyncChannel
+from .actors import Actor, grace_from_env
 from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe

@@ -17,10 +17,10 @@ from typing import Any
 
 import psutil
 
-from ..protocol import framing, messages
-from ..transport import shm
 from ..errors import ProtocolError, WorkerDied
+from ..protocol import framing, messages
 from ..security import KEY_ENV
+from ..transport import shm
 from ..transport.channel import AsyncChannel
 
 log = logging.getLogger("gpulayer.peer")

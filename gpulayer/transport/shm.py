@@ -42,8 +42,8 @@ import threading
 import time
 import weakref
 from typing import Any, Iterable
-
 from ..protocol.framing import MAX_BUFFERS
+
 
 SHM_MIN = 1 << 20  # buffers this big travel by descriptor over a local link
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")

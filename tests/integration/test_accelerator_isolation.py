@@ -14,11 +14,11 @@ import pytest
 
 import gpulayer as gl
 from gpulayer import serialization
-from gpulayer.protocol import framing, handshake, messages
-from gpulayer.transport import blocking
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages
 from gpulayer.torch import AcceleratorUnavailable
+from gpulayer.transport import blocking
 from support import new_key, write_override
 
 TORCH_MPS = [{"name": "torch", "version": "2.5.1", "capabilities": ["torch.cpu", "torch.mps"]},

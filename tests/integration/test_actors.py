@@ -22,11 +22,11 @@ import pytest
 
 import gpulayer as gl
 from gpulayer import serialization
-from gpulayer.protocol import handshake, messages
-from gpulayer.transport import blocking, shm
 from gpulayer.client.engine import DOWN_BACKOFF
 from gpulayer.errors import TaskRejected, TaskTimeout
 from gpulayer.peer_table import format_peers
+from gpulayer.protocol import handshake, messages
+from gpulayer.transport import blocking, shm
 from support import key_config, wait_until, write_override
 
 GRACE = "1"  # GPULAYER_ACTOR_GRACE of the peers here: seconds an actor outlives its submitter

@@ -24,11 +24,11 @@ import psutil
 import pytest
 
 from gpulayer import serialization
-from gpulayer.protocol import framing, handshake, messages, records
-from gpulayer.transport import blocking, shm
 from gpulayer.client import Client
 from gpulayer.errors import GPULayerError
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages, records
+from gpulayer.transport import blocking, shm
 from support import new_key, wait_until
 
 ANY = Requirements.build()

@@ -14,13 +14,13 @@ import pytest
 
 import gpulayer as gl
 from gpulayer import held, serialization
-from gpulayer.protocol import handshake, messages
-from gpulayer.transport import blocking
 from gpulayer.client import Client
 from gpulayer.dashboard.status import clean_status
 from gpulayer.errors import AuthError, PeerLost, TaskRejected
 from gpulayer.matching import Requirements
 from gpulayer.peer_table import format_peers
+from gpulayer.protocol import handshake, messages
+from gpulayer.transport import blocking
 from support import new_key, wait_until
 
 MIB = 1 << 20

@@ -12,12 +12,12 @@ import msgpack
 import pytest
 
 from gpulayer import serialization
-from gpulayer.protocol import framing, handshake, messages
-from gpulayer.transport import blocking
 from gpulayer.client import Client, PeerConnection
 from gpulayer.errors import AuthError, NoMatchingPeer, ProtocolError
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages
 from gpulayer.resources.model import PROTOCOL_VERSION
+from gpulayer.transport import blocking
 from support import new_key, solo_peer, wait_until
 
 ANY = Requirements.build()

@@ -22,10 +22,10 @@ import pytest
 
 import gpulayer as gl
 from gpulayer import serialization
-from gpulayer.protocol import framing, handshake, messages
-from gpulayer.transport import blocking
 from gpulayer.client.inference import with_inferred
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages
+from gpulayer.transport import blocking
 
 HERE = "%d.%d" % sys.version_info[:2]
 OTHER_MINORS = [minor for minor in ("3.12", "3.9") if minor != HERE]

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from gpulayer import serialization
-from gpulayer.protocol import messages
 from gpulayer.client import Client
 from gpulayer.client.leases import SHORT_TASK_S
 from gpulayer.errors import PeerLost, WorkerDied
 from gpulayer.matching import Requirements
+from gpulayer.protocol import messages
 from support import authenticated, new_key, paced, wait_until, write_override
 from test_secure_channel import Pipe, Proxy, runs
 

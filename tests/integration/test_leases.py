@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from gpulayer import serialization
-from gpulayer.protocol import messages
 from gpulayer.client import Client
 from gpulayer.errors import TaskTimeout, WorkerDied
+from gpulayer.protocol import messages
 from support import authenticated, solo_peer, wait_until
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import gpulayer as gl
-from gpulayer.protocol import messages
 from support import key_config, wait_until, write_override
+from gpulayer.protocol import messages
 
 BOUND_S = 90  # every wait here is bounded: today's main hangs on all of these
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from gpulayer import serialization
-from gpulayer.protocol import messages
 from gpulayer.client import Client
 from gpulayer.errors import NoMatchingPeer
 from gpulayer.matching import Requirements
 from gpulayer.peer.reprobe import REPROBE_GAP_S
+from gpulayer.protocol import messages
 from support import authenticated, job_venv, new_key
 
 PROBING = "probing the job interpreter"  # the peer's log line for each new probe

@@ -9,11 +9,11 @@ import os
 import numpy as np
 import pytest
 
-from gpulayer.protocol import messages
-from gpulayer.transport import shm
 from gpulayer.client import Client
 from gpulayer.errors import TaskRejected
 from gpulayer.matching import Requirements
+from gpulayer.protocol import messages
+from gpulayer.transport import shm
 from support import new_key, wait_until
 
 CPU = Requirements.build(accelerator="cpu")

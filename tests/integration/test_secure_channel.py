@@ -27,11 +27,11 @@ import msgpack
 import pytest
 
 from gpulayer import security, serialization
-from gpulayer.protocol import framing, handshake, messages, records
-from gpulayer.transport import blocking
 from gpulayer.client import Client
 from gpulayer.errors import GPULayerError, NoMatchingPeer, PeerLost, ProtocolError
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages, records
+from gpulayer.transport import blocking
 from support import holds_for, new_key, wait_until
 
 ANY = Requirements.build()

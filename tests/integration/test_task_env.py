@@ -17,10 +17,10 @@ import pytest
 
 import gpulayer as gl
 from gpulayer import serialization
-from gpulayer.protocol import handshake, messages
-from gpulayer.transport import blocking
 from gpulayer.errors import TaskTimeout
 from gpulayer.matching import Requirements
+from gpulayer.protocol import handshake, messages
+from gpulayer.transport import blocking
 from support import solo_peer, write_override
 
 TORCH_MPS = [{"name": "torch", "version": "2.13.0", "capabilities": ["torch.cpu", "torch.mps"]}]

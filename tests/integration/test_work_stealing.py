@@ -11,9 +11,9 @@ import time
 import pytest
 
 from gpulayer import serialization
-from gpulayer.protocol import messages
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
+from gpulayer.protocol import messages
 from support import authenticated, new_key, wait_until
 
 SLOWDOWN = "STEAL_SLOWDOWN"  # read by `nap`: how many times slower this peer's tasks run

@@ -38,8 +38,8 @@ from collections import Counter, defaultdict
 import msgpack
 
 from gpulayer import security
-from gpulayer.protocol import framing, handshake, messages, records
 from gpulayer.errors import ProtocolError
+from gpulayer.protocol import framing, handshake, messages, records
 from gpulayer.resources.model import PROTOCOL_VERSION
 
 HEADER = struct.Struct(">I")

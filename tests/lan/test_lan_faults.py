@@ -15,8 +15,8 @@ from pathlib import Path
 
 from lanlab import runs
 from support import wait_until
-
 from gpulayer.transport import sockets
+
 
 LAN_PEERS = 3
 HEARTBEAT = 1.0

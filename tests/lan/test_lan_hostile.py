@@ -24,10 +24,10 @@ from lanlab import HERE, BackgroundSampler, lan_env
 from support import built_or_refused, new_key, wait_until
 
 from gpulayer import security
-from gpulayer.protocol import framing, handshake, messages
-from gpulayer.transport import blocking
 from gpulayer.errors import GPULayerError, ProtocolError
+from gpulayer.protocol import framing, handshake, messages
 from gpulayer.resources.model import PROTOCOL_VERSION
+from gpulayer.transport import blocking
 
 LAN_PEERS = 1
 LAN_CONCURRENCY = 2

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpulayer import security
+from gpulayer.errors import ProtocolError
 from gpulayer.protocol import framing, records
 from gpulayer.protocol.messages import RESULT
-from gpulayer.errors import ProtocolError
 from gpulayer.protocol.records import ChannelError, Opener, Sealer
 
 CLUSTER_KEY = b"0123456789abcdef" * 4

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpulayer import security
-from gpulayer.protocol import framing, handshake, messages
-from gpulayer.transport import blocking
 from gpulayer.errors import AuthError, FrameTooLarge, GPULayerError, ProtocolError, VersionMismatch
+from gpulayer.protocol import framing, handshake, messages
 from gpulayer.resources.model import PROTOCOL_VERSION
+from gpulayer.transport import blocking
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux: no swap or memory reserved for it
 
