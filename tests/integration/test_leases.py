@@ -238,6 +238,45 @@ def test_hostile_input_on_a_leased_connection_gets_clear_errors(solo):
     finally:
         conn.close()
     wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)  # the worker serves its peer again
+
+
+def _answer(conn) -> dict:
+    """The next answer on a raw connection, past the peer's offer of a local link."""
+    for _ in range(8):
+        msg = conn.recv(time.monotonic() + 10)[0]
+        if msg["t"] != messages.LOCAL:
+            return msg
+    raise AssertionError("no answer among 8 messages")
+
+
+def test_the_peer_and_a_leased_worker_refuse_a_bad_submit_for_the_same_reason(solo):
+    """One check of SUBMIT on both paths: the same malformed task gets the same reason from the peer
+    (a REJECT) and from a leased worker (an ERROR), a task id that is not a positive integer included."""
+    peer, client = solo
+    fn, args = serialization.dumps(abs)[0], serialization.dumps(((-3,), {}))[0]
+    bad = [{**messages.submit(1, fn, args, {}, None, "abs"), "id": task_id} for task_id in (0, -4, True)] + [
+        {**messages.submit(2, fn, args, {}, None, "abs"), "fn": "text"},
+        messages.submit(3, fn, args, {}, float("nan"), "abs"),
+        {**messages.submit(4, fn, args, {}, None, "abs"), "keep": "abc"},
+        {**messages.submit(5, fn, args, {}, None, "abs"), "refs": "nope"}]
+    through_peer = authenticated(peer, "peerpath1234")
+    wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)
+    on_lease = authenticated(peer, "leasepath123")
+    try:
+        on_lease.send(messages.lease(1, _cpu().to_wire(), 1.0))
+        assert _answer(on_lease)["t"] == messages.LEASE
+        for msg in bad:
+            through_peer.send(dict(msg))
+            rejected = _answer(through_peer)
+            on_lease.send(dict(msg))
+            refused = _answer(on_lease)
+            assert (rejected["t"], rejected["code"], refused["t"], refused["code"]) == \
+                (messages.REJECT, "bad-request", messages.ERROR, "bad-request"), (msg, rejected, refused)
+            assert rejected["message"] == refused["message"], msg
+    finally:
+        through_peer.close()
+        on_lease.close()
+    wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)
     assert run(client, abs, -4).result(30) == 4
 
 
