@@ -2,7 +2,8 @@
 
 A message is a msgpack map {"t": type, "v": version, ...} (framing.py carries it); docs/wire.md has the
 full table. A builder makes the map a sender passes to its connection; a validator (`check_*`) says what
-is wrong with one that was read, or None: each message has one, used wherever that message is read.
+is wrong with one that was read, or None, and is the one check of that message wherever it is read
+(ADR 0015 names the messages still checked where they are handled).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ LOG, RESULT, ERROR, CANCEL = "log", "result", "error", "cancel"
 PING, PONG, STATUS, BYE = "ping", "pong", "status", "bye"
 ACTOR, CALL, CLOSE, ACTOR_END = "actor", "call", "close", "actor_end"  # actors (docs/actors.md)
 FETCH, RELEASE = "fetch", "release"  # held results (docs/data.md)
-LOCAL = "local"  # the peer's offer of a local link for shared memory (shm.py, ADR 0009)
+LOCAL = "local"  # the peer's offer of a local link for shared memory (transport/shm.py, ADR 0009)
 WITHDRAW = "withdraw"  # the submitter takes back a task still queued on the peer (ADR 0011)
 DIRECT = "direct"  # the submitter asks that this connection be handed to an actor's worker (ADR 0012)
 LEASE, LEASE_END = "lease", "lease_end"  # a warm worker lent to one submitter's connection (ADR 0013)
