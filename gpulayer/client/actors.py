@@ -88,7 +88,7 @@ class ActorCreation(SubmittedTask):
     def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None and self.spec is not None
         return messages.actor(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
-                          self.spec.concurrency, self.env), self.buffers or []
+                              self.spec.concurrency, self.env), self.buffers or []
 
     def result_from(self, msg: dict[str, Any], buffers: list[Any]) -> Any:
         problem = messages.check_actor_id(msg.get("actor"))

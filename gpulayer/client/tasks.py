@@ -195,7 +195,7 @@ class SubmittedTask:
     def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None
         return messages.submit(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
-                           self.env, self.keep, [where.ref() for where in self.held_args()]), \
+                               self.env, self.keep, [where.ref() for where in self.held_args()]), \
             self.buffers or []
 
     def held_args(self) -> list[HeldResult]:

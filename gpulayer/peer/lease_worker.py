@@ -107,8 +107,8 @@ class Lease:
                 elif kind == messages.BYE:
                     return "the submitter said bye"
                 else:
-                    self.stream.send(messages.error("protocol", f"unexpected message type {messages.printable(repr(kind), 40)} "
-                                                            "on a leased connection"))
+                    self.stream.send(messages.error(
+                        "protocol", f"unexpected message type {messages.printable(repr(kind), 40)} on a leased connection"))
                     return "the submitter sent an unexpected message"
                 del msg, buffers
         except (ConnectionError, OSError, ProtocolError) as exc:

@@ -133,7 +133,7 @@ def submit_with_descriptor(conn: blocking.BlockingConnection, fd: int, size: int
     """A SUBMIT whose one buffer is descriptor `fd`, sent on the connection's link: the peer's answer."""
     socket.send_fds(conn.link, [b"F\x00\x01"], [fd])
     msg = messages.submit(1, serialization.dumps(side_effect)[0], serialization.dumps(((str(marker),), {}))[0],
-                      {}, None, "pwn")
+                          {}, None, "pwn")
     msg["fds"] = [[0, size]]
     conn.send(msg)
     reply, _ = conn.recv(time.monotonic() + 10)
@@ -219,7 +219,7 @@ def test_a_descriptor_that_is_not_our_sealed_segment_is_refused_and_runs_nothing
 def test_descriptors_without_a_local_link_are_refused(peer, tmp_path):
     conn = authenticated(peer)
     msg = messages.submit(1, serialization.dumps(side_effect)[0],
-                      serialization.dumps(((str(tmp_path / "ran"),), {}))[0], {}, None, "pwn")
+                          serialization.dumps(((str(tmp_path / "ran"),), {}))[0], {}, None, "pwn")
     msg["fds"] = [[0, 4096]]
     conn.send(msg)
     reply, _ = conn.recv(time.monotonic() + 10)

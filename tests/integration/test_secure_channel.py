@@ -538,7 +538,7 @@ def rogue(variant: str, peer_marker: Path, submitter_marker: Path) -> Hook:
             return  # nothing of the peer's reaches the submitter, nor more of the submitter's the peer
         pipe.state["done"] = True
         submit = messages.submit(1, serialization.dumps(touch)[0], serialization.dumps(((str(peer_marker),), {}))[0],
-                             {}, None, "pwn")
+                                 {}, None, "pwn")
         result = {"t": messages.RESULT, "id": 1, "data": pickle.dumps(Bomb(str(submitter_marker)))}
         # the submitter's forgery goes first: once the peer refuses its own, the relay's pipe closes
         pipe.send("p2c", forged(pipe, result, "p2c"))

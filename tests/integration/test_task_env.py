@@ -129,7 +129,7 @@ def test_the_peer_refuses_a_bad_env_itself(mac):
     try:
         handshake.client_handshake(conn, mac.key, "test")
         msg = messages.submit(1, serialization.dumps(variable)[0], serialization.dumps(((TASK_VAR,), {}))[0],
-                          Requirements.build().to_wire(), None, "variable", {"GPULAYER_DEVICE_INDEX": "1"})
+                              Requirements.build().to_wire(), None, "variable", {"GPULAYER_DEVICE_INDEX": "1"})
         conn.send(msg)
         reply, _ = conn.recv()
     finally:

@@ -87,7 +87,7 @@ def test_tasks_queued_on_a_slow_peer_move_to_a_free_one_and_run_once(key, peers,
 
 def submit(conn, task_id: int, path, seconds: float) -> None:
     conn.send(messages.submit(task_id, serialization.dumps(nap)[0], serialization.dumps(((str(path), seconds), {}))[0],
-                          CPU.to_wire(), None, "nap"))
+                              CPU.to_wire(), None, "nap"))
 
 
 def next_message(conn, kinds: tuple[str, ...], timeout: float = 10.0) -> dict:

@@ -287,7 +287,8 @@ class Attacker:
     def submit_before_auth(self) -> None:
         sock = self.connect()
         self.hello(sock)
-        kind = self.rng.choice([messages.SUBMIT, messages.STATUS, messages.PING, messages.CANCEL, messages.RESULT, messages.BYE])
+        kind = self.rng.choice([messages.SUBMIT, messages.STATUS, messages.PING, messages.CANCEL, messages.RESULT,
+                                messages.BYE])
         sock.sendall(message(t=kind, id=self.rng.randint(0, 2 ** 31), fn=self.bomb, args=self.bomb, req={},
                              data=self.bomb))
         self.expect_refusal(f"{kind}_before_auth", sock, {"auth"})

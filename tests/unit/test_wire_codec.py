@@ -1,4 +1,5 @@
-"""Unit tests of gpulayer.protocol (framing, messages, handshake) and transport.blocking: the frame codec, its limits, and the HMAC handshake.
+"""Unit tests of gpulayer.protocol (framing, messages, handshake) and transport.blocking: the frame codec,
+its limits, and the HMAC handshake.
 
 No network: the codec is sans-IO and is fed from memory; the handshake runs over socket.socketpair().
 """
