@@ -28,9 +28,9 @@ from pathlib import Path
 import cryptography
 from cryptography.hazmat.backends.openssl.backend import backend as openssl_backend
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+
 from gpulayer.protocol import framing, messages, records
 from gpulayer.transport import blocking
-
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CIPHERS = {"aes-256-gcm": AESGCM, "chacha20-poly1305": ChaCha20Poly1305}

@@ -32,12 +32,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from gpulayer.protocol.framing import receive_buffer
 
 import cloudpickle
 import msgpack
 import numpy as np
 
+try:
+    from gpulayer.protocol.framing import receive_buffer
+except ImportError:  # bench/data_plane.py imports this file under its "before" tree, older than protocol/
+    from gpulayer.wire import receive_buffer  # type: ignore[no-redef]
 
 HEADER = struct.Struct(">I")
 RESULTS = Path(__file__).resolve().parent / "results"
