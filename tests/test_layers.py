@@ -16,7 +16,7 @@ PACKAGE = ROOT / "gpulayer"
 # Lowest first. A module imports only modules of its own layer or of a layer below; layer 4's sides
 # import only themselves (and the layers below). A module is placed by its longest listed prefix.
 LAYERS: list[dict[str, set[str]]] = [
-    {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
+    {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks", "distributed",
                 "records", "security", "progress", "peer_table"}},
     {"protocol": {"protocol"}},
     {"transport": {"transport", "lending"}},
