@@ -15,7 +15,7 @@ import dataclasses
 import ipaddress
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +124,7 @@ def _stop(ranks: list[ActorHandle]) -> None:
         rank.death_reason(CLOSE_TIMEOUT)
 
 
-def _failure(ranks: list[ActorHandle], calls: list[Future[Any]]) -> GangFailed:
+def _failure(ranks: list[ActorHandle], calls: Sequence[Future[Any]]) -> GangFailed:
     """The error of a failed gang: a rank that died or lost its peer before we stopped it, else the
     first rank that failed."""
     wait(calls, CLOSE_TIMEOUT)
