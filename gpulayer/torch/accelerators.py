@@ -107,8 +107,10 @@ def resolve(accelerator: str = AUTO, devices: int = 1, num_nodes: int = 1) -> Pl
     index = env.index if env is not None and env.type == kind else None
 
     if kind == MPS and (devices > MPS_MAX_DEVICES or num_nodes > 1):
+        across = ("; for a group of Macs, use MLX distributed (gl.distributed.init(\"mlx\") in a gang) or "
+                  "accelerator=\"cpu\" with gloo") if num_nodes > 1 else ""
         raise UnsupportedConfiguration(
-            f"MPS trains on one device in one process; got devices={devices}, num_nodes={num_nodes}"
+            f"MPS trains on one device in one process; got devices={devices}, num_nodes={num_nodes}{across}"
         )
     if num_nodes != 1:
         raise UnsupportedConfiguration(f"num_nodes={num_nodes}: only single-node training is supported")

@@ -89,7 +89,7 @@ def test_gpulayer_device_on_real_cpu(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"devices": 2}, "MPS trains on one device"),
-    ({"num_nodes": 2}, "MPS trains on one device"),
+    ({"num_nodes": 2}, "MPS trains on one device.*use MLX distributed .* or accelerator=\"cpu\" with gloo"),
     ({"precision": "bf16-mixed"}, "only '32-true' is supported on MPS"),
     ({"precision": "16-mixed"}, "only '32-true' is supported on MPS"),
     ({"precision": "64-true"}, "MPS has no float64"),
