@@ -151,3 +151,47 @@ def test_retries_run_the_whole_gang_again(four, tmp_path):
     fresh.mkdir()
     with pytest.raises(GangFailed, match="rank 1"):  # without retries, the death is the gang's error
         client.submit_gang(die_once, (str(fresh),), {}, req=CPU, nodes=2).result(120)
+
+
+def train_rank(num_nodes: int, batch_size: int) -> dict:
+    """Fit a small regressor (seed 0) with glt.Trainer(num_nodes=...) on CPU; its weights."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import gpulayer.torch as glt
+
+    class Regressor(glt.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, generator=g)
+    data = TensorDataset(x, 3 * x[:, :1] - 2 * x[:, 1:])
+    torch.manual_seed(0)
+    model = Regressor()
+    glt.Trainer(accelerator="cpu", num_nodes=num_nodes, max_epochs=2, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False).fit(model, DataLoader(data, batch_size))
+    return {name: value.tolist() for name, value in model.state_dict().items()}
+
+
+def test_the_trainer_over_a_gang_of_two_matches_one_process_with_twice_the_batch(four):
+    """DDP over 2 peers, each rank on every other sample of batches of 8: the weights of one process
+    on batches of 16 (to float tolerance), on both ranks."""
+    import torch
+
+    client, _ = four
+    ranks = client.submit_gang(train_rank, (2, 8), {}, req=CPU, nodes=2).result(300)
+    single = train_rank(1, 16)
+    for weights in ranks:
+        for name, value in single.items():
+            torch.testing.assert_close(torch.tensor(weights[name]), torch.tensor(value), rtol=1e-5, atol=1e-6)

@@ -113,7 +113,7 @@ def test_mps_32_true_constructs_without_touching_the_device(present, monkeypatch
     ({"precision": "8-bit"}, glt.UnsupportedConfiguration, "precision='8-bit'"),
     ({"accelerator": "tpu"}, glt.UnsupportedConfiguration, "accelerator='tpu'"),
     ({"devices": 0}, glt.UnsupportedConfiguration, "devices must be a positive int"),
-    ({"num_nodes": 2}, glt.UnsupportedConfiguration, "single-node"),
+    ({"num_nodes": 2}, glt.UnsupportedConfiguration, r"trains over the ranks of a gang: .*nodes=2\)"),
     ({"accumulate_grad_batches": 0}, ValueError, "accumulate_grad_batches"),
     ({"val_check_interval": 1.5}, ValueError, "val_check_interval"),
 ])
