@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from . import accelerators
 
+SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
+SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}  # where a backend binds, unless set
 RANK_ADDR = "GPULAYER_RANK_ADDR"  # the address this rank's peer is reached at by the others
 TORCH, MLX = "torch", "mlx"
 _joined: list[str] = []  # the frameworks whose group this process joined (`init`), for `shutdown`
@@ -89,13 +92,11 @@ def init(framework: str = TORCH, backend: str | None = None) -> Any:
 
     if backend is None:
         backend = "nccl" if os.environ.get(accelerators.ENV_DEVICE, "").startswith(accelerators.CUDA) else "gloo"
-    options = None
-    if backend == "gloo":  # gloo's sockets on the address the other ranks reach this peer at
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=os.environ[RANK_ADDR])]
+    interface, variable = interface_of(os.environ[RANK_ADDR]), SOCKET_IFNAME.get(backend)
+    if interface is not None and variable is not None:  # its sockets on the address the other ranks reach
+        os.environ.setdefault(variable, interface)
     dist.init_process_group(backend, init_method=f"tcp://{_host(os.environ['MASTER_ADDR'])}:{os.environ['MASTER_PORT']}",
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            pg_options=options)
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     _joined.append(TORCH)
     return None
 
@@ -108,6 +109,25 @@ def shutdown() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     _joined.clear()
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds the IPv4 `address` here (Linux), else None: gloo
+    then takes the address of the host's name."""
+    try:
+        import fcntl
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address, or not Linux
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
 
 
 def _host(address: str) -> str:

@@ -73,15 +73,16 @@ def _run_once(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwa
             spec = ActorSpec(distributed.Rank, (), {}, dataclasses.replace(req, peer=peer_id), env=env)
             ranks.append(client.create_actor(spec).result())
         ports = [rank.call("ports", (), {}, None) for rank in ranks]
-        addresses = _addresses([rank.addresses for rank in ranks])
+        addresses = _addresses([_reached(client, rank) for rank in ranks])
         rendezvous = [tuple(p.result(CLOSE_TIMEOUT)) for p in ports]
         calls = [rank.call("run", (fn, args, kwargs, distributed.rendezvous(i, addresses, rendezvous)), {}, timeout)
                  for i, rank in enumerate(ranks)]
         wait(calls, return_when=FIRST_EXCEPTION)
-        if all(call.done() and call.exception() is None for call in calls):
+        failed = _failed(calls)  # before the stop: those that failed by themselves
+        if not failed:
             return [call.result() for call in calls]
         _stop(ranks)
-        raise _failure(ranks, calls)
+        raise _failure(ranks, calls, failed)
     finally:
         _stop(ranks)
 
@@ -99,13 +100,23 @@ def _choose(client: Client, req: Requirements, nodes: int) -> list[str]:
     return chosen
 
 
-def _addresses(per_peer: list[list[tuple[str, int]]]) -> list[str]:
+def _reached(client: Client, rank: ActorHandle) -> list[str]:
+    """The addresses of a rank's peer, the one that this submitter's connection reached first."""
+    advertised = [host for host, _ in rank.addresses]
+    conn = client.pooled(rank.peer_id)
+    if conn is None:
+        return advertised
+    used = conn.address.rsplit(":", 1)[0]
+    return [used, *(host for host in advertised if host != used)]
+
+
+def _addresses(per_peer: list[list[str]]) -> list[str]:
     """Each rank's peer address as the other ranks reach it: the one this submitter reached it at,
     unless that is a loopback address and some rank lives on another host (then its first other one)."""
-    first = [addresses[0][0] for addresses in per_peer]
+    first = [hosts[0] for hosts in per_peer]
     if all(_loopback(host) for host in first) or not any(_loopback(host) for host in first):
         return first
-    return [next((host for host, _ in addresses if not _loopback(host)), addresses[0][0]) for addresses in per_peer]
+    return [next((host for host in hosts if not _loopback(host)), hosts[0]) for hosts in per_peer]
 
 
 def _loopback(host: str) -> bool:
@@ -124,12 +135,16 @@ def _stop(ranks: list[ActorHandle]) -> None:
         rank.death_reason(CLOSE_TIMEOUT)
 
 
-def _failure(ranks: list[ActorHandle], calls: Sequence[Future[Any]]) -> GangFailed:
-    """The error of a failed gang: a rank that died or lost its peer before we stopped it, else the
-    first rank that failed."""
+def _failed(calls: Sequence[Future[Any]]) -> list[tuple[int, BaseException]]:
+    """The ranks whose call failed, with why."""
+    return [(i, exc) for i, call in enumerate(calls) if call.done() and (exc := call.exception()) is not None]
+
+
+def _failure(ranks: list[ActorHandle], calls: Sequence[Future[Any]],
+             first: list[tuple[int, BaseException]]) -> GangFailed:
+    """The error of a failed gang: a rank that died or lost its peer before we stopped it (its word may
+    come after another rank's error caused by its death), else the first that failed."""
     wait(calls, CLOSE_TIMEOUT)
-    failed = [(i, call.exception()) for i, call in enumerate(calls) if call.done() and call.exception() is not None]
-    died = [(i, exc) for i, exc in failed if isinstance(exc, RETRYABLE) and CLOSED_BY_US not in str(exc)]
-    rank, cause = (died or failed or [(0, GPULayerError("the gang ended without an answer"))])[0]
-    assert cause is not None
+    died = [(i, exc) for i, exc in _failed(calls) if isinstance(exc, RETRYABLE) and CLOSED_BY_US not in str(exc)]
+    rank, cause = (died or first)[0]
     return GangFailed(rank, ranks[rank].peer, cause)
