@@ -73,7 +73,7 @@ def _run_once(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwa
             spec = ActorSpec(distributed.Rank, (), {}, dataclasses.replace(req, peer=peer_id), env=env)
             ranks.append(client.create_actor(spec).result())
         ports = [rank.call("ports", (), {}, None) for rank in ranks]
-        addresses = _addresses([_reached(client, rank) for rank in ranks])
+        addresses = rank_addresses([_reached(client, rank) for rank in ranks])
         rendezvous = [tuple(p.result(CLOSE_TIMEOUT)) for p in ports]
         calls = [rank.call("run", (fn, args, kwargs, distributed.rendezvous(i, addresses, rendezvous)), {}, timeout)
                  for i, rank in enumerate(ranks)]
@@ -110,7 +110,7 @@ def _reached(client: Client, rank: ActorHandle) -> list[str]:
     return [used, *(host for host in advertised if host != used)]
 
 
-def _addresses(per_peer: list[list[str]]) -> list[str]:
+def rank_addresses(per_peer: list[list[str]]) -> list[str]:
     """Each rank's peer address as the other ranks reach it: the one this submitter reached it at,
     unless that is a loopback address and some rank lives on another host (then its first other one)."""
     first = [hosts[0] for hosts in per_peer]
