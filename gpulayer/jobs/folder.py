@@ -26,7 +26,7 @@ import stat
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Union
+from typing import Any, TypeGuard, Union
 
 import pathspec
 
@@ -126,7 +126,7 @@ class Manifest:
         return cls(tuple(entries))
 
 
-def is_digest(value: Any) -> bool:
+def is_digest(value: Any) -> TypeGuard[str]:
     return isinstance(value, str) and len(value) == DIGEST_HEX and not value.strip("0123456789abcdef")
 
 
