@@ -372,13 +372,14 @@ class BlobWriter:
     """Receives one blob in pieces; `commit` checks its size and digest, then renames it into the store.
 
     Anything short of a successful commit (a truncated or wrong upload, an exception, `abort`) leaves
-    nothing in the store. Use it as a context manager, or call `abort` on failure.
+    nothing in the store. Use it as a context manager, or call `abort` on failure. With `caller_hashes`
+    the caller hashes the very bytes it writes (on another thread, say) and gives `commit` that digest.
     """
 
-    def __init__(self, store: BlobStore, digest: str, size: int):
+    def __init__(self, store: BlobStore, digest: str, size: int, caller_hashes: bool = False):
         self.store, self.digest, self.size = store, digest, size
         self.written = 0
-        self._hash = hashlib.new(DIGEST)
+        self._hash = None if caller_hashes else hashlib.new(DIGEST)
         self._tmp = os.path.join(store.tmp, f"{digest[:16]}.{secrets.token_hex(8)}")
         self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
 
@@ -390,19 +391,21 @@ class BlobWriter:
         if self.written + view.nbytes > self.size:
             self.abort()
             raise FolderError(f"blob {self.digest[:16]} got more than the {self.size} bytes announced")
-        self._hash.update(view)
+        if self._hash is not None:
+            self._hash.update(view)
         self.written += view.nbytes
         while view:
             view = view[os.write(self._fd, view):]
 
-    def commit(self) -> Path:
-        """Check the size and digest, then store the blob (atomic rename); FolderError, nothing kept, if wrong."""
+    def commit(self, hashed: str | None = None) -> Path:
+        """Check the size and digest (`hashed`: the caller's, with `caller_hashes`), then store the blob
+        (atomic rename); FolderError, and nothing kept, if either is wrong."""
         if self._fd is None:
             raise FolderError(f"blob {self.digest[:16]} is closed")
         if self.written != self.size:
             self.abort()
             raise FolderError(f"blob {self.digest[:16]} is truncated: {self.written} of {self.size} bytes came")
-        if self._hash.hexdigest() != self.digest:
+        if (self._hash.hexdigest() if self._hash is not None else hashed) != self.digest:
             self.abort()
             raise FolderError(f"blob {self.digest[:16]} does not match its digest (changed while it was sent?)")
         os.close(self._fd)
@@ -468,12 +471,12 @@ class BlobStore:
         """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks, in their order."""
         return [digest for digest, size in blobs.items() if not self.has(digest, size)]
 
-    def writer(self, digest: str, size: int) -> BlobWriter:
-        """A writer for one blob of `size` bytes and this digest."""
+    def writer(self, digest: str, size: int, caller_hashes: bool = False) -> BlobWriter:
+        """A writer for one blob of `size` bytes and this digest (`BlobWriter`)."""
         self.path(digest)
         if not isinstance(size, int) or size < 0:
             raise FolderError(f"a blob's size is a whole number of bytes, not {size!r}")
-        return BlobWriter(self, digest, size)
+        return BlobWriter(self, digest, size, caller_hashes)
 
     def blobs(self) -> Iterator[tuple[str, int]]:
         """(digest, size) of every stored blob."""

@@ -27,6 +27,7 @@ thread (blocking) or drives `BlobReceiver` and `file_messages` from its event lo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import secrets
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from .. import wire
-from .folder import (PathLike, BlobStore, BlobWriter, FolderError, Manifest, check_relpath, files_under,
+from .folder import (DIGEST, BlobStore, BlobWriter, FolderError, Manifest, PathLike, check_relpath, files_under,
                      is_digest, resolve_inside)
 
 BLOB, FILE = wire.BLOB, wire.FILE
@@ -137,7 +138,7 @@ def push_blobs(conn: Connection, manifest: Manifest, missing: list[str], request
 class DiskThread:
     """A receiver's disk work (create, write, hash, rename), done in order on a thread of its own so that it
     overlaps with receiving and decrypting; at most `limit` bytes of chunks wait for it (`run` blocks
-    meanwhile). After its first error it skips the rest, and `run` or `finish` raises that error."""
+    meanwhile). After its first error, or `stop`, it skips the rest; `run` or `finish` raises that error."""
 
     def __init__(self, limit: int = BACKLOG):
         self.limit = limit
@@ -145,6 +146,7 @@ class DiskThread:
         self._room = threading.Condition()
         self._waiting = 0  # bytes of the chunks queued
         self._error: BaseException | None = None
+        self._skip = False
         self._thread = threading.Thread(target=self._loop, name="gpulayer-disk", daemon=True)
         self._thread.start()
 
@@ -160,7 +162,7 @@ class DiskThread:
     def _loop(self) -> None:
         while (item := self._jobs.get()) is not None:
             work, nbytes = item
-            if self._error is None:
+            if self._error is None and not self._skip:
                 try:
                     work()
                 except BaseException as exc:  # handed to the receiving thread
@@ -171,12 +173,16 @@ class DiskThread:
 
     def finish(self) -> None:
         """Wait until all the work is done; raise its first error."""
-        self.close()
+        self._end()
         if self._error is not None:
             raise self._error
 
-    def close(self) -> None:
-        """Stop the thread once the work queued is done (or skipped after an error)."""
+    def stop(self) -> None:
+        """Skip the work still queued, and end the thread."""
+        self._skip = True
+        self._end()
+
+    def _end(self) -> None:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
@@ -187,13 +193,19 @@ class _Sink:
 
     def __init__(self, disk: DiskThread | None, release: Callable[[Any], None] | None):
         self.disk = disk
-        self.release = release
+        self._release = release
 
     def run(self, work: Callable[[], None], nbytes: int = 0) -> None:
+        """Disk work, in order."""
         if self.disk is None:
             work()
         else:
             self.disk.run(work, nbytes)
+
+    def release(self, chunk: Any) -> None:
+        """The chunk is written: back to the pool it came from."""
+        if self._release is not None:
+            self._release(chunk)
 
     def finish(self) -> None:
         if self.disk is not None:
@@ -201,7 +213,7 @@ class _Sink:
 
     def stop(self) -> None:
         if self.disk is not None:
-            self.disk.close()
+            self.disk.stop()
 
 
 class BlobReceiver:
@@ -220,8 +232,9 @@ class BlobReceiver:
         self.left = dict(expected)
         self.received = 0  # content bytes
         self._sink = _Sink(disk, release)
-        self._current: str | None = None  # the blob being received, and how much of it came
+        self._current: str | None = None  # the blob being received, how much of it came, their digest so far
         self._offset = 0
+        self._hash = hashlib.new(DIGEST)
         self._writer: BlobWriter | None = None  # touched by the disk work only
 
     @property
@@ -242,21 +255,22 @@ class BlobReceiver:
         if self._current is None:
             if self.left.get(digest) != size or offset != 0:
                 self._fail(f"blob {digest[:16]} of {size} bytes at {offset} was not asked for, or not from its start")
-            self._current, self._offset = digest, 0
+            self._current, self._offset, self._hash = digest, 0, hashlib.new(DIGEST)
             self._sink.run(partial(self._open, digest, size))
         elif self._current != digest or self._offset != offset:
             self._fail(f"blob {digest[:16]} at {offset}: expected {self._current[:16]} at {self._offset}")
         if buffers:
-            n = memoryview(buffers[0]).nbytes
-            if self._offset + n > size:
+            view = memoryview(buffers[0]).cast("B")
+            if self._offset + view.nbytes > size:
                 self._fail(f"blob {digest[:16]} got more than the {size} bytes announced")
-            self._offset += n
-            self.received += n
-            self._sink.run(partial(self._write, buffers[0]), n)
+            self._offset += view.nbytes
+            self.received += view.nbytes
+            self._hash.update(view)  # here, while the disk thread writes what came before
+            self._sink.run(partial(self._write, buffers[0]), view.nbytes)
         if self._offset == size:
             self._current = None
             del self.left[digest]
-            self._sink.run(self._commit)
+            self._sink.run(partial(self._commit, self._hash.hexdigest()))
         return self.done
 
     def _unpack(self, pack: Any, chunk: Any) -> bool:
@@ -268,34 +282,34 @@ class BlobReceiver:
             self._fail("a BLOB pack lists blobs not asked for, or not what its chunk holds")
         offset = 0
         for digest, size in pack:
-            self._sink.run(partial(self._store_whole, digest, view[offset:offset + size]), size)
+            data = view[offset:offset + size]
+            self._sink.run(partial(self._store_whole, digest, data, hashlib.new(DIGEST, data).hexdigest()), size)
             offset += size
             del self.left[digest]
         self.received += view.nbytes
         return self.done
 
-    def _store_whole(self, digest: str, data: memoryview) -> None:
-        with self.store.writer(digest, len(data)) as writer:
+    def _store_whole(self, digest: str, data: memoryview, hashed: str) -> None:
+        with self.store.writer(digest, len(data), caller_hashes=True) as writer:
             writer.write(data)
-            writer.commit()
+            writer.commit(hashed)
 
     def finish(self) -> None:
         """Wait for the disk work; FolderError if a blob failed its check (nothing of it kept)."""
         self._sink.finish()
 
     def _open(self, digest: str, size: int) -> None:
-        self._writer = self.store.writer(digest, size)
+        self._writer = self.store.writer(digest, size, caller_hashes=True)
 
     def _write(self, chunk: Any) -> None:
         assert self._writer is not None
         self._writer.write(chunk)
-        if self._sink.release is not None:
-            self._sink.release(chunk)
+        self._sink.release(chunk)
 
-    def _commit(self) -> None:
+    def _commit(self, hashed: str) -> None:
         assert self._writer is not None
         writer, self._writer = self._writer, None
-        writer.commit()
+        writer.commit(hashed)
 
     def _fail(self, message: str) -> NoReturn:
         self.abort()
@@ -506,8 +520,7 @@ class FileReceiver:
         view = memoryview(chunk).cast("B")
         while view:
             view = view[os.write(self._fd, view):]
-        if self._sink.release is not None:
-            self._sink.release(chunk)
+        self._sink.release(chunk)
 
     def _complete(self) -> None:
         assert self._fd is not None and self._partial is not None

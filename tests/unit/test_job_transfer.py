@@ -242,3 +242,25 @@ def test_a_hostile_fetch_header_writes_nothing(pair, tmp_path, files, problem):
         transfer.receive_files(pair.client, dest)
     assert sorted(p.name for p in dest.iterdir()) == ["link"]
     assert not (tmp_path / "escape").exists() and not (tmp_path / "x").exists()
+
+
+def test_receivers_work_inline_as_on_the_event_loop(project, tmp_path):
+    """The peer's event loop feeds BlobReceiver itself (no disk thread) with copies of what
+    blob_messages gives; the same for FileReceiver with file_messages (reuse=False)."""
+    store = BlobStore(tmp_path / "store")
+    manifest = scan(project, cache=DigestCache(None))
+    receiver = transfer.BlobReceiver(store, manifest.blobs())
+    for msg, buffers in transfer.blob_messages(manifest, list(manifest.blobs()), 1):
+        receiver.feed(msg, [bytearray(b) for b in buffers])
+    receiver.finish()
+    assert receiver.done and store.missing(manifest.blobs()) == []
+    job = tmp_path / "job"
+    materialise(manifest, store, job)
+    back = transfer.FileReceiver(tmp_path / "back")
+    files = transfer.listing(job, ["."])
+    for msg, buffers in transfer.file_messages(job, files, 2, reuse=False):
+        back.feed(msg, buffers)
+    back.finish()
+    assert back.done
+    for rel, _, _ in files:
+        assert (tmp_path / "back" / rel).read_bytes() == (project / rel).read_bytes()
