@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import secrets
 import shutil
 import socket
@@ -60,6 +61,7 @@ PIECE = transfer.CHUNK  # the raw socket's read and write size: the same as GPUl
 KEY_ENV = "JOBS_BENCH_KEY"  # the driver's random cluster key, handed to the two processes
 TARGETS = {"upload_over_raw": 0.8, "resubmit_bytes_over_folder": 0.01, "fetch_over_raw": 0.8}
 LENGTH = struct.Struct(">Q")
+CPU = struct.Struct(">d")
 TIMEOUT = 600.0
 
 
@@ -130,6 +132,7 @@ def serve(workdir: Path, bind: str) -> None:
         mode = recv_exactly(sock, 1)
         if mode == b"Q":
             return
+        started = cpu_seconds()
         if mode == b"R":
             (length,) = LENGTH.unpack(recv_exactly(sock, 8))
             files = msgpack.unpackb(recv_exactly(sock, length))
@@ -137,7 +140,7 @@ def serve(workdir: Path, bind: str) -> None:
             for rel, size in files:
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 receive_to_file(sock, dest / rel, size, buf)
-            sock.sendall(b"k")
+            sock.sendall(CPU.pack(cpu_seconds() - started))
             recv_exactly(sock, 1)
             shutil.rmtree(dest)
         elif mode == b"F":
@@ -146,10 +149,18 @@ def serve(workdir: Path, bind: str) -> None:
             size = os.stat(path).st_size
             sock.sendall(LENGTH.pack(size))
             send_from_file(sock, path, size, buf)
+            spent = cpu_seconds() - started
             recv_exactly(sock, 1)
+            sock.sendall(CPU.pack(spent))
         else:
             serve_gpulayer(wire.BlockingConnection(sock), workdir)
         sock.close()
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process so far, all its threads, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def key() -> bytes:
@@ -165,11 +176,13 @@ def serve_gpulayer(conn: wire.BlockingConnection, workdir: Path) -> None:
         return
     conn.send(checked[0])
     conn.secure(*checked[1])
+    spent = 0.0
     while True:
         try:
             msg, _ = conn.recv()
         except ConnectionError:
             return
+        started = cpu_seconds()
         if msg.get("op") == "upload":
             manifest = Manifest.from_wire(msg["manifest"])
             store = BlobStore(workdir / "stores" / msg["store"])
@@ -177,9 +190,12 @@ def serve_gpulayer(conn: wire.BlockingConnection, workdir: Path) -> None:
             missing = store.missing(blobs)
             conn.send({"t": wire.ACCEPT, "id": msg["id"], "missing": missing})
             transfer.receive_blobs(conn, store, {d: blobs[d] for d in missing}, TIMEOUT)
-            conn.send({"t": wire.ACCEPT, "id": msg["id"]})
+            conn.send({"t": wire.ACCEPT, "id": msg["id"], "cpu": cpu_seconds() - started})
         elif msg.get("op") == "fetch":
             transfer.send_files(conn, msg["root"], msg["paths"], msg["id"])
+            spent = cpu_seconds() - started
+        elif msg.get("op") == "cpu":  # what the last fetch cost this side
+            conn.send({"t": wire.ACCEPT, "id": msg["id"], "cpu": spent})
         elif msg.get("op") == "drop":
             shutil.rmtree(workdir / "stores" / msg["store"], ignore_errors=True)
             conn.send({"t": wire.ACCEPT, "id": msg["id"]})
@@ -211,24 +227,26 @@ class Submitter:
         wire.client_handshake(conn, key(), "bench-submitter")
         return conn
 
-    def raw_upload(self) -> float:
-        started = time.perf_counter()
+    def raw_upload(self) -> tuple[float, float]:
+        """(seconds, CPU seconds of both sides)."""
+        started, cpu = time.perf_counter(), cpu_seconds()
         sock = self.connect(b"R")
         entries = self.manifest.entries
         header = msgpack.packb([[e.path, e.size] for e in entries])
         sock.sendall(LENGTH.pack(len(header)) + header)
         for e in entries:
             send_from_file(sock, self.manifest.sources[e.path], e.size, self.buf)
-        recv_exactly(sock, 1)
-        seconds = time.perf_counter() - started
+        (peer_cpu,) = CPU.unpack(recv_exactly(sock, CPU.size))
+        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
         sock.sendall(b"k")
         sock.close()
-        return seconds
+        return seconds, cpu + peer_cpu
 
-    def upload(self, store: str) -> tuple[float, int, int]:
-        """(seconds, content bytes sent, bytes through the cable) of one upload: scan (cached), connect, send."""
+    def upload(self, store: str) -> tuple[float, int, int, float]:
+        """(seconds, content bytes sent, bytes through the cable, CPU seconds of both sides) of one upload:
+        scan (cached), connect, send."""
         cable = cable_bytes()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), cpu_seconds()
         manifest = scan(self.folder, cache=self.cache)
         conn = self.gpulayer()
         conn.send({"t": wire.SUBMIT, "id": 1, "op": "upload", "store": store, "manifest": manifest.to_wire()})
@@ -236,9 +254,9 @@ class Submitter:
         sent = transfer.push_blobs(conn, manifest, reply["missing"], 1)
         done, _ = conn.recv()
         assert done["t"] == wire.ACCEPT
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
         conn.close()
-        return seconds, sent, cable_bytes() - cable
+        return seconds, sent, cable_bytes() - cable, cpu + done["cpu"]
 
     def drop(self, store: str) -> None:
         conn = self.gpulayer()
@@ -246,31 +264,34 @@ class Submitter:
         conn.recv()
         conn.close()
 
-    def raw_fetch(self) -> float:
+    def raw_fetch(self) -> tuple[float, float]:
         dest = self.workdir / "raw-fetched.bin"
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), cpu_seconds()
         sock = self.connect(b"F")
         path = self.artifact.encode()
         sock.sendall(LENGTH.pack(len(path)) + path)
         (size,) = LENGTH.unpack(recv_exactly(sock, 8))
         receive_to_file(sock, dest, size, self.buf)
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
         sock.sendall(b"k")
+        (peer_cpu,) = CPU.unpack(recv_exactly(sock, CPU.size))
         sock.close()
         dest.unlink()
-        return seconds
+        return seconds, cpu + peer_cpu
 
-    def fetch(self) -> float:
+    def fetch(self) -> tuple[float, float]:
         dest = self.workdir / "fetched"
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), cpu_seconds()
         conn = self.gpulayer()
         root, name = os.path.split(self.artifact)
         conn.send({"t": wire.SUBMIT, "id": 3, "op": "fetch", "root": root, "paths": [name]})
         transfer.receive_files(conn, dest, idle_timeout=TIMEOUT)
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+        conn.send({"t": wire.SUBMIT, "id": 4, "op": "cpu"})
+        reply, _ = conn.recv()
         conn.close()
         shutil.rmtree(dest)
-        return seconds
+        return seconds, cpu + reply["cpu"]
 
     def close(self) -> None:
         self.connect(b"Q").close()
@@ -290,27 +311,32 @@ def run_submitter(args: argparse.Namespace) -> None:
     sub.upload("warm-up")
     sub.drop("warm-up")
     up: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    up_cpu: dict[str, list[float]] = {"raw": [], "gpulayer": []}
     resubmit: list[dict] = []
     for i in deadline.rounds(args.rounds):
         store = f"round-{i}"
         for way in rotated(list(up), i):
             if way == "raw":
-                up["raw"].append(sub.raw_upload())
+                seconds, cpu = sub.raw_upload()
             else:
-                seconds, sent, _ = sub.upload(store)
+                seconds, sent, _, cpu = sub.upload(store)
                 assert sent == sub.manifest.total_bytes, (sent, sub.manifest.total_bytes)
-                up["gpulayer"].append(seconds)
-        seconds, sent, cable = sub.upload(store)
+            up[way].append(seconds)
+            up_cpu[way].append(cpu)
+        seconds, sent, cable, _ = sub.upload(store)
         resubmit.append({"seconds": seconds, "content_bytes": sent, "cable_bytes": cable})
         sub.drop(store)
     down: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    down_cpu: dict[str, list[float]] = {"raw": [], "gpulayer": []}
     for i in deadline.rounds(args.rounds):
         for way in rotated(list(down), i):
-            down[way].append(sub.raw_fetch() if way == "raw" else sub.fetch())
+            seconds, cpu = sub.raw_fetch() if way == "raw" else sub.fetch()
+            down[way].append(seconds)
+            down_cpu[way].append(cpu)
     sub.close()
-    print(json.dumps({"upload_s": up, "resubmit": resubmit, "fetch_s": down, "scan_cold_s": cold,
-                      "scan_warm_s": warm, "files": len(sub.manifest.entries),
-                      "folder_bytes": sub.manifest.total_bytes}))
+    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "resubmit": resubmit, "fetch_s": down,
+                      "fetch_cpu_s": down_cpu, "scan_cold_s": cold, "scan_warm_s": warm,
+                      "files": len(sub.manifest.entries), "folder_bytes": sub.manifest.total_bytes}))
 
 
 # ---- the driver ---------------------------------------------------------------------------------------
@@ -367,6 +393,9 @@ def summarize(m: dict) -> dict:
         "fetch_gb_per_s": {w: [v["median"], v["min"], v["max"]] for w, v in down.items()},
         "fetch_over_raw": down_ratio["median"], "fetch_over_raw_range": [down_ratio["min"], down_ratio["max"]],
         "scan_cold_s": m["scan_cold_s"], "scan_warm_s": m["scan_warm_s"],
+        # CPU seconds both processes spent per GB moved: what a CPU-starved machine's wall time follows
+        "upload_cpu_s_per_gb": {w: spread([c / folder * 1e9 for c in v])["median"] for w, v in m["upload_cpu_s"].items()},
+        "fetch_cpu_s_per_gb": {w: spread([c / artifact * 1e9 for c in v])["median"] for w, v in m["fetch_cpu_s"].items()},
     }
     s["targets_met"] = {
         "upload >= 0.8 x raw": s["upload_over_raw"] >= TARGETS["upload_over_raw"],
@@ -405,7 +434,9 @@ def plot(result: dict, path: Path) -> None:
         ax.invert_yaxis()
         ax.set_xlim(0, max(r[2] for r in rows.values()) * 1.4)
         ax.legend(loc="lower right")
-        ax.set_title(f"{title}\nGPUlayer / raw = {s[target]:.2f} (GB/s, across the veth)")
+        cpu = s[key.replace("gb_per_s", "cpu_s_per_gb")]
+        ax.set_title(f"{title}\nGPUlayer / raw = {s[target]:.2f} (GB/s, across the veth)\n"
+                     f"CPU s per GB, both sides: raw {cpu['raw']:.2f}, GPUlayer {cpu['gpulayer']:.2f}")
     ax = axes[2]
     ax.bar(["folder", "resubmit:\ncable bytes"], [s["folder_mb"], s["resubmit_cable_bytes_over_folder"] *
                                                   s["folder_mb"]], color=["tab:gray", "tab:green"])
