@@ -445,8 +445,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("MB")
     ax.legend()
-    ax.set_title(f"Resubmit unchanged: {100 * s['resubmit_cable_bytes_over_folder']:.3f}% of the folder\n"
-                 f"({s['resubmit_seconds'] * 1e3:.0f} ms; scan warm {s['scan_warm_s'] * 1e3:.0f} ms, "
+    ax.set_title(f"Resubmit unchanged: on the wire,\n{100 * s['resubmit_cable_bytes_over_folder']:.3f}% "
+                 f"of the folder, in {s['resubmit_seconds'] * 1e3:.0f} ms\n(scan: warm {s['scan_warm_s'] * 1e3:.0f} ms, "
                  f"cold {s['scan_cold_s']:.2f} s)")
     m = result["machine"]
     fig.suptitle(f"GPUlayer jobs' folder transfer on {m['host']} ({m['cpus']} CPUs, load {m['load_before'][0]:.1f}), "
