@@ -428,11 +428,11 @@ def plot(result: dict, path: Path) -> None:
         errors = [[rows[n][0] - rows[n][1] for n in names], [rows[n][2] - rows[n][0] for n in names]]
         ax.barh(["raw socket", "GPUlayer\n(secure channel, verified)"], medians, xerr=errors,
                 color=["tab:gray", "tab:green"], capsize=4)
-        for y, m in enumerate(medians):
-            ax.text(m, y, f"  {m:.2f} GB/s", va="center")
+        for y, (name, m) in enumerate(zip(names, medians)):
+            ax.text(rows[name][2], y, f"  {m:.2f} GB/s", va="center")
         ax.axvline(TARGETS[target] * rows["raw"][0], color="k", linestyle="--", label="target: 0.8 x raw")
         ax.invert_yaxis()
-        ax.set_xlim(0, max(r[2] for r in rows.values()) * 1.4)
+        ax.set_xlim(0, max(r[2] for r in rows.values()) * 1.5)
         ax.legend(loc="lower right")
         cpu = s[key.replace("gb_per_s", "cpu_s_per_gb")]
         ax.set_title(f"{title}\nGPUlayer / raw = {s[target]:.2f} (GB/s, across the veth)\n"
