@@ -23,7 +23,7 @@ seconds at random (dirty-page throttling under the other tests' load), which mea
 the transfer. Both ways write the same files to the same place.
 
 Until the job messages land (jobs-core), the two ends call the transfer functions directly over a
-`wire.BlockingConnection` (the peer's side as it runs on a connection handed to a thread); the job
+`blocking.BlockingConnection` (the peer's side as it runs on a connection handed to a thread); the job
 messages themselves are stood in for by SUBMIT/ACCEPT maps. Rounds alternate the ways compared; medians
 are given with their min and max.
 """
@@ -51,8 +51,10 @@ from data_plane import Deadline, rotated, spread, wait_for_file  # noqa: E402  t
 from lanlab import Lan, why_unavailable  # noqa: E402
 from overhead import machine, write_results  # noqa: E402
 
-from gpulayer import security, wire  # noqa: E402
+from gpulayer import security  # noqa: E402
 from gpulayer.jobs import transfer  # noqa: E402
+from gpulayer.protocol import handshake, messages  # noqa: E402
+from gpulayer.transport import blocking, sockets  # noqa: E402
 from gpulayer.jobs.folder import BlobStore, DigestCache, Manifest, scan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -128,7 +130,7 @@ def serve(workdir: Path, bind: str) -> None:
     buf = bytearray(PIECE)
     while True:
         sock, _ = listener.accept()
-        wire.tune(sock)
+        sockets.tune(sock)
         mode = recv_exactly(sock, 1)
         if mode == b"Q":
             return
@@ -153,7 +155,7 @@ def serve(workdir: Path, bind: str) -> None:
             recv_exactly(sock, 1)
             sock.sendall(CPU.pack(spent))
         else:
-            serve_gpulayer(wire.BlockingConnection(sock), workdir)
+            serve_gpulayer(blocking.BlockingConnection(sock), workdir)
         sock.close()
 
 
@@ -167,11 +169,11 @@ def key() -> bytes:
     return bytes.fromhex(os.environ[KEY_ENV])
 
 
-def serve_gpulayer(conn: wire.BlockingConnection, workdir: Path) -> None:
-    hello = wire.hello(security.new_nonce(), "bench-peer", security.cluster_id(key()), {})
+def serve_gpulayer(conn: blocking.BlockingConnection, workdir: Path) -> None:
+    hello = handshake.hello(security.new_nonce(), "bench-peer", security.cluster_id(key()), {})
     conn.send(hello)
     msg, _ = conn.recv()
-    checked = wire.check_auth(msg, key(), hello)
+    checked = handshake.check_auth(msg, key(), hello)
     if checked is None:
         return
     conn.send(checked[0])
@@ -188,17 +190,17 @@ def serve_gpulayer(conn: wire.BlockingConnection, workdir: Path) -> None:
             store = BlobStore(workdir / "stores" / msg["store"])
             blobs = manifest.blobs()
             missing = store.missing(blobs)
-            conn.send({"t": wire.ACCEPT, "id": msg["id"], "missing": missing})
+            conn.send({"t": messages.ACCEPT, "id": msg["id"], "missing": missing})
             transfer.receive_blobs(conn, store, {d: blobs[d] for d in missing}, TIMEOUT)
-            conn.send({"t": wire.ACCEPT, "id": msg["id"], "cpu": cpu_seconds() - started})
+            conn.send({"t": messages.ACCEPT, "id": msg["id"], "cpu": cpu_seconds() - started})
         elif msg.get("op") == "fetch":
             transfer.send_files(conn, msg["root"], msg["paths"], msg["id"])
             spent = cpu_seconds() - started
         elif msg.get("op") == "cpu":  # what the last fetch cost this side
-            conn.send({"t": wire.ACCEPT, "id": msg["id"], "cpu": spent})
+            conn.send({"t": messages.ACCEPT, "id": msg["id"], "cpu": spent})
         elif msg.get("op") == "drop":
             shutil.rmtree(workdir / "stores" / msg["store"], ignore_errors=True)
-            conn.send({"t": wire.ACCEPT, "id": msg["id"]})
+            conn.send({"t": messages.ACCEPT, "id": msg["id"]})
 
 
 # ---- the submitter's side -----------------------------------------------------------------------------
@@ -218,13 +220,13 @@ class Submitter:
 
     def connect(self, mode: bytes) -> socket.socket:
         sock = socket.create_connection(self.address, timeout=TIMEOUT)
-        wire.tune(sock)
+        sockets.tune(sock)
         sock.sendall(mode)
         return sock
 
-    def gpulayer(self) -> wire.BlockingConnection:
-        conn = wire.BlockingConnection(self.connect(b"G"))
-        wire.client_handshake(conn, key(), "bench-submitter")
+    def gpulayer(self) -> blocking.BlockingConnection:
+        conn = blocking.BlockingConnection(self.connect(b"G"))
+        handshake.client_handshake(conn, key(), "bench-submitter")
         return conn
 
     def raw_upload(self) -> tuple[float, float]:
@@ -249,18 +251,18 @@ class Submitter:
         started, cpu = time.perf_counter(), cpu_seconds()
         manifest = scan(self.folder, cache=self.cache)
         conn = self.gpulayer()
-        conn.send({"t": wire.SUBMIT, "id": 1, "op": "upload", "store": store, "manifest": manifest.to_wire()})
+        conn.send({"t": messages.SUBMIT, "id": 1, "op": "upload", "store": store, "manifest": manifest.to_wire()})
         reply, _ = conn.recv()
         sent = transfer.push_blobs(conn, manifest, reply["missing"], 1)
         done, _ = conn.recv()
-        assert done["t"] == wire.ACCEPT
+        assert done["t"] == messages.ACCEPT
         seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
         conn.close()
         return seconds, sent, cable_bytes() - cable, cpu + done["cpu"]
 
     def drop(self, store: str) -> None:
         conn = self.gpulayer()
-        conn.send({"t": wire.SUBMIT, "id": 2, "op": "drop", "store": store})
+        conn.send({"t": messages.SUBMIT, "id": 2, "op": "drop", "store": store})
         conn.recv()
         conn.close()
 
@@ -284,10 +286,10 @@ class Submitter:
         started, cpu = time.perf_counter(), cpu_seconds()
         conn = self.gpulayer()
         root, name = os.path.split(self.artifact)
-        conn.send({"t": wire.SUBMIT, "id": 3, "op": "fetch", "root": root, "paths": [name]})
+        conn.send({"t": messages.SUBMIT, "id": 3, "op": "fetch", "root": root, "paths": [name]})
         transfer.receive_files(conn, dest, idle_timeout=TIMEOUT)
         seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
-        conn.send({"t": wire.SUBMIT, "id": 4, "op": "cpu"})
+        conn.send({"t": messages.SUBMIT, "id": 4, "op": "cpu"})
         reply, _ = conn.recv()
         conn.close()
         shutil.rmtree(dest)
