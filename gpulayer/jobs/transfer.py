@@ -40,7 +40,7 @@ from typing import Any, NoReturn, Protocol
 
 from ..protocol import framing, messages
 from .folder import (DIGEST, BlobStore, BlobWriter, FolderError, Manifest, PathLike, check_relpath, files_under,
-                     is_digest, resolve_inside)
+                     resolve_inside)
 
 BLOB, FILE = messages.BLOB, messages.FILE
 CHUNK = 4 << 20  # bytes a BLOB or FILE message carries at most
@@ -110,7 +110,7 @@ def blob_messages(manifest: Manifest, missing: list[str], request_id: int,
     for digest in (d for d in missing if sizes[d] <= PACK_MAX):
         size = sizes[digest]
         if used + size > chunk:
-            yield {"t": BLOB, "id": request_id, "pack": pack}, [view[:used]]
+            yield messages.blob_pack(request_id, pack), [view[:used]]
             pack, used = [], 0
         fd = _open_sized(sources[digest], size)
         try:
@@ -120,10 +120,10 @@ def blob_messages(manifest: Manifest, missing: list[str], request_id: int,
         pack.append([digest, size])
         used += size
     if pack:
-        yield {"t": BLOB, "id": request_id, "pack": pack}, [view[:used]] if used else []
+        yield messages.blob_pack(request_id, pack), [view[:used]] if used else []
     for digest in (d for d in missing if sizes[d] > PACK_MAX):
         for offset, piece in _chunks(sources[digest], sizes[digest], buf):
-            yield {"t": BLOB, "id": request_id, "d": digest, "off": offset, "size": sizes[digest]}, [piece]
+            yield messages.blob_chunk(request_id, digest, offset, sizes[digest]), [piece]
 
 
 def push_blobs(conn: Connection, manifest: Manifest, missing: list[str], request_id: int) -> int:
@@ -245,13 +245,12 @@ class BlobReceiver:
         """Take one BLOB message (or an ERROR from the sender, which raises FolderError)."""
         if msg.get("t") == messages.ERROR:
             self._fail(f"the upload stopped: {messages.printable(msg.get('message'))}")
-        if msg.get("t") != BLOB or len(buffers) > 1:
-            self._fail("expected a BLOB message with at most one chunk")
+        problem = messages.check_blob(msg, len(buffers)) if msg.get("t") == BLOB else "expected a BLOB message"
+        if problem is not None:
+            self._fail(problem)
         if "pack" in msg:
             return self._unpack(msg["pack"], buffers[0] if buffers else b"")
-        digest, offset, size = msg.get("d"), msg.get("off"), msg.get("size")
-        if not is_digest(digest) or not isinstance(offset, int) or not isinstance(size, int):
-            self._fail("expected a BLOB message with 'd', 'off' and 'size', or 'pack'")
+        digest, offset, size = msg["d"], msg["off"], msg["size"]
         if self._current is None:
             if self.left.get(digest) != size or offset != 0:
                 self._fail(f"blob {digest[:16]} of {size} bytes at {offset} was not asked for, or not from its start")
@@ -276,9 +275,8 @@ class BlobReceiver:
     def _unpack(self, pack: Any, chunk: Any) -> bool:
         """Whole small blobs, one after another in `chunk`, as `pack` ([[digest, size], ...]) lists them."""
         view = memoryview(chunk).cast("B")
-        if self._current is not None or not isinstance(pack, list) or not all(
-                isinstance(p, list) and len(p) == 2 and isinstance(p[1], int) and self.left.get(p[0]) == p[1]
-                for p in pack) or sum(p[1] for p in pack) != view.nbytes or len({p[0] for p in pack}) != len(pack):
+        if self._current is not None or not all(self.left.get(p[0]) == p[1] for p in pack) \
+                or sum(p[1] for p in pack) != view.nbytes or len({p[0] for p in pack}) != len(pack):
             self._fail("a BLOB pack lists blobs not asked for, or not what its chunk holds")
         offset = 0
         for digest, size in pack:
@@ -400,12 +398,12 @@ def file_messages(root: PathLike, files: list[list[Any]], request_id: int, chunk
     """The FILE messages of `files` (what `listing` gave), header first. With `reuse`, one read buffer
     serves every chunk (send each before the next); without, each chunk has its own (the event loop
     queues them unsent)."""
-    yield {"t": FILE, "id": request_id, "files": files}, []
+    yield messages.file_header(request_id, files), []
     largest = max((size for _, size, _ in files), default=0)
     buf = bytearray(min(chunk, largest) or 1)
     for index, (rel, size, _) in enumerate(files):  # an empty file has no chunk
         for offset, piece in _chunks(resolve_inside(root, rel), size, buf if reuse else bytearray(chunk)):
-            yield {"t": FILE, "id": request_id, "n": index, "off": offset}, [piece]
+            yield messages.file_chunk(request_id, index, offset), [piece]
 
 
 def send_files(conn: Connection, root: PathLike, relpaths: list[str], request_id: int) -> int:
@@ -453,13 +451,16 @@ class FileReceiver:
         """Take one FILE message (or the sender's ERROR, which raises FolderError); True when all came."""
         if msg.get("t") == messages.ERROR:
             self._fail(f"the peer stopped the fetch: {messages.printable(msg.get('message'))}")
-        if msg.get("t") != FILE or len(buffers) > 1:
-            self._fail("expected a FILE message with at most one chunk")
+        problem = messages.check_file(msg, len(buffers)) if msg.get("t") == FILE else "expected a FILE message"
+        if problem is not None:
+            self._fail(problem)
         if self.files is None:
-            self._start(msg.get("files"))
+            if "files" not in msg:
+                self._fail("a fetch starts with a FILE header")
+            self._start(msg["files"])
         else:
             index, size = self._next, self.files[self._next][1] if not self.done else 0
-            n = memoryview(buffers[0]).nbytes if buffers else 0
+            n = memoryview(buffers[0]).nbytes
             if self.done or msg.get("n") != index or msg.get("off") != self._offset or not n \
                     or self._offset + n > size:
                 self._fail(f"a FILE chunk out of place: file {msg.get('n')!r} at {msg.get('off')!r}, {n} bytes")
@@ -478,11 +479,9 @@ class FileReceiver:
         """Wait for the disk work; raise its error."""
         self._sink.finish()
 
-    def _start(self, files: Any) -> None:
-        if not isinstance(files, list) or len(files) > MAX_LISTED or not all(
-                isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and isinstance(f[1], int)
-                and not isinstance(f[1], bool) and f[1] >= 0 and isinstance(f[2], bool) for f in files):
-            self._fail("a FILE header lists [path, size, executable] entries")
+    def _start(self, files: list[list[Any]]) -> None:
+        if len(files) > MAX_LISTED:
+            self._fail(f"a FILE header lists more than {MAX_LISTED} files")
         paths = [f[0] for f in files]
         for rel in paths:
             check_relpath(rel, strict=True)

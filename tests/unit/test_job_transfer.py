@@ -266,3 +266,35 @@ def test_receivers_work_inline_as_on_the_event_loop(project, tmp_path):
     assert back.done
     for rel, _, _ in files:
         assert (tmp_path / "back" / rel).read_bytes() == (project / rel).read_bytes()
+
+
+GOOD = hashlib.sha256(b"x").hexdigest()
+
+
+@pytest.mark.parametrize("msg, buffers, problem", [
+    ({"t": messages.BLOB, "d": "../x", "off": 0, "size": 1}, [b"x"], "needs 'd'"),
+    ({"t": messages.BLOB, "d": GOOD, "off": -1, "size": 1}, [b"x"], "needs 'd'"),
+    ({"t": messages.BLOB, "pack": [[GOOD, True]]}, [b"x"], "'pack' lists"),
+    ({"t": messages.BLOB, "pack": {"a": 1}}, [b"x"], "'pack' lists"),
+    ({"t": messages.BLOB, "d": GOOD, "off": 0, "size": 1}, [b"x", b"y"], "at most one buffer"),
+    ({"t": messages.FILE, "n": 0, "off": 0}, [b"x"], "expected a BLOB"),
+    ({"t": messages.BLOB, "pack": [[GOOD, 2]]}, [b"xx"], "not asked for"),
+    ({"t": messages.BLOB, "d": GOOD, "off": 0, "size": 1}, [b"xy"], "more than the 1 bytes"),
+])
+def test_malformed_blob_messages_are_refused(tmp_path, msg, buffers, problem):
+    store = BlobStore(tmp_path / "store")
+    with pytest.raises(FolderError, match=problem):
+        transfer.BlobReceiver(store, {GOOD: 1}).feed(msg, buffers)
+    assert store.missing({GOOD: 1}) == [GOOD] and list((tmp_path / "store" / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("msg, buffers, problem", [
+    ({"t": messages.FILE, "n": 0, "off": 0}, [b"x"], "starts with a FILE header"),
+    ({"t": messages.FILE, "files": [["a", 1, False]]}, [b"x"], "with no buffer"),
+    ({"t": messages.FILE, "files": "a"}, [], "header lists"),
+    ({"t": messages.BLOB, "files": []}, [], "expected a FILE"),
+])
+def test_malformed_file_messages_write_nothing(tmp_path, msg, buffers, problem):
+    with pytest.raises(FolderError, match=problem):
+        transfer.FileReceiver(tmp_path / "back").feed(msg, buffers)
+    assert not (tmp_path / "back").exists()
