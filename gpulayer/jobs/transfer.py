@@ -243,25 +243,21 @@ class BlobReceiver:
 
     def feed(self, msg: messages.Message, buffers: list[Any]) -> bool:
         """Take one BLOB message (or an ERROR from the sender, which raises FolderError)."""
-        if msg.get("t") == messages.ERROR:
-            self._fail(f"the upload stopped: {messages.printable(msg.get('message'))}")
-        problem = messages.check_blob(msg, len(buffers)) if msg.get("t") == BLOB else "expected a BLOB message"
-        if problem is not None:
-            self._fail(problem)
+        _check(self, msg, len(buffers), BLOB, messages.check_blob, "the upload stopped")
         if "pack" in msg:
             return self._unpack(msg["pack"], buffers[0] if buffers else b"")
         digest, offset, size = msg["d"], msg["off"], msg["size"]
         if self._current is None:
             if self.left.get(digest) != size or offset != 0:
-                self._fail(f"blob {digest[:16]} of {size} bytes at {offset} was not asked for, or not from its start")
+                _refuse(self, f"blob {digest[:16]} of {size} bytes at {offset} was not asked for, or not from its start")
             self._current, self._offset, self._hash = digest, 0, hashlib.new(DIGEST)
             self._sink.run(partial(self._open, digest, size))
         elif self._current != digest or self._offset != offset:
-            self._fail(f"blob {digest[:16]} at {offset}: expected {self._current[:16]} at {self._offset}")
+            _refuse(self, f"blob {digest[:16]} at {offset}: expected {self._current[:16]} at {self._offset}")
         if buffers:
             view = memoryview(buffers[0]).cast("B")
             if self._offset + view.nbytes > size:
-                self._fail(f"blob {digest[:16]} got more than the {size} bytes announced")
+                _refuse(self, f"blob {digest[:16]} got more than the {size} bytes announced")
             self._offset += view.nbytes
             self.received += view.nbytes
             self._hash.update(view)  # here, while the disk thread writes what came before
@@ -277,7 +273,7 @@ class BlobReceiver:
         view = memoryview(chunk).cast("B")
         if self._current is not None or not all(self.left.get(p[0]) == p[1] for p in pack) \
                 or sum(p[1] for p in pack) != view.nbytes or len({p[0] for p in pack}) != len(pack):
-            self._fail("a BLOB pack lists blobs not asked for, or not what its chunk holds")
+            _refuse(self, "a BLOB pack lists blobs not asked for, or not what its chunk holds")
         offset = 0
         for digest, size in pack:
             data = view[offset:offset + size]
@@ -309,16 +305,29 @@ class BlobReceiver:
         writer, self._writer = self._writer, None
         writer.commit(hashed)
 
-    def _fail(self, message: str) -> NoReturn:
-        self.abort()
-        raise FolderError(message)
-
     def abort(self) -> None:
         """Drop the blob being received (the connection broke, or the upload was refused)."""
         self._sink.stop()
         if self._writer is not None:
             self._writer.abort()
             self._writer = None
+
+
+def _refuse(receiver: _Receiver, message: str) -> NoReturn:
+    """Drop what the receiver holds, and raise FolderError."""
+    receiver.abort()
+    raise FolderError(message)
+
+
+def _check(receiver: _Receiver, msg: messages.Message, buffers: int, kind: str,
+           check: Callable[[messages.Message, int], str | None], stopped: str) -> None:
+    """Refuse (`_refuse`) what is not a well-formed message of `kind`; an ERROR from the sender says why it
+    `stopped`."""
+    if msg.get("t") == messages.ERROR:
+        _refuse(receiver, f"{stopped}: {messages.printable(msg.get('message'))}")
+    problem = check(msg, buffers) if msg.get("t") == kind else f"expected a {kind.upper()} message"
+    if problem is not None:
+        _refuse(receiver, problem)
 
 
 class _Pool:
@@ -449,21 +458,17 @@ class FileReceiver:
 
     def feed(self, msg: messages.Message, buffers: list[Any]) -> bool:
         """Take one FILE message (or the sender's ERROR, which raises FolderError); True when all came."""
-        if msg.get("t") == messages.ERROR:
-            self._fail(f"the peer stopped the fetch: {messages.printable(msg.get('message'))}")
-        problem = messages.check_file(msg, len(buffers)) if msg.get("t") == FILE else "expected a FILE message"
-        if problem is not None:
-            self._fail(problem)
+        _check(self, msg, len(buffers), FILE, messages.check_file, "the peer stopped the fetch")
         if self.files is None:
             if "files" not in msg:
-                self._fail("a fetch starts with a FILE header")
+                _refuse(self, "a fetch starts with a FILE header")
             self._start(msg["files"])
         else:
             index, size = self._next, self.files[self._next][1] if not self.done else 0
             n = memoryview(buffers[0]).nbytes
             if self.done or msg.get("n") != index or msg.get("off") != self._offset or not n \
                     or self._offset + n > size:
-                self._fail(f"a FILE chunk out of place: file {msg.get('n')!r} at {msg.get('off')!r}, {n} bytes")
+                _refuse(self, f"a FILE chunk out of place: file {msg.get('n')!r} at {msg.get('off')!r}, {n} bytes")
             self._offset += n
             self.received += n
             self._sink.run(partial(self._write, index, buffers[0]), n)
@@ -481,12 +486,12 @@ class FileReceiver:
 
     def _start(self, files: list[list[Any]]) -> None:
         if len(files) > MAX_LISTED:
-            self._fail(f"a FILE header lists more than {MAX_LISTED} files")
+            _refuse(self, f"a FILE header lists more than {MAX_LISTED} files")
         paths = [f[0] for f in files]
         for rel in paths:
             check_relpath(rel, strict=True)
         if len(set(paths)) != len(paths):
-            self._fail("a FILE header names a file twice")
+            _refuse(self, "a FILE header names a file twice")
         self.dest.mkdir(parents=True, exist_ok=True)
         existing = []
         for rel in paths:
@@ -495,7 +500,7 @@ class FileReceiver:
                 existing.append(rel)
         if existing:
             shown = ", ".join(existing[:5]) + (f" and {len(existing) - 5} more" if len(existing) > 5 else "")
-            self._fail(f"would overwrite {shown} in {self.dest} (--force overwrites files)")
+            _refuse(self, f"would overwrite {shown} in {self.dest} (--force overwrites files)")
         self.files = files
 
     def _open(self, index: int) -> None:
@@ -527,10 +532,6 @@ class FileReceiver:
         self._fd = None
         os.replace(self._partial, self._target)
         self._partial = None
-
-    def _fail(self, message: str) -> NoReturn:
-        self.abort()
-        raise FolderError(message)
 
     def abort(self) -> None:
         """Remove the file being written; files already complete stay."""
