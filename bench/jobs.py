@@ -31,12 +31,15 @@ are given with their min and max.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
 import secrets
+import shlex
 import shutil
 import socket
+import subprocess
 import struct
 import sys
 import tempfile
@@ -61,7 +64,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20
 PIECE = transfer.CHUNK  # the raw socket's read and write size: the same as GPUlayer's chunks
 KEY_ENV = "JOBS_BENCH_KEY"  # the driver's random cluster key, handed to the two processes
-TARGETS = {"upload_over_raw": 0.8, "resubmit_bytes_over_folder": 0.01, "fetch_over_raw": 0.8}
+TARGETS = {"upload_over_raw": 0.8, "resubmit_bytes_over_folder": 0.01, "fetch_over_raw": 0.8,
+           "submit_first_line_ms": 150.0}
 LENGTH = struct.Struct(">Q")
 CPU = struct.Struct(">d")
 TIMEOUT = 600.0
@@ -374,6 +378,91 @@ def across_namespaces(workdir: Path, quick: bool, rounds: int, max_minutes: floa
     return measured
 
 
+# ---- 4. submit of a cached folder to the job's first output line, on one host --------------------------
+
+MARKER = "jobs-bench-first-line"
+FIRST_LINE = ["python", "-c", f"print({MARKER!r}, flush=True)"]
+
+
+def time_to_line(argv: list[str], env: dict, timeout: float = 120.0) -> float:
+    """Seconds from starting `argv` to the line MARKER on its output; the process is then left to end."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == MARKER:
+                seen = time.perf_counter() - started
+                break
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if seen is None:
+        raise RuntimeError(f"{shlex.join(argv)} never printed its first line (exit {proc.returncode})")
+    return seen
+
+
+def ray_head(env: dict, port: int) -> tuple[subprocess.Popen, str | None]:
+    """A local Ray head with its job server (the dashboard) on 127.0.0.1:`port`, held by a driver process
+    that ends it when its stdin closes (never `ray stop`, which would end other users' Ray too); the
+    process, and why it failed, or None."""
+    script = ("import sys, ray; ray.init(include_dashboard=True, dashboard_host='127.0.0.1', "
+              f"dashboard_port={port}, _node_ip_address='127.0.0.1', num_cpus=2, logging_level='ERROR'); "
+              "print('ready', flush=True); sys.stdin.read(); ray.shutdown()")
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    output = []
+    for line in proc.stdout:
+        if line.strip() == "ready":
+            return proc, None
+        output.append(line)
+    proc.wait()
+    return proc, "the Ray head did not start: " + " ".join(output[-3:]).strip()[-400:]
+
+
+def submit_latency(workdir: Path, rounds: int) -> dict:
+    """`gpulayer submit -f` of a cached working folder to the job's first output line, through a peer on
+    loopback, against `ray job submit` of the same folder to a local Ray head bound to 127.0.0.1."""
+    if importlib.util.find_spec("gpulayer.jobs_cli") is None:
+        return {"skipped": "this tree has no `gpulayer submit` (the jobs of issue 27 are not merged)"}
+    from support import PeerProcess
+
+    folder = workdir / "small-project"
+    make_folder(folder, 2, 1, 50, 4)
+    key = secrets.token_hex(16)
+    env = {**os.environ, "GPULAYER_KEY": key, "GPULAYER_INTERFACES": "127.0.0.1", "GPULAYER_CACHE": "0",
+           "XDG_STATE_HOME": str(workdir / "state"), "XDG_CACHE_HOME": str(workdir / "cache"),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    peer = PeerProcess(workdir, key, "jobs-bench", env=env).start()
+    out: dict = {"folder_bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())}
+    try:
+        env["GPULAYER_PEERS"] = peer.address
+        submit = [sys.executable, "-m", "gpulayer", "submit", "-f", "--accelerator", "cpu",
+                  "--working-dir", str(folder), "--", *FIRST_LINE]
+        out["gpulayer_first_s"] = time_to_line(submit, env)  # the folder goes up; later submits find it cached
+        out["gpulayer_s"] = spread([time_to_line(submit, env) for _ in range(rounds)])
+    finally:
+        peer.stop()
+    port = 18265 + secrets.randbelow(1000)
+    head, problem = ray_head(env, port)
+    try:
+        if problem is not None:
+            out["ray"] = {"skipped": problem}
+        else:
+            ray_submit = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
+                          f"http://127.0.0.1:{port}", "--working-dir", str(folder), "--", *FIRST_LINE]
+            out["ray_first_s"] = time_to_line(ray_submit, env)
+            out["ray_s"] = spread([time_to_line(ray_submit, env) for _ in range(rounds)])
+    finally:
+        if head.poll() is None:
+            head.communicate(timeout=60)
+    return out
+
+
 def gb_per_s(nbytes: int, seconds: list[float]) -> dict:
     return spread([nbytes / s / 1e9 for s in seconds])
 
@@ -405,6 +494,19 @@ def summarize(m: dict) -> dict:
             cable["max"] <= TARGETS["resubmit_bytes_over_folder"] and s["resubmit_content_bytes"] == 0,
         "fetch >= 0.8 x raw": s["fetch_over_raw"] >= TARGETS["fetch_over_raw"],
     }
+    return s
+
+
+def summarize_submit(m: dict) -> dict:
+    if "gpulayer_s" not in m:
+        return {"submit": m.get("skipped", "skipped")}
+    s = {"submit_first_line_ms": 1e3 * m["gpulayer_s"]["median"],
+         "submit_first_line_ms_range": [1e3 * m["gpulayer_s"]["min"], 1e3 * m["gpulayer_s"]["max"]]}
+    if "ray_s" in m:
+        s["ray_job_submit_first_line_ms"] = 1e3 * m["ray_s"]["median"]
+    else:
+        s["ray_job_submit"] = m.get("ray", {}).get("skipped", "skipped")
+    s["submit_target_met"] = s["submit_first_line_ms"] <= TARGETS["submit_first_line_ms"]
     return s
 
 
@@ -450,10 +552,15 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"Resubmit unchanged: on the wire,\n{100 * s['resubmit_cable_bytes_over_folder']:.3f}% "
                  f"of the folder, in {s['resubmit_seconds'] * 1e3:.0f} ms\n(scan: warm {s['scan_warm_s'] * 1e3:.0f} ms, "
                  f"cold {s['scan_cold_s']:.2f} s)")
+    fig.text(0.5, 0.01, "submit of a cached folder to the job's first output line, one host: " + (
+        f"gpulayer submit -f {s['submit_first_line_ms']:.0f} ms (target {TARGETS['submit_first_line_ms']:.0f}); "
+        + (f"ray job submit {s['ray_job_submit_first_line_ms']:.0f} ms" if "ray_job_submit_first_line_ms" in s
+           else f"ray job submit: {s.get('ray_job_submit')}")
+        if "submit_first_line_ms" in s else str(s.get("submit"))), ha="center", fontsize=9)
     m = result["machine"]
     fig.suptitle(f"GPUlayer jobs' folder transfer on {m['host']} ({m['cpus']} CPUs, load {m['load_before'][0]:.1f}), "
                  f"{m['date'][:10]}; bars: median of rounds, whiskers: min-max")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=100)
 
 
@@ -486,8 +593,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="jobs-bench-", dir=args.dir) as tmp:
         result["namespaces"] = ({"skipped": reason} if reason else
                                 across_namespaces(Path(tmp), args.quick, rounds, args.max_minutes))
+        result["submit"] = submit_latency(Path(tmp), rounds)
     result["machine"]["load_after"] = os.getloadavg()
     result["summary"] = {"skipped": reason} if reason else summarize(result["namespaces"])
+    result["summary"].update(summarize_submit(result["submit"]))
     write_results(result, args.json, args.plot, plot)
     return 0
 
