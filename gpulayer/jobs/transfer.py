@@ -274,19 +274,22 @@ class BlobReceiver:
         if self._current is not None or not all(self.left.get(p[0]) == p[1] for p in pack) \
                 or sum(p[1] for p in pack) != view.nbytes or len({p[0] for p in pack}) != len(pack):
             _refuse(self, "a BLOB pack lists blobs not asked for, or not what its chunk holds")
-        offset = 0
+        blobs, offset = [], 0
         for digest, size in pack:
             data = view[offset:offset + size]
-            self._sink.run(partial(self._store_whole, digest, data, hashlib.new(DIGEST, data).hexdigest()), size)
+            blobs.append((digest, data, hashlib.new(DIGEST, data).hexdigest()))
             offset += size
             del self.left[digest]
+        self._sink.run(partial(self._store_whole, blobs), view.nbytes)  # one piece of disk work for the pack
         self.received += view.nbytes
         return self.done
 
-    def _store_whole(self, digest: str, data: memoryview, hashed: str) -> None:
-        with self.store.writer(digest, len(data), caller_hashes=True) as writer:
-            writer.write(data)
-            writer.commit(hashed)
+    def _store_whole(self, blobs: list[tuple[str, memoryview, str]]) -> None:
+        """Store whole blobs: (digest, bytes, the digest they hashed to)."""
+        for digest, data, hashed in blobs:
+            with self.store.writer(digest, len(data), caller_hashes=True) as writer:
+                writer.write(data)
+                writer.commit(hashed)
 
     def finish(self) -> None:
         """Wait for the disk work; FolderError if a blob failed its check (nothing of it kept)."""
