@@ -116,7 +116,7 @@ class Manifest:
                     and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= 0
                     and isinstance(item[2], bool) and is_digest(item[3])):
                 raise FolderError("a manifest entry is [path, size >= 0, executable, sha256 hex]")
-            check_relpath(item[0], strict=True)
+            check_parts(item[0], strict=True)
             total += item[1]
             entries.append(Entry(item[0], item[1], item[2], item[3]))
         if total > limit:
@@ -136,6 +136,12 @@ def check_relpath(relpath: str, strict: bool = False) -> PurePosixPath:
 
     `strict` (a manifest's paths) also refuses what is not already normalised (`./a`, `a//b`, `a/`),
     a name over 255 bytes or a path over MAX_PATH, and `.git`."""
+    check_parts(relpath, strict)
+    return PurePosixPath(relpath)
+
+
+def check_parts(relpath: str, strict: bool = False) -> list[str]:
+    """`check_relpath`'s checks, without making a PurePosixPath (the hot path of a manifest): its names."""
     if not isinstance(relpath, str) or "\x00" in relpath:
         raise FolderError(f"not a path: {relpath!r}")
     if relpath.startswith("/"):
@@ -144,12 +150,12 @@ def check_relpath(relpath: str, strict: bool = False) -> PurePosixPath:
     if ".." in parts:
         raise FolderError(f"{relpath!r} goes up with '..': only paths inside the job's folder are allowed")
     if strict:
-        if "" in parts or "." in parts or len(relpath.encode()) > MAX_PATH \
-                or any(len(part.encode()) > 255 for part in parts):
+        if "" in parts or "." in parts or len(relpath) > MAX_PATH // 4 and len(relpath.encode()) > MAX_PATH \
+                or any(len(part) > 63 and len(part.encode()) > 255 for part in parts):
             raise FolderError(f"{relpath!r} is not a normalised relative path of a file")
         if NEVER_SHIPPED in parts:
             raise FolderError(f"{relpath!r} is inside {NEVER_SHIPPED}/, which is never shipped")
-    return PurePosixPath(relpath)
+    return parts
 
 
 def _check_tree(entries: list[Entry]) -> None:
@@ -157,7 +163,12 @@ def _check_tree(entries: list[Entry]) -> None:
     files = {e.path for e in entries}
     if len(files) != len(entries):
         raise FolderError("a manifest names the same path twice")
-    folders = {e.path[:i] for e in entries for i, ch in enumerate(e.path) if ch == "/"}
+    folders = set()
+    for e in entries:
+        cut = e.path.rfind("/")
+        while cut > 0 and e.path[:cut] not in folders:
+            folders.add(e.path[:cut])
+            cut = e.path.rfind("/", 0, cut)
     clash = files & folders
     if clash:
         folder = min(clash)
@@ -468,8 +479,16 @@ class BlobStore:
             return False
 
     def missing(self, blobs: Mapping[str, int]) -> list[str]:
-        """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks, in their order."""
-        return [digest for digest, size in blobs.items() if not self.has(digest, size)]
+        """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks, in their order.
+
+        The folders they would be in are listed first, so only blobs present are looked at one by one."""
+        for digest in blobs:
+            self.blob_path(digest)  # FolderError for what is not a digest
+        present: set[str] = set()
+        for prefix in {digest[:2] for digest in blobs}:
+            with contextlib.suppress(FileNotFoundError):
+                present.update(os.listdir(os.path.join(self.directory, prefix)))
+        return [digest for digest, size in blobs.items() if digest not in present or not self.has(digest, size)]
 
     def writer(self, digest: str, size: int, caller_hashes: bool = False) -> BlobWriter:
         """A writer for one blob of `size` bytes and this digest (`BlobWriter`)."""
@@ -544,7 +563,7 @@ def materialise(manifest: Manifest, store: BlobStore, dest: PathLike) -> None:
         raise FolderError(f"the job's folder {dest} exists already")
     entries = sorted(manifest.entries, key=lambda e: e.path)
     for e in entries:
-        check_relpath(e.path, strict=True)
+        check_parts(e.path, strict=True)
         if not is_digest(e.digest):
             raise FolderError(f"{e.path!r} has no valid digest")
     _check_tree(entries)
