@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -127,8 +128,12 @@ class Manifest:
         return cls(tuple(entries))
 
 
+_HEX_DIGEST = re.compile(f"[0-9a-f]{{{DIGEST_HEX}}}")
+
+
 def is_digest(value: Any) -> TypeGuard[str]:
-    return isinstance(value, str) and len(value) == DIGEST_HEX and not value.strip("0123456789abcdef")
+    """Whether `value` is a SHA-256 digest in lowercase hex."""
+    return isinstance(value, str) and _HEX_DIGEST.fullmatch(value) is not None
 
 
 def check_relpath(relpath: str, strict: bool = False) -> PurePosixPath:
