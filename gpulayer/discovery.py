@@ -26,7 +26,7 @@ from typing import Any
 
 import ifaddr
 from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, InterfaceChoice, IPVersion,
-                      ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf)
+                      ServiceBrowser, ServiceInfo, ServiceListener, ServiceStateChange, Zeroconf)
 
 from .errors import ConfigError
 from .resources.model import TXT_VALUE_MAX, Advert
@@ -352,6 +352,30 @@ def parse_address(item: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"bad peer address {item!r}: expected host:port")
     return host.strip("[]"), int(port)
+
+
+def every_peer(wait: float, interfaces: list[str] | None = None) -> list[tuple[str, int]]:
+    """The addresses of the peers of any cluster heard over mDNS within `wait` seconds (MAX_LOOKUPS names
+    at most): where a machine without a key looks for the peer of an invite (invite.py)."""
+    names: list[str] = []
+
+    def heard(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+        if state_change is ServiceStateChange.Added and name not in names and len(names) < MAX_LOOKUPS:
+            names.append(name)
+
+    zc = _zeroconf(interfaces)
+    try:
+        browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[heard], question_type=DNSQuestionType.QM)
+        threading.Event().wait(wait)
+        browser.cancel()
+        found = []
+        for name in list(names):
+            info = zc.get_service_info(SERVICE_TYPE, name, timeout=LOOKUP_TIMEOUT_MS)
+            if info is not None and info.port:
+                found += [(address, info.port) for address in info.parsed_addresses(IPVersion.V4Only)]
+        return found
+    finally:
+        zc.close()
 
 
 class Browser(ServiceListener):

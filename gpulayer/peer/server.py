@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from .. import discovery, security, shm, wire
+from .. import discovery, invite, security, shm, wire
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..matching import Requirements, match, missing_software
 from ..checks import check_concurrency, check_timeout
@@ -156,6 +156,7 @@ class Peer:
         self.held = held.HeldResults(held.limit_from_env(), grace_from_env())  # results kept (keep=True)
         self.sampler = Sampler(recorded=config.measured_from, on_sample=self._on_sample)
         self.reprobe = Reprobe(config.python)  # looks again for what tasks ask and the last probe missed
+        self.invites = invite.Invites(config.key, log.warning)  # open invite codes (invite.py)
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
@@ -338,6 +339,8 @@ class Peer:
 
     def authenticate(self, conn: Connection, msg: wire.Message) -> None:
         self._unauthenticated.pop(conn, None)
+        if msg["t"] in (wire.PAKE, wire.PAKE_CONFIRM):
+            return self._invite_step(conn, msg)
         checked = wire.check_auth(msg, self.config.key, conn.hello)
         if checked is None:
             self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
@@ -351,6 +354,20 @@ class Peer:
         self._receiving(conn.channel.reader, conn.client)
         self.scheduler.actors.connected(conn)
         self.held.connected(conn.client)
+
+    def _invite_step(self, conn: Connection, msg: wire.Message) -> None:
+        """One message of an invite's exchange (invite.py): unauthenticated, it can get the cluster key
+        for the right code and nothing else; the connection closes after it."""
+        reply, more = self.invites.step(conn, conn.hello, msg)
+        if reply["t"] == wire.ERROR:
+            return self.refuse(conn, reply["code"], reply["message"])
+        conn.channel.write(reply)
+        if more:
+            self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
+            return
+        log.info("gave the cluster key to %s, which had an invite's code", conn.address)
+        self.drop(conn)
+        conn.channel.close_gracefully()
 
     def _receiving(self, reader: wire.MessageReader, client: str) -> None:
         """Receive big buffers as this peer does: within the memory headroom, into segments where it has
@@ -379,6 +396,7 @@ class Peer:
     def drop(self, conn: Connection) -> None:
         """Forget a connection and cancel its tasks: its submitter is gone."""
         self._unauthenticated.pop(conn, None)
+        self.invites.forget(conn)
         if self._local is not None:
             self._local.forget(conn)
         if conn in self._connections:
@@ -438,6 +456,8 @@ class Peer:
                 self.scheduler.actors.cancel(conn, msg["id"])
         elif kind == wire.STATUS:
             conn.channel.write({**self.status(), "id": msg.get("id")})
+        elif kind == wire.INVITE:
+            conn.channel.write(self.invites.answer(msg))
         elif kind == wire.BYE:
             conn.channel.close()
             self.drop(conn)
