@@ -476,10 +476,12 @@ def start_peers(hosts_and_names: list[tuple[Host, str]], key: str, concurrency: 
 class RelayProcess:
     """tests/lan/lan_relay.py inside a namespace: routes LISTEN=TARGET, driven by JSON lines."""
 
-    def __init__(self, host: Host, routes: list[tuple[str, str]], delay_ms: float = 0.0, seed: int = 0):
+    def __init__(self, host: Host, routes: list[tuple[str, str]], delay_ms: float = 0.0, seed: int = 0,
+                 record: Path | None = None):
         self.host = host
         self.log_file = host.lan.workdir / f"relay-{host.label}.log"
         argv = [sys.executable, str(HERE / "lan_relay.py"), "--delay-ms", str(delay_ms), "--seed", str(seed)]
+        argv += ["--record", str(record)] if record is not None else []
         for listen, target in routes:
             argv += ["--route", f"{listen}={target}"]
         with open(self.log_file, "ab") as log:
