@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--key-file, default ~/.config/gpulayer/key), from the inviting peer found over mDNS "
                              "or at --seed")
     parser.add_argument("--seed", action="append", default=[], type=_seed, metavar="HOST:PORT",
-                        help="a peer to reach without mDNS (another subnet, say); repeatable")
+                        help="a peer to gossip with at first, beyond mDNS (another subnet, say), and where --invite "
+                             "looks; repeatable (GPULAYER_PEERS adds more)")
     parser.add_argument("--advertise-override", metavar="FILE", default=None,
                         help="JSON file replacing detected resources (operators and tests; see docs)")
     parser.add_argument("--measured-from", metavar="FILE", default=None,
@@ -106,6 +107,7 @@ def _workdir(text: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
+    from .. import discovery
     from ..discovery import check_name, configured_interfaces
 
     name = check_name(args.name)  # before the slow part: a name that cannot be advertised fails at once
@@ -129,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         drain_timeout=args.drain_timeout,
         workdir=args.workdir,
         measured_from=args.measured_from,
+        seeds=args.seed + discovery.static_peers(),
     )
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -35,7 +35,7 @@ from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
 from .workers import Worker
-from . import held
+from . import gossip, held
 from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, plan_slots
 
 log = logging.getLogger("gpulayer.peer")
@@ -62,6 +62,7 @@ class PeerConfig:
     worker_start_timeout: float = 120.0
     workdir: str | None = None  # where tasks start; None: a scratch folder removed at stop
     measured_from: str | None = None  # recorded readings replacing the measured utilisation (a test seam)
+    seeds: list[tuple[str, int]] = field(default_factory=list)  # peers to gossip with at first (gossip.py)
 
 
 class Connection:
@@ -157,6 +158,7 @@ class Peer:
         self.sampler = Sampler(recorded=config.measured_from, on_sample=self._on_sample)
         self.reprobe = Reprobe(config.python)  # looks again for what tasks ask and the last probe missed
         self.invites = invite.Invites(config.key, log.warning)  # open invite codes (invite.py)
+        self.gossip = gossip.Gossip(config.key, self.peer_id, [], config.seeds)  # its addresses once it listens
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
@@ -200,6 +202,8 @@ class Peer:
         if shm.enabled():
             self._local = LocalLinks(self._loop, self.quiet)
         self.scheduler.spawn(self._watchdog())
+        self.gossip.addresses = [(a, self.port) for a in discovery.advertised_addresses(self.config.interfaces)]
+        self.scheduler.spawn(gossip.rounds(self.gossip, self.port))
         self.sampler.start()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
@@ -458,6 +462,9 @@ class Peer:
             conn.channel.write({**self.status(), "id": msg.get("id")})
         elif kind == wire.INVITE:
             conn.channel.write(self.invites.answer(msg))
+        elif kind == wire.PEERS:
+            self.gossip.heard_from(conn.address.rpartition(":")[0], msg)
+            conn.channel.write({"t": wire.PEERS, "id": msg.get("id"), "peers": self.gossip.listing()})
         elif kind == wire.BYE:
             conn.channel.close()
             self.drop(conn)
