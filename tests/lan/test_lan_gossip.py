@@ -83,6 +83,11 @@ def test_a_submitter_with_one_seed_in_its_subnet_learns_and_uses_the_peers_beyon
     assert rows["b2"]["address"] == subnets.peers["b2"].address  # reached through the router
     assert not {"b1", "b2"} & {name.split("-")[0] for name in agent.call("heard")["names"]}  # no mDNS crossed
 
+    shown = host.run([sys.executable, "-m", "gpulayer", "peers", "--wait", str(LEARN_BOUND)],
+                     env=lan_env(subnets.key, GPULAYER_PEERS=subnets.peers["a1"].address))
+    found = {line.split()[0]: line.split()[3] for line in shown.stdout.splitlines()[1:]}  # NAME ... FOUND
+    assert found == {"a1": "static", "a2": "mdns", "b1": "gossip", "b2": "gossip"}, shown.stdout + shown.stderr
+
     ran = agent.call("run", fn="where", peer="b2")
     assert ran["ok"] and ran["value"] == "b2", ran
     out = agent.call("map", fn="square_where", items=list(range(40)), extra=[0.05], reply_timeout=180)
