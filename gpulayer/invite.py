@@ -24,6 +24,7 @@ import secrets
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ MAX_FAILED = 3  # wrong codes an invite takes before its peer closes it
 MAX_INVITES = 16  # open invites one peer holds at most
 MAX_SESSIONS = 32  # exchanges half done (a PAKE message answered, no proof yet) one peer holds at most
 SESSION_SECONDS = 10.0  # the time a joiner has between its two messages
+MAX_STARTS = 8  # exchanges a peer starts a second at most (each costs it about 10 ms of CPU)
 MAX_TTL = 24 * 3600.0
 MAX_USES = 100
 DEFAULT_TTL = 600.0
@@ -162,6 +164,7 @@ class Invites:
     clock: Callable[[], float] = time.monotonic
     open: dict[int, Invite] = field(default_factory=dict)  # channel -> invite
     _sessions: dict[object, _Session] = field(default_factory=dict)  # connection -> its exchange
+    _starts: deque[float] = field(default_factory=deque)  # when the exchanges of the last second started
 
     def make(self, ttl: float, uses: int) -> Invite:
         """Open an invite on a free channel; InviteError when MAX_INVITES are open."""
@@ -219,6 +222,12 @@ class Invites:
                                          "(expired, used up, closed, or made on another peer)"), False
         if conn in self._sessions or not isinstance(joiner, bytes):
             return wire.error("protocol", "a PAKE needs 'm', once a connection"), False
+        now = self.clock()
+        while self._starts and self._starts[0] <= now - 1.0:
+            self._starts.popleft()
+        if len(self._starts) >= MAX_STARTS:
+            return wire.error("busy", f"more than {MAX_STARTS} exchanges a second: try again"), False
+        self._starts.append(now)
         spake = _spake(invite.code.encode(), 1)
         peer = spake.start()
         try:
@@ -228,8 +237,7 @@ class Invites:
         said = transcript(channel, hello, joiner, peer)
         while len(self._sessions) >= MAX_SESSIONS:
             del self._sessions[next(iter(self._sessions))]  # the oldest goes: a flood never locks the right one out
-        self._sessions[conn] = _Session(invite, said, security.invite_keys(shared, said),
-                                        self.clock() + SESSION_SECONDS)
+        self._sessions[conn] = _Session(invite, said, security.invite_keys(shared, said), now + SESSION_SECONDS)
         return {"t": wire.PAKE, "m": peer}, True
 
     def forget(self, conn: object) -> None:

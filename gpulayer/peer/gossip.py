@@ -3,7 +3,8 @@
 Each peer keeps the members it has verified itself: peers whose handshake it ran (their HELLO named
 the id, at the address it connected to), with the time of the freshest verification it knows of.
 Once a round (GOSSIP_ROUND) it runs one exchange: it connects to a hint (an address it heard of and
-has not verified), else to a seed it has no member at, else to a random member, proves the key
+has not verified), else to a seed it has no member at, else to a random member (of those half way
+to ageing out, when there are some), proves the key
 both ways, sends its list and its port in a PEERS message and merges the list that comes back.
 Lists travel only over the secure channel, between key holders; an entry is a peer id, its
 addresses and the age of its last verification, never an advert. An id that is not a member yet
@@ -29,7 +30,7 @@ from ..errors import GPULayerError
 
 log = logging.getLogger("gpulayer.peer")
 
-GOSSIP_ROUND = 1.0  # seconds between a peer's exchanges
+GOSSIP_ROUND = 2.0  # seconds between a peer's exchanges
 MAX_HINTS = 64  # addresses heard of and not verified yet
 EXCHANGE_TIMEOUT = 3.0
 
@@ -108,8 +109,9 @@ class Gossip:
             del self.members[peer_id]
 
     def next_target(self) -> list[Address] | None:
-        """Whom to verify this round: the oldest hint, else a seed due with no member there, else a
-        random member; None when there is nobody."""
+        """Whom to verify this round: the oldest hint, else a seed due with no member there, else a random
+        member of those not verified for half of AGE_OUT (the others, when none is), so that the members
+        aging out get the rounds; None when there is nobody."""
         self.age_out()
         if self.hints:
             return list(next(iter(self.hints)))
@@ -118,7 +120,8 @@ class Gossip:
         seeds = [seed for seed, due in self.seeds.items() if due <= now and seed not in at_members]
         if seeds:
             return [random.choice(seeds)]
-        return random.choice([m.addresses for m in self.members.values()]) if self.members else None
+        stale = [m.addresses for m in self.members.values() if now - m.verified >= AGE_OUT / 2]
+        return random.choice(stale or [m.addresses for m in self.members.values()]) if self.members else None
 
     def exchange(self, addresses: list[Address], port: int, listing: list[dict[str, Any]]) -> tuple[str, Any]:
         """Connect to the first of `addresses` that answers, prove the key both ways, send `listing` and

@@ -230,7 +230,8 @@ class Lan:
 
     def add_router(self, other: Lan) -> Host:
         """A host of this LAN with a second leg (eth1) on `other`'s bridge that forwards unicast between
-        the two subnets (each LAN's hosts route the other's subnet through it); multicast stays put."""
+        them: this LAN's hosts route `other`'s subnet through it, and `other`'s hosts all of 10.77.0.0/16
+        (so that LANs joined to one hub reach each other); multicast stays put."""
         router = self.add_host("router")
         index = other.next_index()
         leg, address = f"gl{other.id}h{index}", f"{other.subnet}{index}"
@@ -242,7 +243,7 @@ class Lan:
         ip("-n", router.ns, "link", "set", "eth1", "up")
         ip("netns", "exec", router.ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         self.route(f"{other.subnet}0/{other.prefix_len}", router.ip)
-        other.route(f"{self.subnet}0/{self.prefix_len}", address)
+        other.route("10.77.0.0/16", address)  # this LAN, and the others that it routes to
         return router
 
     def close(self) -> None:

@@ -77,3 +77,21 @@ def test_a_confirmation_without_an_exchange_is_a_protocol_error():
     invites.make(60, 1)
     reply, more = invites.step(object(), {}, {"t": wire.PAKE_CONFIRM, "mac": b"x" * 32})
     assert reply["code"] == "protocol" and not more
+
+
+def test_a_peer_starts_at_most_max_starts_exchanges_a_second():
+    from spake2 import SPAKE2_A
+
+    clock = Clock()
+    invites = invite.Invites(b"k" * 32, print, clock)
+    made = invites.make(60, 1)
+    hello = {"t": wire.HELLO, "peer": "p", "nonce": b"n"}
+
+    def start():
+        return invites.step(object(), hello, {"t": wire.PAKE, "ch": made.channel, "m": SPAKE2_A(b"guess").start()})
+
+    assert all(start()[1] for _ in range(invite.MAX_STARTS))
+    reply, more = start()
+    assert reply["code"] == "busy" and not more
+    clock.now += 1.0
+    assert start()[1]
