@@ -10,21 +10,25 @@ listed for up to about 19 minutes, so liveness is the client's job.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import secrets
 import selectors
 import socket
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ifaddr
+import zeroconf._core as zeroconf_core
+import zeroconf._utils.net as zeroconf_net
 from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, InterfaceChoice, IPVersion,
                       ServiceBrowser, ServiceInfo, ServiceListener, ServiceStateChange, Zeroconf)
 
@@ -60,10 +64,53 @@ def configured_interfaces(interfaces: list[str] | None = None) -> list[str] | No
 
 
 def _zeroconf(interfaces: list[str] | None) -> Zeroconf:
-    """A Zeroconf on its own thread, even when called from inside a running event loop."""
+    """A Zeroconf on its own thread, even when called from inside a running event loop, with its
+    sockets bound to the mDNS group where the system allows it (`group_sockets`)."""
     choice = interfaces if interfaces else InterfaceChoice.All
+
+    def make() -> Zeroconf:
+        if not GROUP_BOUND:
+            return Zeroconf(interfaces=choice, ip_version=IPVersion.V4Only)
+        with _SOCKETS_LOCK:  # zeroconf looks its socket factory up by name when it starts
+            setattr(zeroconf_core, "create_sockets", group_sockets)
+            try:
+                return Zeroconf(interfaces=choice, ip_version=IPVersion.V4Only)
+            finally:
+                setattr(zeroconf_core, "create_sockets", zeroconf_net.create_sockets)
+
     with ThreadPoolExecutor(1) as pool:  # no event loop runs there, so zeroconf starts its own thread
-        return pool.submit(Zeroconf, interfaces=choice, ip_version=IPVersion.V4Only).result()
+        return pool.submit(make).result()
+
+
+GROUP_BOUND = sys.platform.startswith(("linux", "darwin"))  # systems that bind a socket to a multicast group
+_SOCKETS_LOCK = threading.Lock()
+_IP_MULTICAST_ALL = 49  # Linux: deliver to a socket only the groups it joined itself (0)
+
+
+def group_sockets(interfaces: zeroconf_net.InterfacesType, unicast: bool, ip_version: IPVersion,
+                  apple_p2p: bool = False) -> tuple[socket.socket | None, list[socket.socket]]:
+    """zeroconf's sockets (`create_sockets`), bound to 224.0.0.251:5353 instead of the wildcard and
+    each interface's address: they receive what is sent to the mDNS group and nothing sent to this
+    host's own addresses, so that unicast queries to port 5353 (RFC 6762 section 6.7; `dig -p 5353
+    @HOST`) reach the system's responder (avahi, mDNSResponder), which binds the wildcard. Bound to a
+    group, a socket sends from the address of the interface that IP_MULTICAST_IF picks, from port
+    5353. The listen socket joins the group on every interface; each interface's responder only sends."""
+    listen = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP,), ip_version=IPVersion.V4Only, apple_p2p=apple_p2p)
+    if listen is None:
+        return zeroconf_net.create_sockets(interfaces, unicast, ip_version, apple_p2p)
+    responders = []
+    for interface in zeroconf_net.normalize_interface_choice(interfaces, IPVersion.V4Only):
+        if not zeroconf_net.add_multicast_member(listen, interface):
+            continue
+        sock = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP,), ip_version=IPVersion.V4Only, apple_p2p=apple_p2p)
+        if sock is None:
+            continue
+        if sys.platform.startswith("linux"):
+            sock.setsockopt(socket.IPPROTO_IP, _IP_MULTICAST_ALL, 0)  # no copy of what the listen socket gets
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(str(interface)))
+        zeroconf_net.set_respond_socket_multicast_options(sock, IPVersion.V4Only)
+        responders.append(sock)
+    return listen, responders
 
 
 def advertised_addresses(interfaces: list[str] | None) -> list[str]:
@@ -96,8 +143,17 @@ def instance_label(name: str, peer_id: str) -> str:
     return shown.encode()[:room].decode("utf-8", "ignore") + suffix
 
 
+ANNOUNCEMENTS = 3  # of a record, and of each update (RFC 6762 section 8.3: at least 2, at most 8)
+ANNOUNCE_PAUSE = 1.0  # seconds from the first to the second; each later pause doubles the last gap
+
+
 class Advertiser:
-    """Publishes one peer's advert over mDNS until `close()`, which sends a goodbye."""
+    """Publishes one peer's advert over mDNS until `close()`, which sends a goodbye.
+
+    The record is announced ANNOUNCEMENTS times, at once, then after 1 s, then after twice the last
+    gap (RFC 6762 section 8.3: at least one second apart, the interval doubling), and again so for each
+    update; it answers queries from the
+    first announcement on. No probing: the name holds the peer id."""
 
     def __init__(self, advert: Advert, port: int, interfaces: list[str] | None = None):
         self.zc = _zeroconf(interfaces)
@@ -109,16 +165,48 @@ class Advertiser:
             server=f"gpulayer-{advert.peer_id}.local.",
             parsed_addresses=advertised_addresses(interfaces),
         )
-        self.zc.register_service(self.info, cooperating_responders=True)
+        self._announcing: asyncio.Task[None] | None = None
+        self._on_loop(self._publish(self.info, new=True))
+
+    def _on_loop(self, coro: Coroutine[Any, Any, None]) -> None:
+        assert self.zc.loop is not None
+        asyncio.run_coroutine_threadsafe(coro, self.zc.loop).result(LOOKUP_TIMEOUT_MS / 1000)
+
+    async def _publish(self, info: ServiceInfo, new: bool) -> None:
+        """Put `info` in the registry (it answers queries), announce it now, and later on the schedule."""
+        if new:
+            info.set_server_if_missing()
+            await self.zc.async_wait_for_start()
+            self.zc.registry.async_add(info)
+        else:
+            self.zc.registry.async_update(info)
+        if self._announcing is not None:
+            self._announcing.cancel()
+        out = self.zc.generate_service_broadcast(info, None)
+        self.zc.async_send(out)
+        self._announcing = asyncio.ensure_future(self._announce_later(out, time.monotonic()))
+
+    async def _announce_later(self, out: DNSOutgoing, last: float) -> None:
+        pause = ANNOUNCE_PAUSE
+        for _ in range(ANNOUNCEMENTS - 1):
+            await asyncio.sleep(pause)
+            now = time.monotonic()
+            self.zc.async_send(out)
+            pause, last = 2 * (now - last), now  # a late wake-up stretches the next pause too
+
+    async def _stop_announcing(self) -> None:
+        if self._announcing is not None:
+            self._announcing.cancel()
 
     def update(self, advert: Advert) -> None:
         """Publish a new TXT record for the same service (what a new probe found)."""
         self.info = ServiceInfo(SERVICE_TYPE, self.info.name, port=self.info.port, properties=advert.to_txt(),
                                 server=self.info.server, addresses=self.info.addresses)
-        self.zc.update_service(self.info)
+        self._on_loop(self._publish(self.info, new=False))
 
     def close(self) -> None:
         try:
+            self._on_loop(self._stop_announcing())
             self.zc.unregister_service(self.info)
         finally:
             self.zc.close()

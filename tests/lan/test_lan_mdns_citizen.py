@@ -1,0 +1,88 @@
+"""GPUlayer next to the system's mDNS responder (issue 30, item 4): avahi-daemon still answers the
+unicast queries sent to this host's port 5353 while a peer runs beside it, the peer is still found and
+used, and the peer announces itself on RFC 6762 section 8.3's schedule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from lanlab import HERE, Lan, LanUnavailable, lan_env, why_unavailable
+from support import new_key, wait_until
+
+from gpulayer.discovery import ANNOUNCEMENTS
+
+AVAHI_CONF = """[server]
+host-name={name}
+use-ipv4=yes
+use-ipv6=no
+enable-dbus=no
+allow-interfaces=eth0
+[publish]
+publish-addresses=yes
+publish-hinfo=no
+publish-workstation=no
+"""
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory):
+    reason = why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    try:
+        lan = Lan(tmp_path_factory.mktemp("citizen"))
+    except LanUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield lan
+    finally:
+        lan.close()
+    assert not lan.leftovers()
+
+
+def answer(asker, host, name: str) -> str:
+    """`dig -p 5353 @HOST NAME.local A` from `asker`: the address that came back, or why none did."""
+    done = asker.run(["dig", "-p", "5353", f"@{host.ip}", f"{name}.local", "A", "+time=1", "+tries=1", "+short"])
+    return done.stdout.strip() or "no answer"
+
+
+def test_avahi_keeps_answering_unicast_queries_while_a_peer_runs_next_to_it(net):
+    if not (shutil.which("avahi-daemon") and shutil.which("dig")):
+        pytest.skip("needs avahi-daemon and dig (apt-get install avahi-daemon dnsutils; .ci/run installs them)")
+    host, asker = net.add_host("avahi"), net.add_host("asker")
+    conf = net.workdir / "avahi-daemon.conf"
+    conf.write_text(AVAHI_CONF.format(name=host.ns))
+    # its own /run (the pid file and socket of the host's avahi, if any, stay untouched)
+    host.popen(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /run && exec avahi-daemon -f "
+                f"{conf} --no-drop-root --no-chroot --no-rlimits"], lan_env(None),
+               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(lambda: answer(asker, host, host.ns) == host.ip, 30, interval=0.2)
+
+    key = new_key()
+    host.start_peer("beside-avahi", key, 1).wait_ready()
+    assert answer(asker, host, host.ns) == host.ip  # still avahi's: the peer took none of its unicast queries
+
+    agent = asker.agent(key, name="finds-it")
+    agent.call("configure")
+    assert agent.call("wait_names", present=["beside-avahi"], timeout=10)["ok"]
+    ran = agent.call("run", fn="where", peer="beside-avahi")
+    assert ran["ok"] and ran["value"] == "beside-avahi", ran
+
+
+def test_a_peer_announces_itself_at_least_a_second_apart_the_gaps_doubling(net):
+    listener, host = net.add_host("listener"), net.add_host("announcer")
+    capture = listener.popen([sys.executable, str(HERE / "lan_mdns_capture.py"), "--seconds", "60", "--source",
+                              host.ip, "--count", str(ANNOUNCEMENTS)], lan_env(None), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert json.loads(capture.stdout.readline())["ready"]
+    host.start_peer("announcer", new_key(), 1).wait_ready()
+    packets = json.loads(capture.stdout.readline())["packets"]
+    capture.wait(10)
+    times = [t for t, _ in packets]
+    assert len(times) == ANNOUNCEMENTS, packets  # within a minute
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    # sleeps are never shorter than asked; 20 ms allows for the capture's own clock reading
+    assert gaps[0] >= 1.0 - 0.02 and all(later >= 2 * earlier - 0.02 for earlier, later in zip(gaps, gaps[1:])), gaps
