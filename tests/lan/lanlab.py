@@ -62,6 +62,19 @@ def why_unavailable() -> str | None:
     return None
 
 
+def new_lan(workdir: Path, **options) -> Lan:
+    """A Lan (`options` as Lan's), or a pytest skip that says why none can be made here."""
+    import pytest
+
+    reason = why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    try:
+        return Lan(workdir, **options)
+    except LanUnavailable as exc:
+        pytest.skip(str(exc))
+
+
 def lan_env(key: str | None, **extra: str) -> dict:
     """The environment of a process inside a namespace.
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from lanlab import HERE, Lan, LanUnavailable, lan_env, why_unavailable
+from lanlab import HERE, lan_env, new_lan
 from support import new_key, wait_until
 
 from gpulayer.discovery import ANNOUNCEMENTS
@@ -30,13 +30,7 @@ publish-workstation=no
 
 @pytest.fixture(scope="module")
 def net(tmp_path_factory):
-    reason = why_unavailable()
-    if reason:
-        pytest.skip(reason)
-    try:
-        lan = Lan(tmp_path_factory.mktemp("citizen"))
-    except LanUnavailable as exc:
-        pytest.skip(str(exc))
+    lan = new_lan(tmp_path_factory.mktemp("citizen"))
     try:
         yield lan
     finally:
