@@ -167,13 +167,15 @@ class Client:
         except (OSError, GPULayerError) as exc:
             self.static_errors[label] = str(exc)
 
-    def learn(self, addresses: list[tuple[str, int]]) -> None:
+    def learn(self, addresses: list[tuple[str, int]]) -> bool:
         """A peer that a key holder's list named (client/gossip.py): a hint until a handshake there proves
-        it; then its record has source "gossip"."""
+        it; then its record has source "gossip". False when none did."""
         try:
             self._open(addresses, "gossip")
         except (OSError, GPULayerError) as exc:
             log.debug("no peer proved at %s: %s", addresses, exc)
+            return False
+        return True
 
     def _wait_for_match(self, req: Requirements, excluded: Collection[str]) -> None:
         self.start()

@@ -3,8 +3,8 @@ verified peers, sends them its own, and proves each new one with its own handsha
 
 Every ASK_EVERY seconds (and at once when its first connection opens) it sends PEERS, with the peers
 it holds a live connection to, on one of its connections in turn. An id of the reply that it has not
-verified is a hint: the engine connects there (`learn`), and only a handshake that proves the id adds
-the peer, with source "gossip". A peer learned so that the lists no longer name, and that it holds no
+verified is a hint: the engine connects there (`learn`; addresses where that failed wait AGE_OUT), and
+only a handshake that proves the id adds the peer, with source "gossip". A peer learned so that the lists no longer name, and that it holds no
 connection to, is dropped (the lists drop a peer AGE_OUT after its last verification anywhere).
 """
 
@@ -34,7 +34,7 @@ class Learner(Protocol):
 
     def pooled(self, peer_id: str) -> PeerConnection | None: ...
 
-    def learn(self, addresses: list[tuple[str, int]]) -> None: ...
+    def learn(self, addresses: list[tuple[str, int]]) -> bool: ...
 
 
 class Gossip:
@@ -45,7 +45,8 @@ class Gossip:
         self.stop = stop
         self.run_soon = run_soon  # runs a handshake on the engine's helpers
         self._turn = itertools.count()
-        self.asked = 0
+        self._lock = threading.Lock()
+        self._trying: dict[tuple[tuple[str, int], ...], float] = {}  # addresses -> when they may be tried again
 
     def run(self) -> None:
         wait = FIRST_ASK_POLL
@@ -73,18 +74,29 @@ class Gossip:
         except (OSError, GPULayerError, TimeoutError) as exc:
             log.debug("no list from %s: %s", conn.name, exc)
             return True
-        self.asked += 1
         self.take(discovery.gossip_entries(reply.get("peers")))
         return True
+
+    def _learn(self, addresses: list[tuple[str, int]]) -> None:
+        if self.engine.learn(addresses):
+            with self._lock:
+                self._trying.pop(tuple(addresses), None)
 
     def take(self, entries: list[tuple[str, list[tuple[str, int]], float]]) -> None:
         """Prove the peers the list names that this submitter has not verified; drop the learned ones it
         no longer names (unless connected)."""
         named = {peer_id for peer_id, _, _ in entries}
+        now = time.monotonic()
+        with self._lock:
+            self._trying = {addresses: due for addresses, due in self._trying.items() if due > now}
         for peer_id, addresses, _ in entries:
             record = self.engine.directory.get(peer_id)
             if record is None or not record.verified:
-                self.run_soon(self.engine.learn, addresses)
+                with self._lock:  # one handshake at a time at an address; one that failed waits AGE_OUT
+                    if self._trying.get(tuple(addresses), 0.0) > now:
+                        continue
+                    self._trying[tuple(addresses)] = now + discovery.AGE_OUT
+                self.run_soon(self._learn, addresses)
         for record in self.engine.directory.records():
             peer_id = record.advert.peer_id
             if record.source == "gossip" and peer_id not in named and self.engine.pooled(peer_id) is None:
