@@ -11,6 +11,7 @@ listed for up to about 19 minutes, so liveness is the client's job.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from typing import Any
 import ifaddr
 import zeroconf._core as zeroconf_core
 import zeroconf._utils.net as zeroconf_net
-from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, InterfaceChoice, IPVersion,
+from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, DNSRecord, InterfaceChoice, IPVersion,
                       ServiceBrowser, ServiceInfo, ServiceListener, ServiceStateChange, Zeroconf)
 
 from .errors import ConfigError
@@ -42,6 +43,7 @@ INTERFACES_ENV = "GPULAYER_INTERFACES"
 PEERS_ENV = "GPULAYER_PEERS"
 CACHE_ENV = "GPULAYER_CACHE"
 _MDNS_GROUP = "224.0.0.251"
+_MDNS_PORT = 5353
 _TYPE_PTR, _CLASS_IN = 12, 1
 MAX_RECORDS = 1024  # unverified claims a directory holds at most
 MAX_CLAIMS = 8  # unverified claims to one peer id at most (each costs a handshake when the peer is needed)
@@ -70,16 +72,42 @@ def _zeroconf(interfaces: list[str] | None) -> Zeroconf:
 
     def make() -> Zeroconf:
         if not GROUP_BOUND:
-            return Zeroconf(interfaces=choice, ip_version=IPVersion.V4Only)
+            return Responder(interfaces=choice, ip_version=IPVersion.V4Only)
         with _SOCKETS_LOCK:  # zeroconf looks its socket factory up by name when it starts
             setattr(zeroconf_core, "create_sockets", group_sockets)
             try:
-                return Zeroconf(interfaces=choice, ip_version=IPVersion.V4Only)
+                return Responder(interfaces=choice, ip_version=IPVersion.V4Only)
             finally:
                 setattr(zeroconf_core, "create_sockets", zeroconf_net.create_sockets)
 
     with ThreadPoolExecutor(1) as pool:  # no event loop runs there, so zeroconf starts its own thread
         return pool.submit(make).result()
+
+
+LEGACY_UNICAST_TTL = 10  # seconds at most in an answer to a query from a port other than 5353 (RFC 6762 6.7)
+
+
+class Responder(Zeroconf):
+    """zeroconf's Zeroconf, whose answers to legacy unicast queries (sent from a port other than 5353,
+    as `dig` and our own `query_now` do) carry TTLs of at most LEGACY_UNICAST_TTL: such a querier is
+    no full mDNS resolver, and would keep a record for an hour (RFC 6762 section 6.7)."""
+
+    def async_send(self, out: DNSOutgoing, addr: str | None = None, port: int = _MDNS_PORT,
+                   v6_flow_scope: tuple[()] | tuple[int, int] = (),
+                   transport: Any = None) -> None:
+        if addr is not None and port != _MDNS_PORT:
+            out.answers = [(_capped(record), when) for record, when in out.answers]
+            out.additionals = [_capped(record) for record in out.additionals]
+        super().async_send(out, addr, port, v6_flow_scope, transport)
+
+
+def _capped(record: DNSRecord) -> DNSRecord:
+    """The record, or a copy of it with a TTL of LEGACY_UNICAST_TTL when its own is longer."""
+    if record.ttl <= LEGACY_UNICAST_TTL:
+        return record
+    capped = copy.copy(record)  # the registry's record keeps its TTL for multicast answers
+    capped.ttl = LEGACY_UNICAST_TTL
+    return capped
 
 
 GROUP_BOUND = sys.platform.startswith(("linux", "darwin"))  # systems that bind a socket to a multicast group

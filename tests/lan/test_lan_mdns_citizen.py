@@ -13,7 +13,7 @@ import pytest
 from lanlab import HERE, lan_env, new_lan
 from support import new_key, wait_until
 
-from gpulayer.discovery import ANNOUNCEMENTS
+from gpulayer.discovery import ANNOUNCEMENTS, LEGACY_UNICAST_TTL
 
 AVAHI_CONF = """[server]
 host-name={name}
@@ -36,6 +36,19 @@ def net(tmp_path_factory):
     finally:
         lan.close()
     assert not lan.leftovers()
+LEGACY_QUERY = """
+import json, socket, time
+from zeroconf import DNSIncoming, DNSOutgoing, DNSQuestion
+query = DNSOutgoing(0, multicast=False, id_=4242)
+query.add_question(DNSQuestion("_gpulayer._tcp.local.", 12, 1))
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.bind(("0.0.0.0", 0))  # an ephemeral port: a legacy unicast query (RFC 6762 section 6.7)
+for packet in query.packets():
+    sock.sendto(packet, ("224.0.0.251", 5353))
+sock.settimeout(2.0)
+answer = DNSIncoming(sock.recv(9000))
+print(json.dumps([[r.name, r.type, r.ttl] for r in answer.answers()]))
+"""
 
 
 def answer(asker, host, name: str) -> str:
@@ -65,6 +78,16 @@ def test_avahi_keeps_answering_unicast_queries_while_a_peer_runs_next_to_it(net)
     assert agent.call("wait_names", present=["beside-avahi"], timeout=10)["ok"]
     ran = agent.call("run", fn="where", peer="beside-avahi")
     assert ran["ok"] and ran["value"] == "beside-avahi", ran
+
+
+def test_answers_to_a_legacy_unicast_query_carry_ttls_of_ten_seconds_at_most(net):
+    host, asker = net.add_host("answerer"), net.add_host("legacy")
+    host.start_peer("answerer", new_key(), 1).wait_ready()
+    done = asker.run([sys.executable, "-c", LEGACY_QUERY], env=lan_env(None))
+    assert done.returncode == 0, done.stderr
+    records = json.loads(done.stdout)
+    assert {kind for _, kind, _ in records} >= {12, 33, 16, 1}, records  # PTR, SRV, TXT, A: all of it came
+    assert all(0 < ttl <= LEGACY_UNICAST_TTL for _, _, ttl in records), records
 
 
 def test_a_peer_announces_itself_at_least_a_second_apart_the_gaps_doubling(net):
