@@ -29,7 +29,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import security, wire
+from . import security
+from .protocol import handshake, messages
+from .transport.blocking import BlockingConnection
 from .errors import ConfigError, GPULayerError, ProtocolError
 
 MAX_FAILED = 3  # wrong codes an invite takes before its peer closes it
@@ -133,6 +135,11 @@ def _spake(password: bytes, side: int) -> Any:
     return (SPAKE2_A if side == 0 else SPAKE2_B)(password, idA=_IDS[0], idB=_IDS[1])
 
 
+def _refusal(code: str, text: str, request_id: Any = None) -> messages.Message:
+    """An ERROR message (as a plain map: the peer reads its code)."""
+    return dict(messages.error(code, text, request_id))
+
+
 # ---- the peer's side --------------------------------------------------------------------------------
 
 @dataclass
@@ -175,28 +182,28 @@ class Invites:
         invite = self.open[channel] = Invite(channel, new_code(channel), self.clock() + ttl, uses)
         return invite
 
-    def answer(self, msg: Mapping[str, Any]) -> wire.Message:
+    def answer(self, msg: Mapping[str, Any]) -> messages.Message:
         """The reply to an authenticated INVITE request: the new code, or an ERROR."""
         problem = check_request(msg)
         if problem is not None:
-            return wire.error("bad-request", problem, msg.get("id"))
+            return _refusal("bad-request", problem, msg.get("id"))
         try:
             invite = self.make(float(msg["ttl"]), msg["uses"])
         except InviteError as exc:
-            return wire.error(REFUSED, str(exc), msg.get("id"))
-        return {"t": wire.INVITE, "id": msg.get("id"), "code": invite.code, "ttl": msg["ttl"], "uses": invite.uses}
+            return _refusal(REFUSED, str(exc), msg.get("id"))
+        return {"t": messages.INVITE, "id": msg.get("id"), "code": invite.code, "ttl": msg["ttl"], "uses": invite.uses}
 
-    def step(self, conn: object, hello: Mapping[str, Any], msg: Mapping[str, Any]) -> tuple[wire.Message, bool]:
+    def step(self, conn: object, hello: Mapping[str, Any], msg: Mapping[str, Any]) -> tuple[messages.Message, bool]:
         """The reply to one message of an exchange on `conn`, and whether the exchange goes on."""
         self._expire()
-        if msg["t"] == wire.PAKE:
+        if msg["t"] == messages.PAKE:
             return self._start(conn, hello, msg)
         session = self._sessions.pop(conn, None)
         if session is None:
-            return wire.error("protocol", "a PAKE_CONFIRM needs a PAKE first on this connection"), False
+            return _refusal("protocol", "a PAKE_CONFIRM needs a PAKE first on this connection"), False
         invite = session.invite
         if self.open.get(invite.channel) is not invite:
-            return wire.error(REFUSED, "the invite closed during the exchange"), False
+            return _refusal(REFUSED, "the invite closed during the exchange"), False
         joiner_key, peer_key, seal_key = session.keys
         if not security.proofs_equal(msg.get("mac"), _proof(joiner_key, session.said)):
             invite.failed += 1
@@ -207,38 +214,38 @@ class Invites:
             else:
                 self.warn(f"an attempt with a wrong code for the invite on channel {invite.channel} "
                           f"({invite.failed} of {MAX_FAILED})")
-            return wire.error(REFUSED, "wrong code"), False
+            return _refusal(REFUSED, "wrong code"), False
         invite.uses -= 1
         if not invite.uses:
             del self.open[invite.channel]
-        return {"t": wire.PAKE_CONFIRM, "mac": _proof(peer_key, session.said),
+        return {"t": messages.PAKE_CONFIRM, "mac": _proof(peer_key, session.said),
                 "box": _seal(seal_key, self.key, session.said)}, False
 
-    def _start(self, conn: object, hello: Mapping[str, Any], msg: Mapping[str, Any]) -> tuple[wire.Message, bool]:
+    def _start(self, conn: object, hello: Mapping[str, Any], msg: Mapping[str, Any]) -> tuple[messages.Message, bool]:
         channel, joiner = msg.get("ch"), msg.get("m")
         invite = self.open.get(channel) if isinstance(channel, int) and not isinstance(channel, bool) else None
         if invite is None:
-            return wire.error(NO_INVITE, f"no open invite on channel {wire.printable(channel, 12)} here "
+            return _refusal(NO_INVITE, f"no open invite on channel {messages.printable(channel, 12)} here "
                                          "(expired, used up, closed, or made on another peer)"), False
         if conn in self._sessions or not isinstance(joiner, bytes):
-            return wire.error("protocol", "a PAKE needs 'm', once a connection"), False
+            return _refusal("protocol", "a PAKE needs 'm', once a connection"), False
         now = self.clock()
         while self._starts and self._starts[0] <= now - 1.0:
             self._starts.popleft()
         if len(self._starts) >= MAX_STARTS:
-            return wire.error("busy", f"more than {MAX_STARTS} exchanges a second: try again"), False
+            return _refusal("busy", f"more than {MAX_STARTS} exchanges a second: try again"), False
         self._starts.append(now)
         spake = _spake(invite.code.encode(), 1)
         peer = spake.start()
         try:
             shared = spake.finish(joiner)
         except Exception as exc:  # spake2 raises its own errors (and ValueError) for a bad element
-            return wire.error("protocol", f"bad PAKE message: {type(exc).__name__}"), False
-        said = transcript(channel, hello, joiner, peer)
+            return _refusal("protocol", f"bad PAKE message: {type(exc).__name__}"), False
+        said = transcript(invite.channel, hello, joiner, peer)
         while len(self._sessions) >= MAX_SESSIONS:
             del self._sessions[next(iter(self._sessions))]  # the oldest goes: a flood never locks the right one out
         self._sessions[conn] = _Session(invite, said, security.invite_keys(shared, said), now + SESSION_SECONDS)
-        return {"t": wire.PAKE, "m": peer}, True
+        return {"t": messages.PAKE, "m": peer}, True
 
     def forget(self, conn: object) -> None:
         """The connection closed: its exchange, if half done, ends."""
@@ -254,17 +261,17 @@ class Invites:
 
 # ---- the joiner's side ------------------------------------------------------------------------------
 
-def request(key: bytes, address: tuple[str, int], ttl: float, uses: int, timeout: float = 5.0) -> wire.Message:
+def request(key: bytes, address: tuple[str, int], ttl: float, uses: int, timeout: float = 5.0) -> messages.Message:
     """Ask the peer at `address` (as a key holder) to open an invite; its reply (the code, ttl, uses)."""
     deadline = time.monotonic() + timeout
-    conn = wire.BlockingConnection(socket.create_connection(address, timeout))
+    conn = BlockingConnection(socket.create_connection(address, timeout))
     try:
-        wire.client_handshake(conn, key, f"invite-{secrets.token_hex(4)}", timeout)
-        conn.send({"t": wire.INVITE, "id": 1, "ttl": ttl, "uses": uses})
+        handshake.client_handshake(conn, key, f"invite-{secrets.token_hex(4)}", timeout)
+        conn.send({"t": messages.INVITE, "id": 1, "ttl": ttl, "uses": uses})
         reply, _ = conn.recv(deadline)
-        if reply["t"] == wire.ERROR:
-            raise InviteError(f"the peer made no invite: {wire.printable(reply.get('message'))}")
-        if reply["t"] != wire.INVITE or not isinstance(reply.get("code"), str):
+        if reply["t"] == messages.ERROR:
+            raise InviteError(f"the peer made no invite: {messages.printable(reply.get('message'))}")
+        if reply["t"] != messages.INVITE or not isinstance(reply.get("code"), str):
             raise ProtocolError("expected the peer's INVITE reply")
         return reply
     finally:
@@ -283,7 +290,7 @@ def receive_key(code: str, addresses: list[tuple[str, int]], timeout: float = 10
         except OSError as exc:
             tried.append(f"{address[0]}:{address[1]} ({exc.strerror or exc})")
             continue
-        conn = wire.BlockingConnection(sock)
+        conn = BlockingConnection(sock)
         try:
             found = _exchange(conn, channel, password, time.monotonic() + timeout)
         except (OSError, ProtocolError) as exc:
@@ -298,22 +305,22 @@ def receive_key(code: str, addresses: list[tuple[str, int]], timeout: float = 10
                       f"{'; '.join(tried) or 'nothing: no peer was found (give --seed HOST:PORT)'}")
 
 
-def _exchange(conn: wire.BlockingConnection, channel: int, password: bytes,
+def _exchange(conn: BlockingConnection, channel: int, password: bytes,
               deadline: float) -> tuple[bytes, str] | None:
     """The joiner's half on one connection: (key, peer name), or None when that peer has no such invite."""
     hello, _ = conn.recv(deadline)
-    if hello["t"] != wire.HELLO or not isinstance(hello.get("peer"), str):
+    if hello["t"] != messages.HELLO or not isinstance(hello.get("peer"), str):
         raise ProtocolError("expected the peer's HELLO")
     spake = _spake(password, 0)
     joiner = spake.start()
-    conn.send({"t": wire.PAKE, "ch": channel, "m": joiner})
+    conn.send({"t": messages.PAKE, "ch": channel, "m": joiner})
     reply, _ = conn.recv(deadline)
-    if reply["t"] == wire.ERROR and reply.get("code") == NO_INVITE:
+    if reply["t"] == messages.ERROR and reply.get("code") == NO_INVITE:
         return None
-    if reply["t"] == wire.ERROR:
-        raise InviteError(f"the peer refused the exchange: {wire.printable(reply.get('message'))}")
+    if reply["t"] == messages.ERROR:
+        raise InviteError(f"the peer refused the exchange: {messages.printable(reply.get('message'))}")
     peer = reply.get("m")
-    if reply["t"] != wire.PAKE or not isinstance(peer, bytes):
+    if reply["t"] != messages.PAKE or not isinstance(peer, bytes):
         raise ProtocolError("expected the peer's PAKE message")
     try:
         shared = spake.finish(peer)
@@ -321,14 +328,14 @@ def _exchange(conn: wire.BlockingConnection, channel: int, password: bytes,
         raise ProtocolError(f"bad PAKE message from the peer: {type(exc).__name__}") from None
     said = transcript(channel, hello, joiner, peer)
     joiner_key, peer_key, seal_key = security.invite_keys(shared, said)
-    conn.send({"t": wire.PAKE_CONFIRM, "mac": _proof(joiner_key, said)})
+    conn.send({"t": messages.PAKE_CONFIRM, "mac": _proof(joiner_key, said)})
     reply, _ = conn.recv(deadline)
-    name = wire.printable(hello.get("advert", {}).get("n", hello["peer"]) if isinstance(hello.get("advert"), dict)
+    name = messages.printable(hello.get("advert", {}).get("n", hello["peer"]) if isinstance(hello.get("advert"), dict)
                           else hello["peer"], 64)
-    if reply["t"] == wire.ERROR:
-        raise InviteError(f"peer {name} refused the code ({wire.printable(reply.get('message'))}): check it; "
+    if reply["t"] == messages.ERROR:
+        raise InviteError(f"peer {name} refused the code ({messages.printable(reply.get('message'))}): check it; "
                           f"each wrong try counts, and the invite closes after {MAX_FAILED}")
-    if reply["t"] != wire.PAKE_CONFIRM or not security.proofs_equal(reply.get("mac"), _proof(peer_key, said)):
+    if reply["t"] != messages.PAKE_CONFIRM or not security.proofs_equal(reply.get("mac"), _proof(peer_key, said)):
         raise InviteError(f"peer {name} did not prove that it knows the code: not taking a key from it")
     key = _open(seal_key, reply.get("box"), said)
     if not key:

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .. import discovery, wire
+from .. import discovery
+from ..protocol import messages
 from ..errors import GPULayerError
 from .connection import CONNECT_TIMEOUT, PeerConnection
 
@@ -70,7 +71,7 @@ class Gossip:
         mine = [discovery.gossip_entry(c.peer_id, c.addresses, min(now - c.last_heard, discovery.AGE_OUT))
                 for c in conns]
         try:
-            reply = conn.request({"t": wire.PEERS, "peers": mine}, CONNECT_TIMEOUT)
+            reply = conn.request({"t": messages.PEERS, "peers": mine}, CONNECT_TIMEOUT)
         except (OSError, GPULayerError, TimeoutError) as exc:
             log.debug("no list from %s: %s", conn.name, exc)
             return True

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import wire
+from ..protocol import handshake, messages
+from ..transport.blocking import BlockingConnection
 from ..discovery import AGE_OUT, MAX_LIST, Address, gossip_entries, gossip_entry, port_of
 from ..errors import GPULayerError
 
@@ -79,7 +80,7 @@ class Gossip:
         if tuple(addresses) not in known and len(self.hints) < MAX_HINTS:
             self.hints[tuple(addresses)] = None
 
-    def heard_from(self, host: str, msg: wire.Message) -> None:
+    def heard_from(self, host: str, msg: messages.Message) -> None:
         """A PEERS request from a key holder: its list, and its own port at the address it came from."""
         self.merge(msg.get("peers"))
         port = port_of(msg.get("port"))
@@ -134,14 +135,14 @@ class Gossip:
             except OSError as exc:
                 errors.append(f"{address[0]}:{address[1]}: {exc}")
                 continue
-            conn = wire.BlockingConnection(sock)
+            conn = BlockingConnection(sock)
             try:
                 deadline = time.monotonic() + EXCHANGE_TIMEOUT
-                hello = wire.client_handshake(conn, self.key, f"peer-{self.peer_id}", EXCHANGE_TIMEOUT)
-                conn.send({"t": wire.PEERS, "id": 1, "peers": listing, "port": port})
+                hello = handshake.client_handshake(conn, self.key, f"peer-{self.peer_id}", EXCHANGE_TIMEOUT)
+                conn.send({"t": messages.PEERS, "id": 1, "peers": listing, "port": port})
                 reply, _ = conn.recv(deadline)
-                if reply["t"] != wire.PEERS:
-                    raise ConnectionError(f"expected PEERS, got {wire.printable(reply['t'], 20)}")
+                if reply["t"] != messages.PEERS:
+                    raise ConnectionError(f"expected PEERS, got {messages.printable(reply['t'], 20)}")
                 return hello["peer"], reply.get("peers")
             finally:
                 conn.close()

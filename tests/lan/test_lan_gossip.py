@@ -19,10 +19,12 @@ LEARN_BOUND = 2.0  # seconds for a fresh submitter with one seed to list every p
 DROP_BOUND = AGE_OUT + 3 * GOSSIP_ROUND  # a dead peer's last verification ages out, and each list's next round
 LIST = """
 import json, socket, sys, time
-from gpulayer import discovery, wire
-conn = wire.BlockingConnection(socket.create_connection((sys.argv[1], int(sys.argv[2])), 5))
-wire.client_handshake(conn, sys.argv[3].encode(), "lister")
-conn.send({"t": wire.PEERS, "id": 1})
+from gpulayer import discovery
+from gpulayer.protocol import handshake, messages
+from gpulayer.transport.blocking import BlockingConnection
+conn = BlockingConnection(socket.create_connection((sys.argv[1], int(sys.argv[2])), 5))
+handshake.client_handshake(conn, sys.argv[3].encode(), "lister")
+conn.send({"t": messages.PEERS, "id": 1})
 reply, _ = conn.recv(time.monotonic() + 5)
 print(json.dumps([peer_id for peer_id, _, _ in discovery.gossip_entries(reply["peers"])]))
 """

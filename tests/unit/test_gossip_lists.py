@@ -4,7 +4,8 @@ may carry. The exchanges themselves run in tests/lan/test_lan_gossip.py."""
 
 from __future__ import annotations
 
-from gpulayer import discovery, wire
+from gpulayer import discovery
+from gpulayer.protocol import messages
 from gpulayer.discovery import AGE_OUT, MAX_LIST, gossip_entries, gossip_entry
 from gpulayer.peer.gossip import MAX_HINTS, Gossip
 
@@ -73,7 +74,7 @@ def test_a_seed_that_is_this_peer_itself_is_not_tried_again_and_a_failed_one_wai
 
 def test_what_a_list_may_carry_is_bounded_and_checked():
     g, _ = gossip()
-    g.heard_from("10.77.2.7", {"t": wire.PEERS, "peers": [gossip_entry(f"p{i}", [("10.77.3.1", 1000 + i)], 0.0)
+    g.heard_from("10.77.2.7", {"t": messages.PEERS, "peers": [gossip_entry(f"p{i}", [("10.77.3.1", 1000 + i)], 0.0)
                                                            for i in range(MAX_HINTS + 10)], "port": 7001})
     assert len(g.hints) == MAX_HINTS
     bad = [{"id": "x y", "a": [["h", 1]], "age": 0}, {"id": "ok", "a": [["h", 0]], "age": 0},

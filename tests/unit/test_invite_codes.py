@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpulayer import invite, wire
+from gpulayer import invite
+from gpulayer.protocol import messages
 from gpulayer.errors import ConfigError
 
 
@@ -48,12 +49,12 @@ def test_an_invite_ends_at_its_time_to_live_and_a_peer_holds_a_bounded_number():
     made = invites.make(60, 1)
     assert invites.open == {made.channel: made}
     clock.now += 59
-    hello = {"t": wire.HELLO, "peer": "p", "nonce": b"n"}
-    reply, more = invites.step(object(), hello, {"t": wire.PAKE, "ch": made.channel, "m": b"\x00" * 33})
+    hello = {"t": messages.HELLO, "peer": "p", "nonce": b"n"}
+    reply, more = invites.step(object(), hello, {"t": messages.PAKE, "ch": made.channel, "m": b"\x00" * 33})
     assert reply["code"] == "protocol" and not more  # open still: a bad element is refused as such, not counted
     assert made.failed == 0
     clock.now += 1
-    reply, more = invites.step(object(), hello, {"t": wire.PAKE, "ch": made.channel, "m": b"\x00" * 33})
+    reply, more = invites.step(object(), hello, {"t": messages.PAKE, "ch": made.channel, "m": b"\x00" * 33})
     assert reply["code"] == invite.NO_INVITE and not more and not invites.open
     for _ in range(invite.MAX_INVITES):
         invites.make(600, 1)
@@ -67,15 +68,15 @@ def test_an_invite_ends_at_its_time_to_live_and_a_peer_holds_a_bounded_number():
                                                ({"ttl": 60, "uses": 1000}, "uses"), ({"ttl": 60}, "uses")])
 def test_a_bad_invite_request_is_answered_with_the_reason(request_, problem):
     invites = invite.Invites(b"k" * 32, print)
-    reply = invites.answer({"t": wire.INVITE, "id": 3, **request_})
-    assert reply["t"] == wire.ERROR and reply["id"] == 3 and f"'{problem}'" in reply["message"]
+    reply = invites.answer({"t": messages.INVITE, "id": 3, **request_})
+    assert reply["t"] == messages.ERROR and reply["id"] == 3 and f"'{problem}'" in reply["message"]
     assert not invites.open
 
 
 def test_a_confirmation_without_an_exchange_is_a_protocol_error():
     invites = invite.Invites(b"k" * 32, print)
     invites.make(60, 1)
-    reply, more = invites.step(object(), {}, {"t": wire.PAKE_CONFIRM, "mac": b"x" * 32})
+    reply, more = invites.step(object(), {}, {"t": messages.PAKE_CONFIRM, "mac": b"x" * 32})
     assert reply["code"] == "protocol" and not more
 
 
@@ -85,10 +86,10 @@ def test_a_peer_starts_at_most_max_starts_exchanges_a_second():
     clock = Clock()
     invites = invite.Invites(b"k" * 32, print, clock)
     made = invites.make(60, 1)
-    hello = {"t": wire.HELLO, "peer": "p", "nonce": b"n"}
+    hello = {"t": messages.HELLO, "peer": "p", "nonce": b"n"}
 
     def start():
-        return invites.step(object(), hello, {"t": wire.PAKE, "ch": made.channel, "m": SPAKE2_A(b"guess").start()})
+        return invites.step(object(), hello, {"t": messages.PAKE, "ch": made.channel, "m": SPAKE2_A(b"guess").start()})
 
     assert all(start()[1] for _ in range(invite.MAX_STARTS))
     reply, more = start()
