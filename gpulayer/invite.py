@@ -25,13 +25,14 @@ import socket
 import struct
 import time
 from collections import deque
+from contextlib import closing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import security
 from .protocol import handshake, messages
-from .transport.blocking import BlockingConnection
+from .transport.blocking import BlockingConnection, connections
 from .errors import ConfigError, GPULayerError, ProtocolError
 
 MAX_FAILED = 3  # wrong codes an invite takes before its peer closes it
@@ -284,23 +285,16 @@ def receive_key(code: str, addresses: list[tuple[str, int]], timeout: float = 10
     refusal counts as a wrong try there) or no peer has the invite."""
     channel, password = parse_code(code)
     tried: list[str] = []
-    for address in addresses[:MAX_CANDIDATES]:
-        try:
-            sock = socket.create_connection(address, timeout)
-        except OSError as exc:
-            tried.append(f"{address[0]}:{address[1]} ({exc.strerror or exc})")
-            continue
-        conn = BlockingConnection(sock)
-        try:
-            found = _exchange(conn, channel, password, time.monotonic() + timeout)
-        except (OSError, ProtocolError) as exc:
-            tried.append(f"{address[0]}:{address[1]} ({exc})")
-            continue
-        finally:
-            conn.close()
-        if found is not None:
-            return found
-        tried.append(f"{address[0]}:{address[1]} (no invite on channel {channel})")
+    with closing(connections(addresses[:MAX_CANDIDATES], timeout, tried)) as reachable:
+        for label, conn in reachable:
+            try:
+                found = _exchange(conn, channel, password, time.monotonic() + timeout)
+            except (OSError, ProtocolError) as exc:
+                tried.append(f"{label} ({exc})")
+                continue
+            if found is not None:
+                return found
+            tried.append(f"{label} (no invite on channel {channel})")
     raise InviteError(f"no peer has an open invite on channel {channel}: tried "
                       f"{'; '.join(tried) or 'nothing: no peer was found (give --seed HOST:PORT)'}")
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import socket
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
 from ..protocol import handshake, messages
-from ..transport.blocking import BlockingConnection
+from ..transport.blocking import connections
 from ..discovery import AGE_OUT, MAX_LIST, Address, gossip_entries, gossip_entry, port_of
 from ..errors import GPULayerError
 
@@ -128,15 +128,9 @@ class Gossip:
         """Connect to the first of `addresses` that answers, prove the key both ways, send `listing` and
         this peer's `port`; return (the id its HELLO named, the list it sent back). Raises OSError or
         GPULayerError."""
-        errors = []
-        for address in addresses:
-            try:
-                sock = socket.create_connection(address, EXCHANGE_TIMEOUT)
-            except OSError as exc:
-                errors.append(f"{address[0]}:{address[1]}: {exc}")
-                continue
-            conn = BlockingConnection(sock)
-            try:
+        errors: list[str] = []
+        with closing(connections(addresses, EXCHANGE_TIMEOUT, errors)) as reachable:
+            for _, conn in reachable:  # the first that answers: its failure is the exchange's
                 deadline = time.monotonic() + EXCHANGE_TIMEOUT
                 hello = handshake.client_handshake(conn, self.key, f"peer-{self.peer_id}", EXCHANGE_TIMEOUT)
                 conn.send({"t": messages.PEERS, "id": 1, "peers": listing, "port": port})
@@ -144,8 +138,6 @@ class Gossip:
                 if reply["t"] != messages.PEERS:
                     raise ConnectionError(f"expected PEERS, got {messages.printable(reply['t'], 20)}")
                 return hello["peer"], reply.get("peers")
-            finally:
-                conn.close()
         raise ConnectionError("; ".join(errors) or "no address")
 
 
