@@ -28,9 +28,11 @@ WITHDRAW = "withdraw"  # the submitter takes back a task still queued on the pee
 DIRECT = "direct"  # the submitter asks that this connection be handed to an actor's worker (ADR 0012)
 LEASE, LEASE_END = "lease", "lease_end"  # a warm worker lent to one submitter's connection (ADR 0013)
 WAIT = "wait"  # a worker's task blocks on a future, or goes on: its slot is lent meanwhile (ADR 0014)
+INVITE, PAKE, PAKE_CONFIRM = "invite", "pake", "pake_confirm"  # invite codes (invite.py, docs/security.md)
+PEERS = "peers"  # lists of verified peers, between key holders (peer/gossip.py, ADR 0017)
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
-                           LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END, WAIT})
+                           LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END, WAIT, INVITE, PAKE, PAKE_CONFIRM, PEERS})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
