@@ -16,10 +16,10 @@ PACKAGE = ROOT / "gpulayer"
 # Lowest first. A module imports only modules of its own layer or of a layer below; layer 4's sides
 # import only themselves (and the layers below). A module is placed by its longest listed prefix.
 LAYERS: list[dict[str, set[str]]] = [
-    {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks", "distributed",
-                "records", "security", "progress", "peer_table"}},
+    {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
+                "distributed", "records", "security", "progress", "peer_table", "jobs", "jobs.folder"}},
     {"protocol": {"protocol"}},
-    {"transport": {"transport", "lending"}},
+    {"transport": {"transport", "lending", "invite", "jobs.transfer"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
     {"worker": {"peer.worker", "peer.actor_worker", "peer.lease_worker", "peer.running", "peer.spawning"},
      "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
