@@ -61,7 +61,8 @@ def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
     from peer to peer, not through here (docs/data.md).
 
     Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
-    (what the peer must offer); timeout, retries, env, keep (how the task runs). A function that
+    (what the peer must offer); timeout, retries, env, keep, nodes (how the task runs; nodes=N: a gang
+    of N ranks on N peers, whose future's result is their results in rank order). A function that
     takes one of these names itself is called with `gl.options(...).submit(fn, ...)`, where
     every keyword goes to fn.
     """
@@ -73,7 +74,8 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run fn(*args, **kwargs) on a matching peer and return its result (or raise its exception).
 
     Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
-    (what the peer must offer); timeout, retries, env (how the task runs). The other keywords go
+    (what the peer must offer); timeout, retries, env, nodes (how the task runs; nodes=N runs fn as a
+    gang of N ranks on N distinct peers and returns their results in rank order, docs/gangs.md). The other keywords go
     to fn; the call is checked against fn's signature before anything is sent, and a keyword
     that fn also takes is refused as ambiguous: `gl.options(timeout=5).run(fn, ..., timeout=...)`
     gives the task option and fn's own argument apart.
