@@ -14,7 +14,7 @@ import pytest
 from gpulayer.client import Client
 from gpulayer.errors import GangFailed, NoMatchingPeer
 from gpulayer.matching import Requirements
-from support import new_key, process_gone, wait_until
+from support import new_key, process_gone, wait_until, write_override
 
 CPU = Requirements.build(accelerator="cpu")
 REPEATS = int(os.environ.get("GPULAYER_GANG_REPEATS", "10"))  # the issue's 50 on a machine of one's own
@@ -195,3 +195,32 @@ def test_the_trainer_over_a_gang_of_two_matches_one_process_with_twice_the_batch
     for weights in ranks:
         for name, value in single.items():
             torch.testing.assert_close(torch.tensor(weights[name]), torch.tensor(value), rtol=1e-5, atol=1e-6)
+
+
+def ring_of_this_rank() -> tuple[str, str, list]:
+    """What an MLX rank reads: its device, MLX_RANK and the ring hostfile."""
+    import json
+    import os
+
+    return os.environ["GPULAYER_DEVICE"], os.environ["MLX_RANK"], json.load(open(os.environ["MLX_HOSTFILE"]))
+
+
+def test_an_mlx_gang_of_two_apple_peers_gets_a_ring_hostfile_of_both(peer_factory, tmp_path):
+    """Two Macs emulated through the override seam: each rank has the MPS slot, its MLX_RANK, and the
+    same hostfile naming both peers' addresses with a port of each."""
+    key = new_key()
+    mlx = [{"name": "mlx", "version": "0.21.0", "capabilities": ["mlx.cpu", "mlx.metal"]}]
+    for name in ("mac1", "mac2"):
+        peer_factory(name, "--advertise-override", str(write_override(tmp_path / f"{name}.json", "mps",
+                                                                      frameworks=mlx)), key=key)
+    client = Client(key=key.encode(), echo_output=False, interfaces=["127.0.0.1"])
+    try:
+        req = Requirements.build(accelerator="mps", frameworks={"mlx": ""})
+        ranks = client.submit_gang(ring_of_this_rank, (), {}, req=req, nodes=2).result(120)
+    finally:
+        client.close()
+    assert [(device, rank) for device, rank, _ in ranks] == [("mps", "0"), ("mps", "1")]
+    hostfile = ranks[0][2]
+    assert ranks[1][2] == hostfile and len(hostfile) == 2 and all(len(entry) == 1 for entry in hostfile)
+    assert [entry[0].rsplit(":", 1)[0] for entry in hostfile] == ["127.0.0.1"] * 2
+    assert len({entry[0] for entry in hostfile}) == 2  # a port of each rank's own
