@@ -35,7 +35,8 @@ class ConnectionTask(Protocol):
     """What a connection needs of a task it carries."""
 
     task_id: int
-    queued: bool  # the peer queued it and said it may be withdrawn (an ACCEPT with "w")
+    def accepted(self, queued: bool, started: bool) -> None:
+        """The peer's ACCEPT: queued and withdrawable ("w"), or an actor that took its slot ("s")."""
 
     def message(self) -> tuple[messages.Outgoing, list[Any]]: ...
 
@@ -337,7 +338,7 @@ class PeerConnection:
         if task is None:
             return
         if kind == messages.ACCEPT:
-            task.queued = msg.get("w") is True  # it waits in the peer's queue, and may be withdrawn
+            task.accepted(queued=msg.get("w") is True, started=msg.get("s") is True)
             return
         if kind == messages.LOG:
             task.on_output(msg.get("stream"), msg.get("data") or b"")

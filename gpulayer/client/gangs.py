@@ -1,12 +1,14 @@
 """Gangs (ADR 0018): one function as N ranks on N distinct peers, started together, stopped together.
 
-Each rank's slot is held by a `distributed.Rank` actor. The submitter creates them one at a time in
-the order of the peers' ids, each waiting in its peer's queue when the peer is busy: a gang holds
-slots only of peers before the one it waits for, so two gangs never wait on each other in a cycle
-(resource ordering). Once every rank's actor lives, each reports free ports of its host, and every
+Each rank's slot is held by a `distributed.Rank` actor. The submitter asks for them in the order of
+the peers' ids, each waiting in its peer's queue when the peer is busy, and asks for the next once
+the peer said that this one took its slot: a gang holds slots only of peers before the one it waits
+for, so two gangs never wait on each other in a cycle (resource ordering), while the ranks' workers
+start side by side. Once every rank's actor lives, each reports free ports of its host, and every
 rank's function starts with the rendezvous variables (`distributed.rendezvous`). The first rank that
 fails, dies or whose peer is lost ends the others at once (a CLOSE kills the actor's worker), and
 the gang fails with the rank, its peer and the cause; `retries` runs the whole gang again.
+Cancelling the gang's future ends every rank the same way.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import ipaddress
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, wait
 from typing import TYPE_CHECKING, Any
 
 from .. import distributed
 from ..errors import ActorDied, GangFailed, GPULayerError, NoMatchingPeer, PeerLost, WorkerDied
 from ..matching import Requirements
-from .actors import CLOSE_TIMEOUT, ActorHandle, ActorSpec
+from .actors import CLOSE_TIMEOUT, ActorHandle, ActorSpec, create
 
 if TYPE_CHECKING:
     from .engine import Client
@@ -33,45 +35,90 @@ CLOSED_BY_US = "the actor was closed by its submitter"  # the peer's reason when
 RETRYABLE = (ActorDied, PeerLost, WorkerDied)  # a rank that died or whose peer was lost: retries= runs it again
 
 
+class GangFuture(Future[list[Any]]):
+    """A gang's future. `cancel()` stops the gang while it runs: a rank's creation still waiting is
+    taken back, and every rank's actor is closed (its peer kills the worker and all it started)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._creations: list[Future[ActorHandle]] = []
+        self._stopping = False
+
+    def created(self, creation: Future[ActorHandle]) -> None:
+        """A rank's actor is on its way: a cancel ends it (at once, if the cancel came first)."""
+        with self._lock:
+            if not self._stopping:
+                self._creations.append(creation)
+                return
+        _end(creation)
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        with self._lock:
+            self._stopping, creations = True, self._creations
+        for creation in creations:
+            _end(creation)
+        return True
+
+    def settle(self, outcome: list[Any] | BaseException) -> None:
+        """The gang's results, or its error, unless it was cancelled."""
+        if not self.set_running_or_notify_cancel():
+            return
+        if isinstance(outcome, BaseException):
+            self.set_exception(outcome)
+        else:
+            self.set_result(outcome)
+
+
 def submit_gang(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
                 req: Requirements, nodes: int, timeout: float | None, retries: int,
-                env: dict[str, str]) -> Future[list[Any]]:
+                env: dict[str, str]) -> GangFuture:
     """`run_gang` on a thread of its own; the future's result is the ranks' results in rank order."""
-    future: Future[list[Any]] = Future()
+    gang = GangFuture()
 
     def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(run_gang(client, fn, args, kwargs, req=req, nodes=nodes, timeout=timeout,
-                                           retries=retries, env=env))
-            except BaseException as exc:  # the future carries it to the caller
-                future.set_exception(exc)
+        try:
+            gang.settle(run_gang(client, fn, args, kwargs, req=req, nodes=nodes, timeout=timeout,
+                                 retries=retries, env=env, gang=gang))
+        except BaseException as exc:  # the future carries it to the caller
+            gang.settle(exc)
 
     threading.Thread(target=run, name=f"gpulayer-gang-{nodes}", daemon=True).start()
-    return future
+    return gang
 
 
 def run_gang(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
              req: Requirements, nodes: int, timeout: float | None, retries: int,
-             env: dict[str, str]) -> list[Any]:
+             env: dict[str, str], gang: GangFuture) -> list[Any]:
     """fn(*args, **kwargs) as `nodes` ranks on as many distinct matching peers; their results in rank order."""
     while True:
         try:
-            return _run_once(client, fn, args, kwargs, req, nodes, timeout, env)
+            return _run_once(client, fn, args, kwargs, req, nodes, timeout, env, gang)
         except GangFailed as exc:
-            if retries <= 0 or not isinstance(exc.cause, RETRYABLE) or client.closed:
+            if retries <= 0 or not isinstance(exc.cause, RETRYABLE) or client.closed or gang.cancelled():
                 raise
             retries -= 1
             log.warning("gang of %d: %s; running the whole gang again (%d retries left)", nodes, exc, retries)
 
 
 def _run_once(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-              req: Requirements, nodes: int, timeout: float | None, env: dict[str, str]) -> list[Any]:
+              req: Requirements, nodes: int, timeout: float | None, env: dict[str, str],
+              gang: GangFuture) -> list[Any]:
+    creations: list[Future[ActorHandle]] = []
     ranks: list[ActorHandle] = []
     try:
         for peer_id in sorted(_choose(client, req, nodes)):  # in the order of the peers' ids: no deadlock
+            if gang.cancelled():
+                raise CancelledError("the gang was cancelled")
+            taken = threading.Event()
             spec = ActorSpec(distributed.Rank, (), {}, dataclasses.replace(req, peer=peer_id), env=env)
-            ranks.append(client.create_actor(spec).result())
+            creations.append(create(client, spec, taken=taken))
+            gang.created(creations[-1])
+            _until_taken(creations[-1], taken)  # the next rank's worker starts beside this one's
+        for created in creations:
+            ranks.append(created.result())
         ports = [rank.call("ports", (), {}, None) for rank in ranks]
         addresses = rank_addresses([_reached(client, rank) for rank in ranks])
         rendezvous = [tuple(p.result(CLOSE_TIMEOUT)) for p in ports]
@@ -84,6 +131,8 @@ def _run_once(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwa
         _stop(ranks)
         raise _failure(ranks, calls, failed)
     finally:
+        for creation in creations[len(ranks):]:  # not waited for: taken back, or closed once created
+            _end(creation)
         _stop(ranks)
 
 
@@ -124,6 +173,24 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _until_taken(creation: Future[ActorHandle], taken: threading.Event) -> None:
+    """Wait until the rank's peer says that it took its slot, or its creation ended (a peer of an
+    earlier build only says that)."""
+    creation.add_done_callback(lambda _: taken.set())
+    taken.wait()
+
+
+def _end(creation: Future[ActorHandle]) -> None:
+    """Take back a rank's creation, or close the actor that it created."""
+    if not creation.cancel():
+        creation.add_done_callback(_close_created)
+
+
+def _close_created(creation: Future[ActorHandle]) -> None:
+    if not creation.cancelled() and creation.exception() is None:
+        creation.result().close_soon()
 
 
 def _stop(ranks: list[ActorHandle]) -> None:

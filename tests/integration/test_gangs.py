@@ -105,6 +105,26 @@ def test_kill_9_of_one_rank_stops_the_gang_and_names_that_rank(four, tmp_path):
     wait_until(lambda: all(process_gone(pid) for pid in pids), 30)  # no process of the gang survives
 
 
+def note_pid_and_wait(folder: str) -> None:
+    """Note this rank's pid, then wait to be stopped."""
+    import os
+    import time
+
+    with open(os.path.join(folder, f"rank-{os.environ['RANK']}"), "w") as out:
+        out.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_cancelling_a_running_gang_stops_every_rank(four, tmp_path):
+    client, _ = four
+    gang = client.submit_gang(note_pid_and_wait, (str(tmp_path),), {}, req=CPU, nodes=3)
+    pids = wait_until(lambda: [int((tmp_path / f"rank-{r}").read_text()) for r in range(3)]
+                      if all((tmp_path / f"rank-{r}").exists() for r in range(3)) else None, 120)
+    assert gang.cancel() and gang.cancelled()
+    wait_until(lambda: all(process_gone(pid) for pid in pids), 30)  # every rank's worker ended
+    assert len(set(client.submit_gang(whoami, (), {}, req=CPU, nodes=4).result(120))) == 4  # their slots are free
+
+
 def whoami() -> str:
     import os
 
