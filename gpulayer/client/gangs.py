@@ -33,6 +33,7 @@ log = logging.getLogger("gpulayer.client")
 
 CLOSED_BY_US = "the actor was closed by its submitter"  # the peer's reason when a CLOSE ended an actor
 RETRYABLE = (ActorDied, PeerLost, WorkerDied)  # a rank that died or whose peer was lost: retries= runs it again
+WAIT_NOTE = 5.0  # seconds a rank waits for its peer's slot before the log says why
 
 
 class GangFuture(Future[list[Any]]):
@@ -109,14 +110,15 @@ def _run_once(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwa
     creations: list[Future[ActorHandle]] = []
     ranks: list[ActorHandle] = []
     try:
-        for peer_id in sorted(_choose(client, req, nodes)):  # in the order of the peers' ids: no deadlock
+        for index, peer_id in enumerate(sorted(_choose(client, req, nodes))):  # in peer-id order: no deadlock
             if gang.cancelled():
                 raise CancelledError("the gang was cancelled")
             taken = threading.Event()
             spec = ActorSpec(distributed.Rank, (), {}, dataclasses.replace(req, peer=peer_id), env=env)
             creations.append(create(client, spec, taken=taken))
             gang.created(creations[-1])
-            _until_taken(creations[-1], taken)  # the next rank's worker starts beside this one's
+            record = client.directory.get(peer_id)
+            _until_taken(creations[-1], taken, index, record.advert.name if record is not None else peer_id)
         for created in creations:
             ranks.append(created.result())
         ports = [rank.call("ports", (), {}, None) for rank in ranks]
@@ -137,16 +139,31 @@ def _run_once(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwa
 
 
 def _choose(client: Client, req: Requirements, nodes: int) -> list[str]:
-    """The ids of `nodes` distinct matching peers, the best first; NoMatchingPeer when fewer are known
-    after discovery's wait."""
+    """The ids of `nodes` distinct matching peers, the best first, leaving out those whose slots this
+    submitter's own actors hold; NoMatchingPeer when fewer are known after discovery's wait."""
     client.start()
     client.directory.wait_for(lambda _: len(client.placement.candidates(req)) >= nodes, client.discovery_timeout)
-    chosen = [record.advert.peer_id for record in client.placement.ranked(req)][:nodes]
+    held = _held_by_own_actors(client)
+    chosen = [record.advert.peer_id for record in client.placement.ranked(req)
+              if record.advert.peer_id not in held][:nodes]
     if len(chosen) < nodes:
         reasons = client.placement.reasons(req)
-        reasons[f"the gang of {nodes}"] = [f"needs {nodes} distinct matching peers; {len(chosen)} match"]
+        reasons[f"the gang of {nodes}"] = [f"needs {nodes} distinct matching peers; {len(chosen)} match and are free"] \
+            + [f"every slot of peer {peer} holds an actor of this submitter ({', '.join(names)}): a rank would wait "
+               "for it to be closed, which this gang cannot do; close it first" for peer, names in held.values()]
         raise NoMatchingPeer(req, reasons, client.directory.foreign_note())
     return chosen
+
+
+def _held_by_own_actors(client: Client) -> dict[str, tuple[str, list[str]]]:
+    """The peers whose every slot holds a live actor of this submitter other than a gang's rank (id ->
+    name, the actors' classes): a rank placed there would wait for the caller itself."""
+    classes: dict[str, list[str]] = {}
+    for handle in list(client.actors.values()):
+        if handle.alive and handle.class_name != distributed.Rank.__qualname__:
+            classes.setdefault(handle.peer_id, []).append(handle.class_name)
+    return {peer: (record.advert.name, names) for peer, names in classes.items()
+            if (record := client.directory.get(peer)) is not None and len(names) >= record.advert.slots}
 
 
 def _reached(client: Client, rank: ActorHandle) -> list[str]:
@@ -175,11 +192,16 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _until_taken(creation: Future[ActorHandle], taken: threading.Event) -> None:
+def _until_taken(creation: Future[ActorHandle], taken: threading.Event, rank: int, peer: str) -> None:
     """Wait until the rank's peer says that it took its slot, or its creation ended (a peer of an
-    earlier build only says that)."""
+    earlier build only says that); a long wait says why in the log. The next rank's creation goes out
+    then, and its worker starts beside this one's."""
     creation.add_done_callback(lambda _: taken.set())
-    taken.wait()
+    if not taken.wait(WAIT_NOTE):
+        log.warning("gang: rank %d waits for a slot of peer %s, busy with queued tasks or held by actors (another "
+                    "gang's ranks, say); it starts when one is free (a wait on actors fails after about ten "
+                    "minutes with TaskRejected)", rank, peer)
+        taken.wait()
 
 
 def _end(creation: Future[ActorHandle]) -> None:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from gpulayer.client import Client
+from gpulayer.client.actors import ActorSpec
 from gpulayer.errors import GangFailed, NoMatchingPeer
 from gpulayer.matching import Requirements
 from support import new_key, process_gone, wait_until, write_override
@@ -147,6 +148,30 @@ def test_a_gang_larger_than_the_matching_peers_is_refused_with_reasons(four):
     gpu = Requirements.build(accelerator="cuda")
     with pytest.raises(NoMatchingPeer, match="task needs cuda"):
         client.submit_gang(whoami, (), {}, req=gpu, nodes=2).result(60)
+
+
+class Holder:
+    """An actor that only holds its slot."""
+
+    def peer(self) -> str:
+        import os
+
+        return os.environ["GPULAYER_PEER_NAME"]
+
+
+def test_a_gang_leaves_out_a_peer_held_by_the_submitters_own_actor_or_says_so_at_once(four):
+    """A rank on a peer whose slot the submitter's own actor holds would wait for the caller itself:
+    the gang takes the other peers, and with too few of them it is refused at once, naming the actor."""
+    client, _ = four
+    holder = client.create_actor(ActorSpec(Holder, (), {}, CPU)).result(60)
+    try:
+        held = holder.call("peer", (), {}, None).result(60)
+        assert held not in client.submit_gang(whoami, (), {}, req=CPU, nodes=3).result(120)
+        with pytest.raises(NoMatchingPeer, match=f"every slot of peer {held} holds an actor of this submitter "
+                                                 r"\(Holder\)"):
+            client.submit_gang(whoami, (), {}, req=CPU, nodes=4).result(60)  # it would wait ten minutes
+    finally:
+        holder.close()
 
 
 def die_once(folder: str) -> int:
