@@ -198,7 +198,7 @@ def test_retries_run_the_whole_gang_again(four, tmp_path):
         client.submit_gang(die_once, (str(fresh),), {}, req=CPU, nodes=2).result(120)
 
 
-def train_rank(num_nodes: int, batch_size: int) -> dict:
+def train_rank(num_nodes: int, batch_size: int, devices: int = 1) -> dict:
     """Fit a small regressor (seed 0) with glt.Trainer(num_nodes=...) on CPU; its weights."""
     import torch
     from torch import nn
@@ -224,7 +224,7 @@ def train_rank(num_nodes: int, batch_size: int) -> dict:
     data = TensorDataset(x, 3 * x[:, :1] - 2 * x[:, 1:])
     torch.manual_seed(0)
     model = Regressor()
-    glt.Trainer(accelerator="cpu", num_nodes=num_nodes, max_epochs=2, logger=False, enable_checkpointing=False,
+    glt.Trainer(accelerator="cpu", num_nodes=num_nodes, devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False).fit(model, DataLoader(data, batch_size))
     return {name: value.tolist() for name, value in model.state_dict().items()}
 
@@ -236,6 +236,19 @@ def test_the_trainer_over_a_gang_of_two_matches_one_process_with_twice_the_batch
 
     client, _ = four
     ranks = client.submit_gang(train_rank, (2, 8), {}, req=CPU, nodes=2).result(300)
+    single = train_rank(1, 16)
+    for weights in ranks:
+        for name, value in single.items():
+            torch.testing.assert_close(torch.tensor(weights[name]), torch.tensor(value), rtol=1e-5, atol=1e-6)
+
+
+def test_the_trainer_over_a_gang_of_two_with_two_devices_each_matches_one_process_with_four_times_the_batch(four):
+    """DDP over 2 ranks of 2 CPU processes each (Lightning's num_nodes x devices), each process on
+    every fourth sample of batches of 4: the weights of one process on batches of 16, on both ranks."""
+    import torch
+
+    client, _ = four
+    ranks = client.submit_gang(train_rank, (2, 4, 2), {}, req=CPU, nodes=2).result(300)
     single = train_rank(1, 16)
     for weights in ranks:
         for name, value in single.items():
