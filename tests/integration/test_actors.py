@@ -22,7 +22,7 @@ import pytest
 
 import gpulayer as gl
 from gpulayer import serialization, shm, wire
-from gpulayer.client.engine import DOWN_BACKOFF
+from gpulayer.client.pool import DOWN_BACKOFF
 from gpulayer.errors import TaskRejected, TaskTimeout
 from gpulayer.peer_table import format_peers
 from support import key_config, wait_until, write_override

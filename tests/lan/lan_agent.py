@@ -76,7 +76,7 @@ class Agent:
         self.client._on_goodbye = on_goodbye  # before start(), which hands it to the browser
         if start:
             self.client.start()
-        return {"client_id": self.client.client_id, "cluster": self.client.cluster}
+        return {"submitter_id": self.client.submitter_id, "cluster": self.client.cluster}
 
     def records(self) -> list[dict]:
         return [{"name": r.advert.name, "peer_id": r.advert.peer_id, "cluster": r.advert.cluster, "up": r.up,
@@ -354,7 +354,7 @@ class Agent:
 
     def op_open_connections(self, peer=None):
         """The ids of this submitter's connections (leases too) that are open now, to `peer` (a name) if given."""
-        conns = [*self.client._connections.values(), *self.client.leases.all()]
+        conns = [*self.client.pool.own.values(), *self.client.leases.all()]
         return {"ids": [id(c) for c in conns if not c.closed and peer in (None, c.name)]}
 
     def op_stacks(self):
