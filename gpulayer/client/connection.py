@@ -91,7 +91,7 @@ class PeerConnection:
         self._load_base = 0
         self.free: float | None = None  # GB one task may take now on the peer's best device, at its last report
         self.handed_over: dict[str, Any] = {}  # the peer's answer to `hand_over`
-        self._asked_at = 0.0  # when the first message went out after the other end was last heard (`silence`)
+        self.owing_since = 0.0  # when its tasks in flight last went from none to some (the pool's liveness rule)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards pending, closed and the waiters
         self._send_lock = threading.Lock()
@@ -141,13 +141,7 @@ class PeerConnection:
                 if not self._asked_local:
                     self._ask_local()
         with self._send_lock:
-            self._asking()
             self._wire.send(msg, buffers)
-
-    def _asking(self) -> None:
-        """Note a message going out: the first since the other end was last heard starts `silence`."""
-        if self._asked_at <= self._wire.last_received:
-            self._asked_at = time.monotonic()
 
     def _ask_local(self) -> None:
         """Ask the peer, once, for a local link: shared memory when it is on this host, as this user."""
@@ -174,6 +168,8 @@ class PeerConnection:
             closed = self.closed
             task.task_id = next(self._ids)  # also when closed: a lease's worker never saw this id
             if not closed:
+                if not self.pending:
+                    self.owing_since = time.monotonic()
                 self.pending[task.task_id] = task
         if closed:  # it closed after placement chose it: the task is lost like its others
             self.listener.on_lost(self, [task], self.send_error or "the connection closed")
@@ -212,7 +208,6 @@ class PeerConnection:
         """Send a PING unless a send is under way (a big upload); never blocks."""
         if self._send_lock.acquire(blocking=False):
             try:
-                self._asking()
                 self._wire.send(wire.ping())
             finally:
                 self._send_lock.release()
@@ -231,14 +226,8 @@ class PeerConnection:
 
     @property
     def last_heard(self) -> float:
+        """When the other end was last heard (any bytes: a big message takes time)."""
         return self._wire.last_received
-
-    def silence(self, now: float) -> float:
-        """Seconds that something sent here has waited for the other end to say anything: since the first
-        message that went out after it was last heard (0 when it was heard since). The pool's liveness
-        rule reads it (pool.py)."""
-        asked = self._asked_at
-        return now - asked if asked > self._wire.last_received else 0.0
 
     # ---- receiving --------------------------------------------------------------------------------
 

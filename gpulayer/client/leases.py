@@ -187,7 +187,6 @@ class LeaseConnection(PeerConnection):
         self._at_worker += self._outbox_tasks + (1 if parts else 0)
         self._outbox_tasks = self._outbox_bytes = 0
         self._send_lock.acquire()
-        self._asking()
         return batch
 
     def maybe_started(self, task: ConnectionTask) -> bool:

@@ -2,13 +2,13 @@
 connection to each peer, the connections that peers handed to workers (leases, direct actor calls),
 the peers table, and one heartbeat with one liveness rule for every connection (ADR 0005).
 
-The rule: a connection that owes answers is lost when nothing came on it for `LOST_AFTER` heartbeats
-after something was sent to it (a PING, a task, a call; `PeerConnection.silence`). A peer's own
-connection owes every answer owed on any connection to that peer, and gets a PING every heartbeat; a
-leased worker says it is alive while it runs (ADR 0013); an actor's worker may hold its GIL through
-a long method (`beats` is False), so a direct connection is watched through its peer's (ADR 0012). A
-peer's own connection lost to silence ends every connection to that peer, which is skipped for
-`DOWN_BACKOFF` seconds: its host, most likely, is cut off or frozen.
+The rule (`silent_for`): a connection that owes answers (tasks or calls in flight) is lost when nothing
+came on it for `LOST_AFTER` heartbeats since it began to owe them, or since it was last heard, whichever
+is later. A peer's own connection owes every answer owed on any connection to that peer, and gets a
+PING every heartbeat; a leased worker says it is alive while it runs (ADR 0013); an actor's worker may
+hold its GIL through a long method (its connection's `beats` is False), so a direct connection is
+watched through its peer's (ADR 0012). A peer's own connection lost to silence ends every connection to
+that peer, which is skipped for `DOWN_BACKOFF` seconds: its host, most likely, is cut off or frozen.
 """
 
 from __future__ import annotations
@@ -196,19 +196,17 @@ class Pool:
             self.check()
 
     def check(self) -> None:
-        """One round of the heartbeat: the liveness rule over every connection (the module's docstring),
-        then a PING on each peer's own connection that is still open."""
+        """One round of the heartbeat: the liveness rule over every connection, then a PING on each peer's
+        own connection that is still open."""
         now = time.monotonic()
         limit = LOST_AFTER * self.heartbeat
         conns = self.all()
-        owing = {conn.peer_id for conn in conns if conn.pending}
-        for conn in conns:
-            own = self.own.get(conn.peer_id) is conn
-            silence = conn.silence(now)
-            if conn.beats and (conn.peer_id in owing if own else conn.pending) and silence > limit:
+        for conn, silence in silent_for(conns, dict(self.own), now).items():
+            if silence > limit:
                 conn.fail(f"no answer for {silence:.1f} s ({LOST_AFTER} heartbeats of {self.heartbeat:g} s)",
                           silent=True)
-            elif own and not conn.closed:
+        for conn in conns:
+            if self.own.get(conn.peer_id) is conn and not conn.closed:
                 try:
                     conn.ping()
                 except OSError as exc:
@@ -289,3 +287,21 @@ class Pool:
             self._browser.close()
         self._helpers.shutdown(wait=False, cancel_futures=True)
         self._handshakes.shutdown(wait=False, cancel_futures=True)
+
+
+def silent_for(conns: list[PeerConnection], own: dict[str, PeerConnection], now: float) -> dict[PeerConnection, float]:
+    """The liveness rule's measure: for each connection that owes answers and says something while it
+    does (`beats`), the seconds since it began to owe them or was last heard, whichever is later. A
+    peer's own connection (in `own`, by peer id) owes from the earliest moment any connection to that
+    peer does."""
+    owing: dict[str, float] = {}  # peer id -> since when some connection to it owes answers
+    for conn in conns:
+        if conn.pending:
+            owing[conn.peer_id] = min(owing.get(conn.peer_id, now), conn.owing_since)
+    silent = {}
+    for conn in conns:
+        since = owing.get(conn.peer_id) if own.get(conn.peer_id) is conn else \
+            conn.owing_since if conn.pending else None
+        if since is not None and conn.beats:
+            silent[conn] = now - max(conn.last_heard, since)
+    return silent
