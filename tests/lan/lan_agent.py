@@ -67,13 +67,13 @@ class Agent:
             options["leases"] = leases
         self.client = gl.configure(**options)
         self.goodbyes = []
-        check = self.client._on_goodbye  # mDNS goodbyes that the directory passed on to be checked
+        check = self.client.pool._on_goodbye  # mDNS goodbyes that the directory passed on to be checked
 
         def on_goodbye(record, check=check):
             self.goodbyes.append(record.advert.name)
             check(record)
 
-        self.client._on_goodbye = on_goodbye  # before start(), which hands it to the browser
+        self.client.pool._on_goodbye = on_goodbye  # before start(), which hands it to the browser
         if start:
             self.client.start()
         return {"submitter_id": self.client.submitter_id, "cluster": self.client.cluster}
@@ -87,7 +87,7 @@ class Agent:
         """The service names whose PTR records this submitter's mDNS cache holds (what the browser heard)."""
         from gpulayer.discovery import SERVICE_TYPE
 
-        browser = self.client._browser
+        browser = self.client.pool._browser
         if browser is None:
             return {"names": []}
         return {"names": sorted({r.alias for r in browser.zc.cache.get_all_by_details(SERVICE_TYPE, 12, 1)})}
