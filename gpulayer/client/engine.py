@@ -140,7 +140,7 @@ class Client(Listener):
             if self._started:
                 return
             self._started = True
-        self.pool.start(self.interfaces if self._mdns else None, self._on_heartbeat)
+        self.pool.start(self._mdns, self.interfaces, self._on_heartbeat)
 
     def _on_heartbeat(self) -> None:
         """The engine's part of each heartbeat, before the pool's liveness round: the RELEASEs of dropped

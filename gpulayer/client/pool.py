@@ -61,10 +61,10 @@ class Pool:
         # the handshakes at the claims of a peer's id (`_verify`): several peers' at once
         self._handshakes = ThreadPoolExecutor(4 * discovery.MAX_CLAIMS, thread_name_prefix="gpulayer-verify")
 
-    def start(self, interfaces: list[str] | None, on_beat: Callable[[], None]) -> None:
-        """Browse mDNS on `interfaces` (None: no mDNS), probe the static peers, and start the heartbeat,
-        which calls `on_beat` first on each round."""
-        if interfaces is not None:
+    def start(self, mdns: bool, interfaces: list[str] | None, on_beat: Callable[[], None]) -> None:
+        """Browse mDNS (on `interfaces`, None: discovery's default) if `mdns`, probe the static peers, and
+        start the heartbeat, which calls `on_beat` first on each round."""
+        if mdns:
             self._browser = discovery.Browser(self.directory, interfaces, self._on_goodbye)
             threading.Thread(target=self._browser.query_now, name="gpulayer-query", daemon=True).start()
         for address in self.static:
