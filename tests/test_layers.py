@@ -18,7 +18,8 @@ PACKAGE = ROOT / "gpulayer"
 LAYERS: list[dict[str, set[str]]] = [
     {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
                 "records", "security", "progress", "peer_table"}},
-    {"transport": {"shm", "wire", "lending"}},
+    {"protocol": {"protocol"}},
+    {"transport": {"transport", "lending"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
     {"worker": {"peer.worker", "peer.actor_worker", "peer.lease_worker", "peer.running", "peer.spawning"},
      "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
@@ -27,7 +28,7 @@ LAYERS: list[dict[str, set[str]]] = [
 ]
 # Edges the layers would allow that stay out all the same (prefixes of module names): the Ray backend
 # runs tasks without the peer's code; the option table needs no transport.
-BREAKS = {("backends", "peer"), ("task_options", "wire"), ("task_options", "shm")}
+BREAKS = {("backends", "peer"), ("task_options", "transport")}
 # Inside the client: a connection, and the pool that opens and watches them, know nothing of tasks, their
 # placement, leases, actors or the engine (they report through connection.Listener).
 BREAKS |= {(low, high) for low in ("client.connection", "client.pool")

@@ -17,10 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import serialization, shm, wire
+from .. import serialization
 from ..checks import check_timeout
 from ..errors import ActorDied, GPULayerError, PeerLost, ProtocolError
 from ..matching import Requirements
+from ..protocol import messages
+from ..transport import shm
 from . import inference
 from .connection import CONNECT_TIMEOUT, Listener, PeerConnection
 from .tasks import SubmittedTask, TaskFuture
@@ -82,13 +84,13 @@ class ActorCreation(SubmittedTask):
     spec: ActorSpec | None = None
     handle: ActorHandle | None = None
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]:
+    def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None and self.spec is not None
-        return wire.actor(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
+        return messages.actor(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
                           self.spec.concurrency, self.env), self.buffers or []
 
     def result_from(self, msg: dict[str, Any], buffers: list[Any]) -> Any:
-        problem = wire.check_actor_id(msg.get("actor"))
+        problem = messages.check_actor_id(msg.get("actor"))
         if problem is not None:
             raise ProtocolError(f"the peer's answer to ACTOR has no actor id: {problem}")
         assert self.client is not None and self.spec is not None and self.conn is not None
@@ -110,9 +112,9 @@ class ActorCall(SubmittedTask):
     def actor(self) -> str | None:
         return self.handle.actor_id if self.handle is not None else None
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]:
+    def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.args is not None and self.handle is not None
-        return wire.call(self.task_id, self.handle.actor_id, self.name, self.args, self.timeout), self.buffers or []
+        return messages.call(self.task_id, self.handle.actor_id, self.name, self.args, self.timeout), self.buffers or []
 
     def complete(self, result: Any = None, exc: BaseException | None = None) -> None:
         assert self.handle is not None
@@ -129,8 +131,8 @@ class CloseRequest(SubmittedTask):
 
     actor_id: str = ""
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]:
-        return wire.close(self.task_id, self.actor_id), []
+    def message(self) -> tuple[messages.Outgoing, list[Any]]:
+        return messages.close(self.task_id, self.actor_id), []
 
 
 class DirectConnection(PeerConnection):
@@ -143,7 +145,7 @@ class DirectConnection(PeerConnection):
     def __init__(self, listener: DirectListener, addresses: list[tuple[str, int]], actor_id: str):
         self.actor_id = actor_id
         client = listener.client
-        super().__init__(listener, addresses, client.key, client.submitter_id, wire.direct(0, actor_id))
+        super().__init__(listener, addresses, client.key, client.submitter_id, messages.direct(0, actor_id))
 
 
 class DirectListener(Listener):
@@ -379,7 +381,7 @@ def live_actors(client: Client) -> list[dict[str, Any]]:
     for handles in by_peer.values():
         try:
             conn = client.connection_to(handles[0].peer_id, handles[0].addresses)
-            status = conn.request(wire.status_request(), CONNECT_TIMEOUT)
+            status = conn.request(messages.status_request(), CONNECT_TIMEOUT)
         except (OSError, GPULayerError) as exc:
             for handle in handles:
                 handle.died(f"its peer is unreachable: {exc}")

@@ -18,10 +18,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
-from .. import shm, wire
 from ..errors import GPULayerError, PeerLost, ProtocolError
+from ..protocol import handshake, messages
 from ..resources.model import Advert
 from ..resources.utilisation import MAX_GB, finite
+from ..transport import blocking, shm, sockets
 
 CONNECT_TIMEOUT = 2.0
 
@@ -37,7 +38,7 @@ class ConnectionTask(Protocol):
     task_id: int
     queued: bool  # the peer queued it and said it may be withdrawn (an ACCEPT with "w")
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]: ...
+    def message(self) -> tuple[messages.Outgoing, list[Any]]: ...
 
     def on_output(self, stream: str, data: bytes) -> None: ...
 
@@ -77,7 +78,7 @@ class PeerConnection:
     a leased worker sends PONGs while it runs. The pool's liveness rule reads it (pool.py)."""
 
     def __init__(self, listener: Listener, addresses: list[tuple[str, int]], key: bytes, submitter_id: str,
-                 hand_over: wire.Message | None = None):
+                 hand_over: messages.Message | None = None):
         """`hand_over`, a DIRECT or a LEASE request, asks the peer to give the connection to a worker;
         the peer's answer is then `handed_over`."""
         self.listener = listener
@@ -100,8 +101,8 @@ class PeerConnection:
         started = time.perf_counter()
         try:
             sock.settimeout(CONNECT_TIMEOUT)
-            self._wire = wire.BlockingConnection(sock)
-            hello = wire.client_handshake(self._wire, key, submitter_id)
+            self._wire = blocking.BlockingConnection(sock)
+            hello = handshake.client_handshake(self._wire, key, submitter_id)
             self.advert = Advert.from_txt(hello.get("advert") or {})
             if hand_over is not None:
                 self.handed_over = self._ask_hand_over(hand_over)
@@ -120,7 +121,7 @@ class PeerConnection:
         self._local_lock = threading.Lock()  # one asks; another sender of a big buffer waits for its answer
         threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
 
-    def _ask_hand_over(self, request: wire.Message) -> dict[str, Any]:
+    def _ask_hand_over(self, request: messages.Message) -> dict[str, Any]:
         """Ask the peer to hand this connection to a worker; its answer, or DirectRefused.
 
         The peer answers, then the worker continues the same channel (its keys and counters), so
@@ -129,13 +130,13 @@ class PeerConnection:
         self._wire.send(request)
         reply, _ = self._wire.recv(time.monotonic() + CONNECT_TIMEOUT)
         if reply["t"] != request["t"] or reply.get("id") != request["id"]:
-            raise DirectRefused(f"{wire.printable(reply.get('code', reply['t']), 40)}: "
-                                f"{wire.printable(reply.get('message'))}")
+            raise DirectRefused(f"{messages.printable(reply.get('code', reply['t']), 40)}: "
+                                f"{messages.printable(reply.get('message'))}")
         return reply
 
     # ---- sending ----------------------------------------------------------------------------------
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         if not self._asked_local and any(memoryview(b).nbytes >= shm.SHM_MIN for b in buffers):
             with self._local_lock:
                 if not self._asked_local:
@@ -147,7 +148,7 @@ class PeerConnection:
         """Ask the peer, once, for a local link: shared memory when it is on this host, as this user."""
         self._asked_local = True
         try:
-            reply = self.request({"t": wire.LOCAL}, shm.LINK_TIMEOUT)
+            reply = self.request({"t": messages.LOCAL}, shm.LINK_TIMEOUT)
         except (PeerLost, TimeoutError, FutureTimeout):  # distinct classes before Python 3.11
             return
         self._wire.link = shm.open_link(reply.get("addr"), reply.get("token"))
@@ -188,7 +189,7 @@ class PeerConnection:
         with self._lock:
             known = self.pending.pop(task.task_id, None) is task
         if known and not self.closed:
-            send_quietly(self, wire.cancel(task.task_id))
+            send_quietly(self, messages.cancel(task.task_id))
         return known
 
     def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -208,7 +209,7 @@ class PeerConnection:
         """Send a PING unless a send is under way (a big upload); never blocks."""
         if self._send_lock.acquire(blocking=False):
             try:
-                self._wire.send(wire.ping())
+                self._wire.send(messages.ping())
             finally:
                 self._send_lock.release()
 
@@ -252,7 +253,7 @@ class PeerConnection:
         waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
         if waiter is not None and not waiter.done():
             waiter.set_result(msg)
-        elif msg["t"] == wire.PONG and msg.get("id") is None:
+        elif msg["t"] == messages.PONG and msg.get("id") is None:
             self._new_advert(msg.get("advert"))
             self.listener.on_idle(self)
 
@@ -289,8 +290,8 @@ class PeerConnection:
             self.listener.on_outcome(self, task, msg, buffers)
 
     ROUTES: ClassVar[dict[str, Route]] = {
-        wire.PONG: _reply, wire.STATUS: _reply, wire.LOCAL: _reply, wire.BYE: _bye, wire.ACTOR_END: _actor_end,
-        wire.ERROR: _error, wire.ACCEPT: _accept, wire.LOG: _log, wire.RESULT: _to_task, wire.REJECT: _to_task}
+        messages.PONG: _reply, messages.STATUS: _reply, messages.LOCAL: _reply, messages.BYE: _bye, messages.ACTOR_END: _actor_end,
+        messages.ERROR: _error, messages.ACCEPT: _accept, messages.LOG: _log, messages.RESULT: _to_task, messages.REJECT: _to_task}
     """What each message does, by type; any other type with a task's id ends that task as an outcome does."""
 
     def _new_advert(self, txt: Any) -> None:
@@ -334,12 +335,12 @@ def _connect(addresses: list[tuple[str, int]]) -> tuple[socket.socket, str]:
         except OSError as exc:
             errors.append(f"{host}:{port}: {exc.strerror or exc}")
             continue
-        wire.tune(sock)
+        sockets.tune(sock)
         return sock, f"{host}:{port}"
     raise ConnectionError("; ".join(errors) or "no address")
 
 
-def send_quietly(conn: PeerConnection, msg: wire.Outgoing) -> None:
+def send_quietly(conn: PeerConnection, msg: messages.Outgoing) -> None:
     """Send a message that needs no answer; a connection that is gone takes it with it."""
     try:
         conn.send(msg)

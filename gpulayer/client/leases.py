@@ -15,9 +15,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .. import shm, wire
 from ..errors import GPULayerError, PeerLost, WorkerDied
-from ..taskenv import read_at_load
+from ..protocol import framing, messages
+from ..transport import shm
 from .connection import ConnectionTask, Listener, PeerConnection, Route
 from .tasks import SubmittedTask
 
@@ -96,7 +96,7 @@ class Leases(Listener):
         main = self.client.pool.pooled(lease.peer_id)
         if main is not None:
             try:
-                main.send({**wire.cancel(task_id), "lease": lease.lease_id})
+                main.send({**messages.cancel(task_id), "lease": lease.lease_id})
             except OSError:
                 pass
 
@@ -152,8 +152,8 @@ class LeaseConnection(PeerConnection):
         self._newest = 0  # the id of the newest task (in the outbox, or written)
         self.sent_up_to = 0  # the id of the newest task written to the worker (`maybe_started`)
         super().__init__(leases, addresses, client.key, client.submitter_id,
-                         wire.lease(0, req.to_wire(), client.heartbeat))
-        self.lease_id = wire.printable(self.handed_over.get("lease"), 64)
+                         messages.lease(0, req.to_wire(), client.heartbeat))
+        self.lease_id = messages.printable(self.handed_over.get("lease"), 64)
 
     def submit(self, task: ConnectionTask) -> None:
         """Write the SUBMIT at once when the worker has nothing to do, else keep it back: it is written
@@ -164,7 +164,7 @@ class LeaseConnection(PeerConnection):
                 return
             self._newest = task.task_id
             msg, buffers = task.message()
-            parts = wire.encode(msg, buffers)
+            parts = framing.encode(msg, buffers)
             if self._at_worker and self._outbox_bytes < OUTBOX_MAX:
                 self._outbox += parts
                 self._outbox_tasks += 1
@@ -220,11 +220,11 @@ class LeaseConnection(PeerConnection):
 
     def _lease_end(self, msg: dict[str, Any], buffers: list[Any]) -> None:
         """The worker starts no task any more: the lease is over."""
-        self.lease_ended = wire.printable(msg.get("reason"), 500) or "?"
+        self.lease_ended = messages.printable(msg.get("reason"), 500) or "?"
         self.fail(f"the lease ended: {self.lease_ended}")
 
-    ROUTES: ClassVar[dict[str, Route]] = {**PeerConnection.ROUTES, wire.RESULT: _answered, wire.ERROR: _answered,
-                                          wire.LEASE_END: _lease_end}
+    ROUTES: ClassVar[dict[str, Route]] = {**PeerConnection.ROUTES, messages.RESULT: _answered, messages.ERROR: _answered,
+                                          messages.LEASE_END: _lease_end}
 
 
 def _free_besides_lease(main: PeerConnection) -> bool:
@@ -241,10 +241,8 @@ def _fits(req: Requirements, lease: Requirements) -> bool:
 
 
 def _leasable(task: SubmittedTask) -> bool:
-    """Whether a lease may run the task: a plain task of one device that holds nothing on the peer,
-    takes no held result, has small buffers (big ones go by shared memory through the peer) and no
-    variable that needs a fresh worker."""
-    return type(task) is SubmittedTask and task.keep is None and task.req.devices == 1 \
-        and not any(f.held is not None for f in task.deps) \
+    """Whether a lease may run the task: a plain task of one device with small buffers (big ones go by
+    shared memory through the peer) whose SUBMIT the leased worker would not refuse (`lease_refusal`)."""
+    return type(task) is SubmittedTask and task.req.devices == 1 \
         and sum(memoryview(b).nbytes for b in task.buffers or ()) < shm.SHM_MIN \
-        and not any(read_at_load(name) for name in task.env)
+        and messages.lease_refusal({"keep": task.keep, "refs": task.held_args(), "env": task.env}) is None

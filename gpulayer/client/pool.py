@@ -20,8 +20,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
 
-from .. import discovery, wire
+from .. import discovery
 from ..errors import AuthError, GPULayerError
+from ..protocol import messages
 from ..resources.utilisation import clean_sample
 from .connection import CONNECT_TIMEOUT, Listener, PeerConnection
 
@@ -238,7 +239,7 @@ class Pool:
 
     def status(self, record: discovery.PeerRecord) -> dict[str, Any]:
         """The peer's STATUS reply, over its authenticated connection (opened if need be); untrusted."""
-        return self.connection(record).request(wire.status_request(), CONNECT_TIMEOUT)
+        return self.connection(record).request(messages.status_request(), CONNECT_TIMEOUT)
 
     def peers(self, probe: bool) -> list[dict[str, Any]]:
         """The known peers with their state; `probe` asks each for its load (a silent one shows as down)."""
