@@ -199,15 +199,13 @@ class Pool:
     def check(self) -> None:
         """One round of the heartbeat: the liveness rule over every connection, then a PING on each peer's
         own connection that is still open."""
-        now = time.monotonic()
         limit = LOST_AFTER * self.heartbeat
-        conns = self.all()
-        for conn, silence in silent_for(conns, dict(self.own), now).items():
+        for conn, silence in silent_for(self.all(), dict(self.own), time.monotonic()).items():
             if silence > limit:
                 conn.fail(f"no answer for {silence:.1f} s ({LOST_AFTER} heartbeats of {self.heartbeat:g} s)",
                           silent=True)
-        for conn in conns:
-            if self.own.get(conn.peer_id) is conn and not conn.closed:
+        for conn in list(self.own.values()):
+            if not conn.closed:
                 try:
                     conn.ping()
                 except OSError as exc:
