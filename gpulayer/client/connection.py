@@ -193,7 +193,7 @@ class PeerConnection:
         return known
 
     def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send a STATUS or PING and wait for the reply with the same id."""
+        """Send a STATUS, PING or PEERS and wait for the reply with the same id."""
         waiter: Future[dict[str, Any]] = Future()
         with self._lock:
             msg["id"] = next(self._ids)
@@ -249,7 +249,7 @@ class PeerConnection:
         route(self, msg, buffers)
 
     def _reply(self, msg: dict[str, Any], buffers: list[Any]) -> None:
-        """PONG, STATUS, LOCAL: to the request waiting for it; a PONG nobody asked for says the peer is idle."""
+        """PONG, STATUS, LOCAL, PEERS: to the request waiting for it; a PONG nobody asked for says the peer is idle."""
         waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
         if waiter is not None and not waiter.done():
             waiter.set_result(msg)
@@ -290,8 +290,9 @@ class PeerConnection:
             self.listener.on_outcome(self, task, msg, buffers)
 
     ROUTES: ClassVar[dict[str, Route]] = {
-        messages.PONG: _reply, messages.STATUS: _reply, messages.LOCAL: _reply, messages.BYE: _bye, messages.ACTOR_END: _actor_end,
-        messages.ERROR: _error, messages.ACCEPT: _accept, messages.LOG: _log, messages.RESULT: _to_task, messages.REJECT: _to_task}
+        messages.PONG: _reply, messages.STATUS: _reply, messages.LOCAL: _reply, messages.PEERS: _reply,
+        messages.BYE: _bye, messages.ACTOR_END: _actor_end, messages.ERROR: _error, messages.ACCEPT: _accept,
+        messages.LOG: _log, messages.RESULT: _to_task, messages.REJECT: _to_task}
     """What each message does, by type; any other type with a task's id ends that task as an outcome does."""
 
     def _new_advert(self, txt: Any) -> None:

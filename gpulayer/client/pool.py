@@ -1,4 +1,4 @@
-"""The submitter's connection pool: where peers are found (mDNS, static peers), one authenticated
+"""The submitter's connection pool: where peers are found (mDNS, static peers, gossip), one authenticated
 connection to each peer, the connections that peers handed to workers (leases, direct actor calls),
 the peers table, and one heartbeat with one liveness rule for every connection (ADR 0005).
 
@@ -25,6 +25,7 @@ from ..errors import AuthError, GPULayerError
 from ..protocol import messages
 from ..resources.utilisation import clean_sample
 from .connection import CONNECT_TIMEOUT, Listener, PeerConnection
+from .gossip import Gossip
 
 if TYPE_CHECKING:
     from .actors import DirectConnection
@@ -61,6 +62,7 @@ class Pool:
         self._helpers = ThreadPoolExecutor(16, thread_name_prefix="gpulayer-pool")
         # the handshakes at the claims of a peer's id (`_verify`): several peers' at once
         self._handshakes = ThreadPoolExecutor(4 * discovery.MAX_CLAIMS, thread_name_prefix="gpulayer-verify")
+        self.gossip = Gossip(self, self.closed, self._helpers.submit)  # lists of verified peers (ADR 0017)
 
     def start(self, mdns: bool, interfaces: list[str] | None, on_beat: Callable[[], None]) -> None:
         """Browse mDNS (on `interfaces`, None: discovery's default) if `mdns`, probe the static peers, and
@@ -71,6 +73,7 @@ class Pool:
         for address in self.static:
             self._helpers.submit(self.probe_static, address)
         threading.Thread(target=self._heartbeat, args=(on_beat,), name="gpulayer-heartbeat", daemon=True).start()
+        threading.Thread(target=self.gossip.run, name="gpulayer-gossip", daemon=True).start()
 
     def probe_static(self, address: tuple[str, int]) -> None:
         label = "%s:%d" % address
@@ -79,6 +82,16 @@ class Pool:
             self.static_errors.pop(label, None)
         except (OSError, GPULayerError) as exc:
             self.static_errors[label] = str(exc)
+
+    def learn(self, addresses: list[tuple[str, int]]) -> bool:
+        """A peer that a key holder's list named (client/gossip.py): a hint until a handshake there proves
+        it; then its record has source "gossip". False when none did."""
+        try:
+            self.open(addresses, "gossip")
+        except (OSError, GPULayerError) as exc:
+            log.debug("no peer proved at %s: %s", addresses, exc)
+            return False
+        return True
 
     # ---- connections ------------------------------------------------------------------------------
 
@@ -155,7 +168,8 @@ class Pool:
     def open(self, addresses: list[tuple[str, int]], source: str) -> PeerConnection:
         """Connect and authenticate; the peer's HELLO refreshes (or creates) its directory record."""
         conn = PeerConnection(self.listener, addresses, self.key, self.submitter_id)
-        fresh = discovery.PeerRecord(conn.advert, addresses, "static" if source == "static" else "mdns", verified=True)
+        fresh = discovery.PeerRecord(conn.advert, addresses, source if source in ("static", "gossip") else "mdns",
+                                     verified=True)
         if not self.directory.upsert(fresh):
             conn.fail("the peer belongs to another cluster")
             raise AuthError(f"{conn.address} belongs to another cluster")
