@@ -49,8 +49,16 @@ def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
     (what the peer must offer); timeout, retries, env, keep (how the task runs). A function that
     takes one of these names itself is called with `gl.options(...).submit(fn, ...)`, where
     every keyword goes to fn.
+
+    With detach=True the call runs as a job (docs/jobs.md): it goes on when this process ends, and
+    the `Job` returned gives its result later, from any process (`gl.job(job.id).result()`).
     """
+    detach = kwargs.pop("detach", False)
     options, kwargs = split_call(fn, args, kwargs)
+    if detach:
+        no_keep(options, "gl.submit(..., detach=True)")
+        return _jobs().submit_function(fn, args, kwargs, options.requirements, timeout=options.timeout,
+                                       retries=options.retries, env=options.env)
     return _submit(fn, args, kwargs, options)
 
 
@@ -154,6 +162,46 @@ def _remote(obj: Any, options: dict[str, Any]) -> RemoteFunction | ActorClass:
 def actors() -> list[dict[str, Any]]:
     """This submitter's live actors (actor id, class, peer, address, slot, calls served, calls pending)."""
     return default_client().live_actors()
+
+
+def _jobs() -> Any:
+    """The jobs of the process-wide backend's cluster (client/jobs.py)."""
+    from .client.jobs import Jobs
+
+    return Jobs(default_client())
+
+
+def submit_job(command: list[str] | str, working_dir: str | None = ".", *, excludes: Iterable[str] = (),
+               name: str = "", limit_mb: int | None = None, **options: Any) -> Any:
+    """Run `command` (a list of arguments, or one string split as a shell would) as a job on a matching
+    peer, in a copy of `working_dir` (honouring .gitignore and `excludes`); returns its `Job` once a peer
+    has recorded it. The job goes on when this process ends (docs/jobs.md).
+
+    Options as for tasks: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
+    (what the peer must offer), timeout, retries, env.
+    """
+    import shlex
+
+    from .jobs.folder import limit_from_env
+
+    parsed = TaskOptions.parse(options)
+    no_keep(parsed, "gl.submit_job()")
+    argv = shlex.split(command) if isinstance(command, str) else list(command)
+    if not argv:
+        raise ValueError("a job needs a command")
+    return _jobs().submit(argv, working_dir, parsed.requirements, excludes=tuple(excludes), name=name,
+                          env=parsed.env, timeout=parsed.timeout, retries=parsed.retries,
+                          limit_bytes=(limit_mb << 20) if limit_mb is not None else limit_from_env())
+
+
+def job(job_id: str) -> Any:
+    """The job of that id, from any process of any machine of the cluster: its state, logs, result."""
+    return _jobs().job(job_id)
+
+
+def jobs(all: bool = False) -> list[dict[str, Any]]:
+    """Every job that the cluster's peers know (each peer is asked): the last day's, or `all`."""
+    return _jobs().list(include_old=all)
 
 
 def peers(wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]:

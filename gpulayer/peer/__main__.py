@@ -13,6 +13,7 @@ from .. import security, wire
 from ..errors import GPULayerError
 from ..resources import detect, override
 from ..taskenv import SLOT_ENV_PREFIX
+from .jobs import RETENTION_DAYS, RETENTION_GB
 from .server import PeerConfig, run_peer
 
 
@@ -39,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(e.g. --env PYTORCH_ENABLE_MPS_FALLBACK=1)")
     parser.add_argument("--workdir", default=None, type=_workdir, metavar="DIR",
                         help="the folder tasks start in, kept (default: a scratch folder removed when the peer stops)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
+                        help="the folder of this peer's jobs (default: the first free of ~/.local/state/gpulayer/peer, "
+                             "peer-2, ...; $XDG_STATE_HOME moves it)")
+    parser.add_argument("--job-retention-days", type=float, default=RETENTION_DAYS, metavar="DAYS",
+                        help=f"ended jobs older than this are removed with their folder (default {RETENTION_DAYS:g})")
+    parser.add_argument("--job-retention-gb", type=float, default=RETENTION_GB, metavar="GB",
+                        help="the oldest ended jobs are removed while the jobs' folders come to more than this "
+                             f"(default {RETENTION_GB:g})")
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
@@ -90,6 +99,9 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         drain_timeout=args.drain_timeout,
         workdir=args.workdir,
         measured_from=args.measured_from,
+        state_dir=args.state_dir,
+        job_retention_days=args.job_retention_days,
+        job_retention_gb=args.job_retention_gb,
     )
 
 

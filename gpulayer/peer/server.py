@@ -25,12 +25,14 @@ import psutil
 
 from .. import discovery, security, shm, wire
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
+from ..jobs.store import StateDirInUse
 from ..matching import Requirements, match, missing_software
 from ..checks import check_concurrency, check_timeout
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
 from .actors import Actor, grace_from_env
 from .channel import AsyncChannel
+from .jobs import RETENTION_DAYS, RETENTION_GB, Jobs
 from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
@@ -62,6 +64,9 @@ class PeerConfig:
     worker_start_timeout: float = 120.0
     workdir: str | None = None  # where tasks start; None: a scratch folder removed at stop
     measured_from: str | None = None  # recorded readings replacing the measured utilisation (a test seam)
+    state_dir: str | None = None  # the jobs' folder (peer/jobs.py); None: the first free one of the user's
+    job_retention_days: float = RETENTION_DAYS
+    job_retention_gb: float = RETENTION_GB
 
 
 class Connection:
@@ -171,6 +176,11 @@ class Peer:
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
         check_shm_settings()
+        try:
+            self.jobs = Jobs(self.scheduler, config.python, config.state_dir, lambda: self.advert,
+                             config.job_retention_days, config.job_retention_gb)
+        except (OSError, StateDirInUse) as exc:
+            raise ConfigError(f"the state folder: {exc}") from None
 
     def _memory_refusal(self, total: int) -> str | None:
         return memory_refusal(total, self._headroom)
@@ -191,6 +201,7 @@ class Peer:
         self._stopped = asyncio.Event()
         _raise_fd_limit()
         await self.scheduler.start()
+        self.jobs.recover()
         host = self.config.interfaces[0] if self.config.interfaces else "0.0.0.0"
         self._server = socket.create_server((host, self.config.port), backlog=1024)
         self._server.setblocking(False)
@@ -238,6 +249,7 @@ class Peer:
         for conn in list(self._connections):
             conn.channel.write({"t": wire.BYE})
         await asyncio.gather(*(c.channel.close_gracefully() for c in list(self._connections)))
+        await self.jobs.shutdown()
         await self.scheduler.stop()
         self.sampler.stop()
         self.quiet.flush(final=True)
@@ -259,8 +271,10 @@ class Peer:
 
     @property
     def load_total(self) -> int:
-        """Tasks running or queued (actors are not waited for: they end when the peer stops)."""
-        return self.scheduler.busy - self.scheduler.held_by_actors + self.scheduler.queued
+        """Tasks running or queued (actors are not waited for: they end when the peer stops; jobs are
+        recorded, lost if they ran, and queued ones start after a restart)."""
+        return self.scheduler.busy - self.scheduler.held_by_actors - self.scheduler.held_by_jobs + \
+            self.scheduler.queued - len(self.jobs.queued)
 
     def status(self) -> dict[str, Any]:
         return {"t": wire.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
@@ -381,6 +395,7 @@ class Peer:
         self._unauthenticated.pop(conn, None)
         if self._local is not None:
             self._local.forget(conn)
+        self.jobs.forget(conn)
         if conn in self._connections:
             self._connections.discard(conn)
             for task in list(conn.tasks.values()):
@@ -438,6 +453,8 @@ class Peer:
                 self.scheduler.actors.cancel(conn, msg["id"])
         elif kind == wire.STATUS:
             conn.channel.write({**self.status(), "id": msg.get("id")})
+        elif kind in wire.JOB_REQUESTS:
+            self.jobs.handle(conn, msg, buffers, self._draining)
         elif kind == wire.BYE:
             conn.channel.close()
             self.drop(conn)

@@ -1,0 +1,400 @@
+"""The submitter's side of jobs (ADR 0016, docs/jobs.md): submit, find, watch, stop, fetch and remove.
+
+Each operation opens a connection of its own to the peer that holds the job (the secure channel, as
+every submitter's), so that a job needs nothing of the process that submitted it: `job(id)` in any
+process of any machine with the cluster key finds the peer by asking the peers of the cluster which
+of them holds it (a job id names its holder). The Client is used for discovery and placement only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from .. import wire
+from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
+from ..jobs import call, folder, messages
+from ..jobs.store import ENDED, JobSpec, check_job_id, holder_of
+from ..matching import Requirements
+from .connection import CONNECT_TIMEOUT
+from .engine import Client
+from .inference import with_inferred
+
+CHUNK = 4 << 20  # bytes of a blob a JOB_BLOB carries
+PING_EVERY_S = 1.0  # while waiting on a long answer (wait, a followed log), a PING this often keeps it open
+SILENCE_S = 15.0  # nothing heard from the peer this long: the connection is lost
+
+
+class JobError(GPULayerError):
+    """A job request refused by its peer (no such job, a path outside its folder, ...), or no job."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A peer that holds jobs: its job identity (the first part of their ids), name and addresses."""
+
+    holder: str
+    name: str
+    addresses: list[tuple[str, int]]
+
+
+class JobLink:
+    """One authenticated connection to a peer for job requests, closed after use."""
+
+    def __init__(self, client: Client, addresses: list[tuple[str, int]]):
+        errors = []
+        for address in addresses:
+            try:
+                sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
+                break
+            except OSError as exc:
+                errors.append(f"{address[0]}:{address[1]}: {exc.strerror or exc}")
+        else:
+            raise PeerLost(f"the peer is unreachable: {'; '.join(errors) or 'no address'}")
+        wire.tune(sock)
+        self.conn = wire.BlockingConnection(sock)
+        self._ids = iter(range(1, 1 << 62))
+        try:
+            self.hello = wire.client_handshake(self.conn, client.key, client.client_id)
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def __enter__(self) -> JobLink:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.conn.close()
+
+    def send(self, msg: wire.Message, buffers: wire.Buffers = ()) -> int:
+        msg.setdefault("id", next(self._ids))
+        self.conn.send(msg, buffers)
+        return int(msg["id"])
+
+    def answer(self, request_id: int, on_data: Callable[[wire.Message, list[Any]], None] | None = None,
+               timeout: float | None = None) -> wire.Message:
+        """The peer's JOB_NEED or JOB_INFO for `request_id` (JOB_DATA pieces go to `on_data`); raises
+        JobError for its ERROR, PeerLost when the connection is lost or silent, TimeoutError past `timeout`."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                msg, buffers = self.conn.recv(time.monotonic() + PING_EVERY_S)
+            except socket.timeout:
+                if time.monotonic() - self.conn.last_received > SILENCE_S:
+                    raise PeerLost(f"the peer went silent for {SILENCE_S:g} s") from None
+                if end is not None and time.monotonic() > end:
+                    raise TimeoutError("no answer in time") from None
+                self.conn.send(wire.ping())
+                continue
+            except (OSError, ConnectionError) as exc:
+                raise PeerLost(f"the connection to the peer was lost: {exc}") from None
+            if msg.get("id") != request_id:
+                continue  # a PONG, or the peer's word on something else
+            if msg["t"] == wire.ERROR:
+                raise JobError(wire.printable(msg.get("code"), 40), wire.printable(msg.get("message"), 2000))
+            if msg["t"] == wire.JOB_DATA:
+                if on_data is not None:
+                    on_data(msg, buffers)
+                continue
+            if msg["t"] in (wire.JOB_NEED, wire.JOB_INFO):
+                return msg
+
+    def ask(self, msg: wire.Message, on_data: Callable[[wire.Message, list[Any]], None] | None = None,
+            timeout: float | None = None) -> wire.Message:
+        return self.answer(self.send(msg), on_data, timeout)
+
+
+class Jobs:
+    """Jobs of the cluster that `client` (the LAN's Client) belongs to."""
+
+    def __init__(self, client: Any):
+        if not isinstance(client, Client):
+            raise ConfigError("jobs need the LAN's peers (GPULAYER_BACKEND is not ray)")
+        self.client = client
+        self._holders: dict[str, Holder] = {}
+
+    # ---- finding peers ----------------------------------------------------------------------
+
+    def holders(self) -> list[tuple[Holder, wire.Message | str]]:
+        """Every peer of the cluster, with its JOB_INFO listing (all its jobs) or why it did not answer."""
+        self.client.peers(probe=False)  # waits for the mDNS answers, as `gpulayer peers` does
+        records = [r for r in self.client.directory.records() if r.addresses]
+
+        def ask(record: Any) -> tuple[Holder, wire.Message | str]:
+            try:
+                with JobLink(self.client, record.addresses) as link:
+                    info = link.ask(messages.request(wire.JOB_LIST, 0, all=True), timeout=10.0)
+            except (OSError, GPULayerError, TimeoutError) as exc:
+                return Holder("", record.advert.name, record.addresses), str(exc)
+            holder = Holder(wire.printable(info.get("holder"), 12), record.advert.name, record.addresses)
+            self._holders[holder.holder] = holder
+            return holder, info
+
+        with ThreadPoolExecutor(8, thread_name_prefix="gpulayer-jobs") as pool:
+            return list(pool.map(ask, records))
+
+    def holder(self, job_id: str) -> Holder:
+        """The peer that holds `job_id`; JobError when no peer of this cluster does."""
+        problem = check_job_id(job_id)
+        if problem is not None:
+            raise JobError("bad-request", problem)
+        wanted = holder_of(job_id)
+        if wanted not in self._holders:
+            answered = [h for h, info in self.holders() if not isinstance(info, str)]
+            if wanted not in self._holders:
+                raise JobError("no-job", f"no peer of this cluster holds job {job_id} ({len(answered)} peer(s) "
+                                         "answered; a job of another cluster, or of a peer that is down, is not "
+                                         "found)")
+        return self._holders[wanted]
+
+    def job(self, job_id: str) -> Job:
+        job = Job(self, self.holder(job_id), {"id": job_id})
+        job.refresh()
+        return job
+
+    def list(self, include_old: bool = False) -> list[dict[str, Any]]:
+        """Every job the peers know (the last day's ended ones, or all with `include_old`), with its peer;
+        a peer that did not answer gives a row with state "unknown" and the error."""
+        rows: list[dict[str, Any]] = []
+        cutoff = time.time() - 86400.0
+        for holder, info in self.holders():
+            if isinstance(info, str):
+                rows.append({"id": "?", "peer": holder.name, "state": "unknown", "reason": info})
+                continue
+            for row in info.get("jobs") or []:
+                if isinstance(row, dict) and (include_old or row.get("state") not in ENDED
+                                              or (row.get("ended") or 0) >= cutoff):
+                    rows.append({**row, "peer": holder.name})
+        return sorted(rows, key=lambda r: r.get("submitted") or 0.0)
+
+    # ---- submitting -------------------------------------------------------------------------
+
+    def submit(self, command: list[str], working_dir: str | os.PathLike[str] | None, req: Requirements, *,
+               excludes: tuple[str, ...] = (), name: str = "", env: dict[str, str] | None = None,
+               timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
+               extra: dict[str, bytes] | None = None, function: bool = False) -> Job:
+        """Ship `working_dir` (and the `extra` files, relative path -> bytes) and record the job on the
+        best matching peer; returns once a peer has recorded it."""
+        root = Path(working_dir if working_dir is not None else ".").resolve()
+        limit = folder.DEFAULT_LIMIT if limit_bytes is None else limit_bytes
+        manifest = folder.scan(root, excludes, limit) if working_dir is not None else folder.Manifest([])
+        blobs = {e.digest: (root / e.path) for e in manifest.entries}
+        entries = [[e.path, e.size, e.mode, e.digest] for e in manifest.entries]
+        for path, data in (extra or {}).items():
+            digest = folder.digest_bytes(data)
+            blobs[digest] = data
+            entries.append([path, len(data), 0o600, digest])
+        spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
+                       retries=retries, function=function)
+        self.client.start()
+        self.client.placement.wait_for_match(req, (), self.client.discovery_timeout)
+        failures: dict[str, list[str]] = {}
+        for record in self.client.placement.ranked(req):
+            try:
+                with JobLink(self.client, record.addresses) as link:
+                    info = _submit_over(link, spec, entries, blobs)
+            except (PeerLost, JobError) as exc:
+                if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
+                    raise
+                failures[f"{record.advert.name} ({record.address})"] = [str(exc)]
+                continue
+            holder = Holder(holder_of(info["job"]["id"]), record.advert.name, record.addresses)
+            self._holders[holder.holder] = holder
+            return Job(self, holder, info["job"])
+        raise NoMatchingPeer(req, {**self.client.placement.reasons(req), **failures})
+
+    def submit_function(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                        req: Requirements, **options: Any) -> Job:
+        """fn(*args, **kwargs) as a job (its folder holds only the call); Job.result() gives its outcome."""
+        packed = call.pack_call(fn, args, kwargs)
+        name = options.pop("name", "") or getattr(fn, "__qualname__", "function")
+        return self.submit(call.COMMAND, None, with_inferred(req, fn, packed), name=name,
+                           extra={call.CALL_FILE: packed}, function=True, **options)
+
+    # ---- one job ----------------------------------------------------------------------------
+
+    def link(self, holder: Holder) -> JobLink:
+        return JobLink(self.client, holder.addresses)
+
+
+def _submit_over(link: JobLink, spec: JobSpec, entries: list[list[Any]], blobs: dict[str, Path | bytes]
+                 ) -> wire.Message:
+    request_id = link.send(messages.submit(0, spec, entries))
+    need = link.answer(request_id, timeout=60.0)
+    for digest in need.get("need") or []:
+        if digest not in blobs:
+            raise JobError("protocol", "the peer asked for a blob that is not in the job's folder")
+        for chunk, last in _chunks(blobs[digest]):
+            link.conn.send({"t": wire.JOB_BLOB, "id": request_id, "digest": digest, "last": last}, [chunk])
+    return link.answer(request_id, timeout=None if need.get("need") else 60.0)
+
+
+def _chunks(source: Path | bytes) -> Iterator[tuple[bytes, bool]]:
+    """The blob in pieces of CHUNK bytes, each with whether it is the last (an empty blob is one piece)."""
+    if isinstance(source, bytes):
+        yield source, True
+        return
+    with open(source, "rb") as f:
+        chunk = f.read(CHUNK)
+        while True:
+            following = f.read(CHUNK) if len(chunk) == CHUNK else b""
+            yield chunk, not following
+            if not following:
+                return
+            chunk = following
+
+
+class Job:
+    """A job on its peer: `id`, `peer`, and its `state`, `exit_code` and `reason` as last heard."""
+
+    def __init__(self, jobs: Jobs, holder: Holder, info: dict[str, Any]):
+        self._jobs = jobs
+        self._holder = holder
+        self.info = info
+        self.id: str = info["id"]
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r}, state={self.state!r}, peer={self.peer!r})"
+
+    @property
+    def peer(self) -> str:
+        return self._holder.name
+
+    @property
+    def state(self) -> str:
+        return str(self.info.get("state", "?"))
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.info.get("exit_code")
+
+    @property
+    def reason(self) -> str:
+        return str(self.info.get("reason") or "")
+
+    def _ask(self, kind: str, on_data: Callable[[wire.Message, list[Any]], None] | None = None,
+             **fields: Any) -> wire.Message:
+        with self._jobs.link(self._holder) as link:
+            reply = link.ask(messages.request(kind, 0, self.id, **fields), on_data)
+        if isinstance(reply.get("job"), dict):
+            self.info = reply["job"]
+        return reply
+
+    def refresh(self) -> Job:
+        """Ask its peer for its state now."""
+        self._ask(wire.JOB_WAIT, timeout=0)
+        return self
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the job ends (or `timeout` s pass); its state."""
+        self._ask(wire.JOB_WAIT, timeout=timeout)
+        return self.state
+
+    def stop(self, grace: float = messages.DEFAULT_GRACE_S) -> str:
+        """SIGTERM to its processes, SIGKILL after `grace` s; returns once it ended (its state)."""
+        self._ask(wire.JOB_STOP, grace=grace)
+        return self.state
+
+    def remove(self) -> None:
+        """Forget the ended job on its peer and delete its folder there."""
+        self._ask(wire.JOB_RM)
+
+    def logs(self, follow: bool = False, tail: int | None = None, out: IO[bytes] | None = None) -> str:
+        """Its stdout and stderr as written, from the start (or the last `tail` lines); with `follow`,
+        until it ends. With `out`, the bytes go there as they come (and "" is returned)."""
+        pieces: list[bytes] = []
+
+        def take(_msg: wire.Message, buffers: list[Any]) -> None:
+            data = bytes(buffers[0]) if buffers else b""
+            if out is None:
+                pieces.append(data)
+            else:
+                out.write(data)
+                out.flush()
+
+        self._ask(wire.JOB_LOGS, take, offset=0, follow=follow, tail=tail)
+        return b"".join(pieces).decode("utf-8", "replace")
+
+    def fetch(self, paths: list[str] | None = None, to: str | os.PathLike[str] = ".", force: bool = False) -> list[Path]:
+        """Bring files of the job's folder into `to` (default: what the job created or changed); an existing
+        file is refused unless `force`. Returns the paths written."""
+        target = Path(to)
+        target.mkdir(parents=True, exist_ok=True)
+        receiving = _Receiving(target, force)
+        try:
+            self._ask(wire.JOB_FETCH, receiving.take, paths=paths)
+        finally:
+            receiving.close()
+        return receiving.written
+
+    def result(self, timeout: float | None = None) -> Any:
+        """A function job's return value, or its exception raised here with the remote traceback."""
+        if not self.info.get("function"):
+            raise JobError("bad-request", f"job {self.id} runs a command, not a function: it has no result")
+        if self.wait(timeout) not in ENDED:
+            raise TimeoutError(f"job {self.id} is still {self.state} after {timeout} s")
+        packed: list[bytes] = []
+        try:
+            self._ask(wire.JOB_FETCH, lambda _m, b: packed.append(bytes(b[0])), paths=[call.OUTCOME_FILE])
+        except JobError:
+            raise JobError("no-result", f"job {self.id} ended {self.state} without a result"
+                                        f"{': ' + self.reason if self.reason else ''}") from None
+        return call.outcome(b"".join(packed))
+
+
+class _Receiving:
+    """Files arriving in JOB_DATA pieces, each written to a hidden partial file and renamed when whole.
+    Paths come from the peer: each is checked to stay inside the target folder."""
+
+    def __init__(self, target: Path, force: bool):
+        self.target = target
+        self.force = force
+        self.written: list[Path] = []
+        self._current: tuple[str, Path, IO[bytes]] | None = None
+
+    def take(self, msg: wire.Message, buffers: list[Any]) -> None:
+        rel = msg.get("path")
+        if not isinstance(rel, str) or len(buffers) != 1:
+            raise JobError("protocol", "a JOB_DATA of a fetch needs a 'path' and one buffer")
+        if self._current is None or self._current[0] != rel:
+            self.close()
+            path = folder.resolve_inside(self.target, rel)
+            if path.exists() and not self.force:
+                raise JobError("exists", f"{path} exists (fetch --force overwrites)")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.partial")
+            self._current = (rel, path, open(partial, "wb"))
+        self._current[2].write(buffers[0])
+        if msg.get("last"):
+            rel, path, f = self._current
+            f.close()
+            mode = msg.get("mode")
+            os.chmod(f.name, (mode if isinstance(mode, int) else 0o644) & 0o755 | 0o600)
+            os.replace(f.name, path)
+            self.written.append(path)
+            self._current = None
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current[2].close()
+            Path(self._current[2].name).unlink(missing_ok=True)
+            self._current = None
+
+
+def exit_status(job: Job) -> int:
+    """The exit status a shell gives for the job: its code, 128+N for signal N, 1 when it has none."""
+    code = job.exit_code
+    if code is None:
+        return 0 if job.state == "succeeded" else 1
+    return 128 - code if code < 0 else code
+

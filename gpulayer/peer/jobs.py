@@ -1,0 +1,582 @@
+"""The peer's jobs (ADR 0016): received with their folder, recorded in the store, run on a slot, watched.
+
+A job is one more holder of the scheduler's slots (`ScheduledTask.job`): queued like a task, and once
+started it runs a supervisor (jobs/shim.py) in a session of its own, in the job's folder, and gives
+the slots back when the supervisor exits. Nothing here depends on the connection that submitted it:
+a job goes on when its submitter goes. Every request is answered from the store, so a peer restarted
+on the same state folder answers for the jobs of its earlier life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .. import wire
+from ..jobs import folder, messages, shim
+from ..jobs.store import (ENDED, FAILED, LOST, QUEUED, RUNNING, STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore,
+                          StateDirInUse, default_state_dir, holder_of)
+from ..matching import Requirements, match
+from ..resources.model import Advert
+from .scheduler import Scheduler, ScheduledTask
+from .workers import Slot, job_pythonpath, worker_env
+
+log = logging.getLogger("gpulayer.peer")
+
+LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR = "log", "exit.json", "grace", "work"
+DATA_CHUNK = 4 << 20  # bytes of a log or a file a JOB_DATA carries
+FOLLOW_POLL_S = 0.1  # how often a followed log is read again while its job runs
+RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of --job-retention-days and --job-retention-gb
+
+
+def claim_state_dir(path: str | None) -> tuple[Path, int]:
+    """The state folder and an open lock on it (held for the peer's life): `path`, or the first of
+    <user state dir>/peer, peer-2, peer-3 ... that no other live peer holds. Raises StateDirInUse
+    when `path` is held."""
+    candidates = [Path(path)] if path else [default_state_dir() / (f"peer-{n}" if n > 1 else "peer")
+                                            for n in range(1, 1000)]
+    for candidate in candidates:
+        candidate.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(candidate / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return candidate, fd
+    raise StateDirInUse(f"the state folder {candidates[0]} is in use by another peer")
+
+
+class JobOwner:
+    """A job as the scheduler's task owner: nothing goes back to a connection (its output is its log)."""
+
+    def __init__(self, job_id: str):
+        self.address = f"job {job_id}"
+        self.client = job_id
+
+    def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
+        pass
+
+    def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
+        pass
+
+    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+        pass
+
+
+@dataclass
+class Upload:
+    """A job being received: its spec, its manifest, and the blobs still to come (in that order)."""
+
+    spec: JobSpec
+    manifest: folder.Manifest
+    need: list[str]
+    writer: Any = None  # the BlobStore writer of need[0], once its first chunk came
+
+
+@dataclass
+class Run:
+    """A running job's supervisor, and why it is being stopped (if it is)."""
+
+    task: ScheduledTask
+    proc: asyncio.subprocess.Process | None = None
+    stopping: str = ""  # "stopped" or "timeout"
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class Waiters:
+    """The futures of the requests waiting for a job to end."""
+
+    futures: list[asyncio.Future[None]] = field(default_factory=list)
+
+
+class Jobs:
+    """This peer's jobs: the store, the blob cache, the runs, and the answers to the job requests."""
+
+    def __init__(self, scheduler: Scheduler, python: str, state_dir: str | None, advert: Callable[[], Advert],
+                 retention_days: float = RETENTION_DAYS, retention_gb: float = RETENTION_GB):
+        self.dir, self._lock = claim_state_dir(state_dir)
+        self.store = JobStore(self.dir)
+        self.blobs = folder.BlobStore(self.dir / "blobs")
+        self.scheduler = scheduler
+        self.python = python
+        self.advert = advert
+        self.retention = (retention_days * 86400.0, int(retention_gb * (1 << 30)))
+        self.bin = self._interpreter_bin()
+        self._pythonpath = job_pythonpath(python)
+        self.runs: dict[str, Run] = {}
+        self.queued: dict[str, ScheduledTask] = {}
+        self._uploads: dict[tuple[object, int], Upload] = {}
+        self._ended: dict[str, list[asyncio.Future[None]]] = {}
+        for leftover in self.store.jobs_dir.glob("incoming-*"):  # a receipt cut by a crash: never recorded
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    @property
+    def holder(self) -> str:
+        return self.store.holder
+
+    def _interpreter_bin(self) -> Path:
+        """A folder whose `python` and `python3` run the job interpreter: first on a job's PATH."""
+        folder_ = self.dir / "bin"
+        folder_.mkdir(mode=0o700, exist_ok=True)
+        for name in ("python", "python3"):
+            path = folder_ / name
+            path.write_text(f"#!/bin/sh\nexec {shlex.quote(self.python)} \"$@\"\n")
+            path.chmod(0o700)
+        return folder_
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """After a start: a job that was running when the peer died is lost (its supervisor, if it
+        lives on, is stopped); the queued ones are queued again, oldest first."""
+        now = time.time()
+        for row in self.store.rows([RUNNING]):
+            _stop_leftover(row)
+            self._append_log(row.id, "gpulayer: the peer stopped or died while this job ran: it is lost\n")
+            self.store.update(row.id, state=LOST, ended=now, pid=None,
+                              reason="its peer stopped or died while it ran (the log holds its output until then)")
+        for row in self.store.rows([QUEUED]):
+            self._enqueue(row)
+        self._retain()
+
+    async def shutdown(self) -> None:
+        """The peer stops: running jobs are stopped and recorded lost; queued ones stay queued."""
+        for job_id, run in list(self.runs.items()):
+            run.stopping = LOST
+            if run.proc is not None and run.proc.returncode is None:
+                run.proc.send_signal(signal.SIGTERM)
+        for run in list(self.runs.values()):
+            if run.proc is not None:
+                await run.proc.wait()
+        if self._pythonpath:
+            shutil.rmtree(self._pythonpath, ignore_errors=True)
+        self.store.close()
+        os.close(self._lock)
+
+    def forget(self, conn: object) -> None:
+        """A connection went: its unfinished uploads are dropped (nothing of them is recorded)."""
+        for key in [k for k in self._uploads if k[0] is conn]:
+            upload = self._uploads.pop(key)
+            if upload.writer is not None:
+                upload.writer.abort()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def handle(self, conn: Any, msg: wire.Message, buffers: list[Any], draining: bool) -> None:
+        """Answer one job request of an authenticated connection (`conn.channel`, `conn.client`)."""
+        kind = msg["t"]
+        problem = messages.check_request(msg) if kind != wire.JOB_SUBMIT else None
+        if problem is not None:
+            return conn.channel.write(wire.error("bad-request", problem, msg.get("id")))
+        if kind == wire.JOB_SUBMIT:
+            return self._submit(conn, msg, draining)
+        if kind == wire.JOB_BLOB:
+            return self._blob(conn, msg, buffers)
+        if kind == wire.JOB_LIST:
+            rows = self.store.rows() if msg.get("all") else self._recent()
+            return conn.channel.write({"t": wire.JOB_INFO, "id": msg["id"], "holder": self.holder,
+                                       "jobs": [r.public() for r in rows]})
+        row = self._row(conn, msg)
+        if row is None:
+            return
+        if kind == wire.JOB_STOP:
+            self.stop(row, msg.get("grace", messages.DEFAULT_GRACE_S))
+            return self._answer_when(conn, msg, lambda: self._row_ended(row.id))
+        if kind == wire.JOB_WAIT:
+            return self._answer_when(conn, msg, lambda: self._row_ended(row.id), msg.get("timeout"))
+        if kind == wire.JOB_RM:
+            return self._remove(conn, msg, row)
+        if kind == wire.JOB_LOGS:
+            self.scheduler.spawn(self._send_log(conn, msg, row))
+        elif kind == wire.JOB_FETCH:
+            self.scheduler.spawn(self._send_files(conn, msg, row))
+
+    def _row(self, conn: Any, msg: wire.Message) -> JobRow | None:
+        """The job a request names, or None after answering that this peer holds no such job."""
+        job_id = msg["job"]
+        row = self.store.get(job_id)
+        if row is None:
+            elsewhere = holder_of(job_id) != self.holder
+            reason = (f"job {job_id} is not this peer's (this peer holds the jobs {self.holder}-*)" if elsewhere
+                      else f"job {job_id} is not known here (removed, or never submitted)")
+            conn.channel.write(wire.error("no-job", reason, msg["id"]))
+        return row
+
+    def _recent(self) -> list[JobRow]:
+        """The jobs `gpulayer jobs` shows without --all: every one not ended, and those ended in the last day."""
+        cutoff = time.time() - 86400.0
+        return [r for r in self.store.rows() if r.state not in ENDED or (r.ended or 0.0) >= cutoff]
+
+    def _row_ended(self, job_id: str) -> bool:
+        row = self.store.get(job_id)
+        return row is None or row.state in ENDED
+
+    def _answer_when(self, conn: Any, msg: wire.Message, done: Callable[[], bool],
+                     timeout: float | None = None) -> None:
+        """Answer with the job's JOB_INFO once `done()` (or after `timeout` seconds)."""
+        async def answer() -> None:
+            if not done():
+                waiter = self._loop().create_future()
+                self._ended.setdefault(msg["job"], []).append(waiter)
+                try:
+                    await asyncio.wait_for(waiter, timeout)
+                except asyncio.TimeoutError:
+                    pass
+            self._info(conn, msg)
+
+        self.scheduler.spawn(answer())
+
+    def _info(self, conn: Any, msg: wire.Message, **extra: Any) -> None:
+        row = self.store.get(msg["job"])
+        conn.channel.write({"t": wire.JOB_INFO, "id": msg["id"], "job": row.public() if row else None, **extra})
+
+    @staticmethod
+    def _loop() -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    # ---- submit -----------------------------------------------------------------------------
+
+    def _submit(self, conn: Any, msg: wire.Message, draining: bool) -> None:
+        request_id = msg.get("id")
+        spec = messages.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
+        problem = spec if isinstance(spec, str) else messages.check_files(msg.get("files"))
+        if problem is None and (not isinstance(request_id, int) or (conn, request_id) in self._uploads):
+            problem = "a JOB_SUBMIT needs an integer 'id' not in use on this connection"
+        if problem is not None:
+            return conn.channel.write(wire.error("bad-request", problem, request_id))
+        assert isinstance(spec, JobSpec) and isinstance(request_id, int)
+        try:
+            req = Requirements.from_wire(spec.req)
+        except ValueError as exc:
+            return conn.channel.write(wire.error("bad-request", str(exc), request_id))
+        reasons = match(req, self.advert())
+        if reasons:
+            return conn.channel.write(wire.error("no-match", "; ".join(reasons), request_id))
+        if draining:
+            return conn.channel.write(wire.error("busy", "the peer is shutting down", request_id))
+        manifest = folder.Manifest([folder.Entry(*entry) for entry in msg["files"]])
+        need = self.blobs.missing([e.digest for e in manifest.entries])
+        self._uploads[(conn, request_id)] = Upload(spec, manifest, need)
+        conn.channel.write({"t": wire.JOB_NEED, "id": request_id, "need": need})
+        if not need:
+            self._record(conn, request_id)
+
+    def _blob(self, conn: Any, msg: wire.Message, buffers: list[Any]) -> None:
+        """One chunk of the next blob the peer asked for; the last one is checked against its digest."""
+        upload = self._uploads.get((conn, msg["id"]))
+        if upload is None or not upload.need or msg["digest"] != upload.need[0] or len(buffers) != 1:
+            self.forget_upload(conn, msg["id"])
+            return conn.channel.write(wire.error(
+                "bad-request", "a JOB_BLOB must carry the next blob that the JOB_NEED asked for, as one buffer",
+                msg["id"]))
+        if upload.writer is None:
+            upload.writer = self.blobs.writer(upload.need[0])
+        try:
+            upload.writer.write(buffers[0])
+            if msg["last"]:
+                upload.writer, writer = None, upload.writer
+                writer.commit()
+                upload.need.pop(0)
+        except (OSError, folder.FolderError) as exc:
+            self.forget_upload(conn, msg["id"])
+            return conn.channel.write(wire.error("bad-request", f"the upload failed: {exc}", msg["id"]))
+        if not upload.need:
+            self._record(conn, msg["id"])
+
+    def forget_upload(self, conn: Any, request_id: int) -> None:
+        upload = self._uploads.pop((conn, request_id), None)
+        if upload is not None and upload.writer is not None:
+            upload.writer.abort()
+
+    def _record(self, conn: Any, request_id: int) -> None:
+        """Build the job's folder from the blobs, record the job (durably), then acknowledge it."""
+        upload = self._uploads.pop((conn, request_id))
+        incoming = Path(self.store.reserve())
+        try:
+            (incoming / WORK_DIR).mkdir(mode=0o700)
+            folder.materialise(upload.manifest, self.blobs, incoming / WORK_DIR)
+        except (OSError, folder.FolderError) as exc:
+            shutil.rmtree(incoming, ignore_errors=True)
+            return conn.channel.write(wire.error("bad-request", f"the job's folder cannot be built: {exc}",
+                                                 request_id))
+        row = self.store.add(upload.spec, sum(e.size for e in upload.manifest.entries))
+        os.replace(incoming, self.store.folder(row.id))
+        _write_private(self.store.folder(row.id) / "manifest.json",
+                       json.dumps([[e.path, e.size, e.mode, e.digest] for e in upload.manifest.entries]).encode())
+        log.info("job %s recorded from %s: %s", row.id, conn.address, shlex.join(row.spec.command))
+        conn.channel.write({"t": wire.JOB_INFO, "id": request_id, "job": row.public()})
+        self._enqueue(row)
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def _enqueue(self, row: JobRow) -> None:
+        work = self.store.folder(row.id) / WORK_DIR
+        if not work.is_dir():
+            return self._end(row.id, FAILED, "its folder on the peer is gone", None)
+        task = ScheduledTask(JobOwner(row.id), 0, {"name": row.spec.name or row.spec.command[0]}, None,
+                             Requirements.from_wire(row.spec.req), None)
+        task.job = lambda group, env: self._start(row.id, task, env)
+        self.queued[row.id] = task
+        self.scheduler.enqueue(task)
+
+    def _start(self, job_id: str, task: ScheduledTask, slot_env: dict[str, str]) -> None:
+        """The scheduler gave the job its slots: run it."""
+        self.queued.pop(job_id, None)
+        run = self.runs[job_id] = Run(task)
+        self.scheduler.spawn(self._run(job_id, run, slot_env))
+
+    def _environment(self, row: JobRow, slot_env: dict[str, str]) -> dict[str, str]:
+        env = worker_env({**os.environ, **slot_env, **row.spec.env, "GPULAYER_JOB_ID": row.id,
+                          "PYTHONUNBUFFERED": "1"})
+        env["PATH"] = os.pathsep.join(p for p in (str(self.bin), env.get("PATH")) if p)
+        if self._pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (self._pythonpath, env.get("PYTHONPATH")) if p)
+        return env
+
+    async def _run(self, job_id: str, run: Run, slot_env: dict[str, str]) -> None:
+        """Run the job, again after a failure while it has retries left, and record how it ended."""
+        row = self.store.get(job_id)
+        assert row is not None
+        home = self.store.folder(job_id)
+        env = self._environment(row, slot_env)
+        state, reason, code = FAILED, "", None
+        for attempt in range(row.attempts + 1, row.attempts + row.spec.retries + 2):
+            (home / STATUS_FILE).unlink(missing_ok=True)
+            self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
+            try:
+                run.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-I", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
+                    str(home / GRACE_FILE), "--", *row.spec.command, cwd=home / WORK_DIR, env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    start_new_session=True)
+            except OSError as exc:
+                state, reason = FAILED, f"its supervisor could not start: {exc}"
+                break
+            self.store.update(job_id, pid=run.proc.pid, pid_started=_started_at(run.proc.pid))
+            if row.spec.timeout:
+                run.timer = self._loop().call_later(row.spec.timeout, self._time_out, job_id)
+            await run.proc.wait()
+            if run.timer is not None:
+                run.timer.cancel()
+            state, reason, code = _outcome(_read_status(home / STATUS_FILE), run.stopping, row.spec.timeout)
+            if state != FAILED or run.stopping == LOST or attempt > row.attempts + row.spec.retries:
+                break
+            self._append_log(job_id, f"gpulayer: attempt {attempt} {reason}; trying again\n")
+            run.stopping = ""
+        self.runs.pop(job_id, None)
+        if run.stopping == LOST:  # the peer stops: recorded as lost, as after a crash
+            state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
+        self._end(job_id, state, reason, code)
+        self.scheduler.job_ended(run.task, "ok" if state == SUCCEEDED else state)
+
+    def _time_out(self, job_id: str) -> None:
+        run = self.runs.get(job_id)
+        if run is not None and not run.stopping:
+            run.stopping = "timeout"
+            _signal(run, signal.SIGTERM)
+
+    def stop(self, row: JobRow, grace: float) -> None:
+        """SIGTERM to the job's process tree, SIGKILL after `grace` s; a queued job just ends, stopped."""
+        task = self.queued.pop(row.id, None)
+        if task is not None and self.scheduler.withdraw(task):
+            return self._end(row.id, STOPPED, "stopped before it started", None)
+        run = self.runs.get(row.id)
+        if run is None or run.stopping:
+            return
+        run.stopping = STOPPED
+        _write_private(self.store.folder(row.id) / GRACE_FILE, str(grace).encode())
+        _signal(run, signal.SIGTERM)
+
+    def _end(self, job_id: str, state: str, reason: str, code: int | None) -> None:
+        self.store.update(job_id, state=state, reason=reason, ended=time.time(), exit_code=code, pid=None)
+        log.info("job %s %s%s", job_id, state, f": {reason}" if reason else "")
+        for waiter in self._ended.pop(job_id, []):
+            if not waiter.done():
+                waiter.set_result(None)
+        self._retain()
+
+    def _retain(self) -> None:
+        for job_id in self.store.retain(*self.retention):
+            log.info("job %s removed by the retention limits", job_id)
+
+    def _append_log(self, job_id: str, line: str) -> None:
+        path = self.store.folder(job_id) / LOG_FILE
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(line)
+
+    # ---- logs, files, removal ---------------------------------------------------------------
+
+    async def _send_log(self, conn: Any, msg: wire.Message, row: JobRow) -> None:
+        """The job's log from `offset` (or its last `tail` lines), in JOB_DATA pieces; with `follow`,
+        until the job ends. Then the job's JOB_INFO, with the offset reached."""
+        path = self.store.folder(row.id) / LOG_FILE
+        offset = msg.get("offset", 0) if msg.get("tail") is None else _tail_offset(path, msg["tail"])
+        while not conn.channel.closed:
+            ended = self._row_ended(row.id)  # read before the log: what it wrote until it ended is read after
+            offset = await self._send_from(conn, msg["id"], path, offset)
+            if ended or not msg["follow"]:
+                break
+            await asyncio.sleep(FOLLOW_POLL_S)
+        self._info(conn, msg, offset=offset)
+
+    async def _send_from(self, conn: Any, request_id: int, path: Path, offset: int) -> int:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return offset
+        with f:
+            f.seek(offset)
+            while chunk := f.read(DATA_CHUNK):
+                conn.channel.write({"t": wire.JOB_DATA, "id": request_id, "offset": offset}, [chunk])
+                offset += len(chunk)
+                await conn.channel.drain(DATA_CHUNK)
+        return offset
+
+    async def _send_files(self, conn: Any, msg: wire.Message, row: JobRow) -> None:
+        """The files asked for (or what the job created or changed), each in JOB_DATA pieces, then the
+        JOB_INFO listing them; a path that leaves the job's folder refuses the whole request."""
+        work = self.store.folder(row.id) / WORK_DIR
+        paths = msg.get("paths")
+        try:
+            if paths is None:
+                manifest = _read_manifest(self.store.folder(row.id) / "manifest.json")
+                paths = folder.changed_files(work, manifest)
+            resolved = [(p, folder.resolve_inside(work, p)) for p in paths]
+            missing = [p for p, path in resolved if not path.is_file()]
+            if missing:
+                raise folder.FolderError(f"not a file in the job's folder: {', '.join(missing[:5])}")
+        except (OSError, folder.FolderError) as exc:
+            return conn.channel.write(wire.error("bad-path", str(exc), msg["id"]))
+        sent = []
+        for rel, path in resolved:
+            with open(path, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode & 0o777
+                size = 0
+                while True:
+                    chunk = f.read(DATA_CHUNK)
+                    last = len(chunk) < DATA_CHUNK
+                    conn.channel.write({"t": wire.JOB_DATA, "id": msg["id"], "path": rel, "mode": mode,
+                                        "last": last}, [chunk])
+                    size += len(chunk)
+                    await conn.channel.drain(DATA_CHUNK)
+                    if last or conn.channel.closed:
+                        break
+            sent.append([rel, size])
+        self._info(conn, msg, files=sent)
+
+    def _remove(self, conn: Any, msg: wire.Message, row: JobRow) -> None:
+        if row.state not in ENDED:
+            return conn.channel.write(wire.error(
+                "bad-request", f"job {row.id} is {row.state}: stop it first (`gpulayer stop {row.id}`)", msg["id"]))
+        self.store.remove(row.id)
+        conn.channel.write({"t": wire.JOB_INFO, "id": msg["id"], "job": row.public()})
+
+
+def _outcome(status: dict[str, int] | None, stopping: str, timeout: float | None) -> tuple[str, str, int | None]:
+    """(state, reason, exit code) of an ended run; a signal is given as its negative number."""
+    if status is None:
+        return FAILED, "its supervisor ended without a status", None
+    code = -status["signal"] if "signal" in status else status.get("code")
+    if stopping == STOPPED:
+        return STOPPED, "stopped", code
+    if stopping == "timeout":
+        return FAILED, f"ran past its timeout of {timeout:g} s and was stopped", code
+    if code == 0:
+        return SUCCEEDED, "", 0
+    if code is not None and code < 0:
+        return FAILED, f"killed by {_signal_name(-code)}", code
+    return FAILED, f"exited with code {code}", code
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _read_status(path: Path) -> dict[str, int] | None:
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
+def _read_manifest(path: Path) -> folder.Manifest:
+    return folder.Manifest([folder.Entry(*entry) for entry in json.loads(path.read_text())])
+
+
+def _signal(run: Run, sig: int) -> None:
+    if run.proc is not None and run.proc.returncode is None:
+        try:
+            run.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _started_at(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _stop_leftover(row: JobRow) -> None:
+    """The supervisor of a job that ran when the peer died may live on: SIGTERM it (it stops its tree),
+    if that pid is still the same process (its start time says so)."""
+    if row.pid is None or row.pid_started is None:
+        return
+    try:
+        proc = psutil.Process(row.pid)
+        if abs(proc.create_time() - row.pid_started) < 0.01:
+            proc.terminate()
+    except psutil.Error:
+        pass
+
+
+def _tail_offset(path: Path, lines: int) -> int:
+    """The offset in `path` where its last `lines` lines begin (a newline that ends the file ends the last)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if lines == 0:
+        return size
+    newlines, position = 0, size
+    with open(path, "rb") as f:
+        while position > 0:
+            step = min(DATA_CHUNK, position)
+            position -= step
+            f.seek(position)
+            block = f.read(step)
+            for index in range(len(block) - 1, -1, -1):
+                if block[index] == 10 and position + index != size - 1:
+                    newlines += 1
+                    if newlines == lines:
+                        return position + index + 1
+    return 0
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
