@@ -143,12 +143,15 @@ class Jobs:
         with ThreadPoolExecutor(8, thread_name_prefix="gpulayer-jobs") as pool:
             return list(pool.map(ask, records))
 
-    def holder(self, job_id: str) -> Holder:
-        """The peer that holds `job_id`; JobError when no peer of this cluster does."""
+    def holder(self, job_id: str, fresh: bool = False) -> Holder:
+        """The peer that holds `job_id` (asked again with `fresh`: it may have moved to another port);
+        JobError when no peer of this cluster does."""
         problem = check_job_id(job_id)
         if problem is not None:
             raise JobError("bad-request", problem)
         wanted = holder_of(job_id)
+        if fresh:
+            self._holders.pop(wanted, None)
         if wanted not in self._holders:
             answered = [h for h, info in self.holders() if not isinstance(info, str)]
             if wanted not in self._holders:
@@ -282,9 +285,18 @@ class Job:
     def reason(self) -> str:
         return str(self.info.get("reason") or "")
 
+    def _link(self) -> JobLink:
+        """A connection to the job's peer; where it is not reachable where it was, the peers are asked
+        again which of them holds the job (a restarted peer listens on another port)."""
+        try:
+            return self._jobs.link(self._holder)
+        except PeerLost:
+            self._holder = self._jobs.holder(self.id, fresh=True)
+            return self._jobs.link(self._holder)
+
     def _ask(self, kind: str, on_data: Callable[[wire.Message, list[Any]], None] | None = None,
              **fields: Any) -> wire.Message:
-        with self._jobs.link(self._holder) as link:
+        with self._link() as link:
             reply = link.ask(messages.request(kind, 0, self.id, **fields), on_data)
         if isinstance(reply.get("job"), dict):
             self.info = reply["job"]
