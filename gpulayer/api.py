@@ -12,11 +12,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .actor_class import ActorClass
 from .runtime import configure as configure, default_client as default_client, shutdown as shutdown
 from .task_options import TaskOptions, check_arguments, no_keep, split_call
+
+if TYPE_CHECKING:
+    from .client.jobs import Job, Jobs as JobsApi
 
 
 def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> Future[Any]:
@@ -36,7 +39,7 @@ def _map(fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], progress:
                                 retries=options.retries, env=options.env, progress=progress)
 
 
-def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any] | Job:
     """Run fn(*args, **kwargs) on a matching peer; returns a concurrent.futures.Future.
 
     Keyword arguments named like a task option are task options; the others go to fn. The call is
@@ -164,7 +167,7 @@ def actors() -> list[dict[str, Any]]:
     return default_client().live_actors()
 
 
-def _jobs() -> Any:
+def _jobs() -> JobsApi:
     """The jobs of the process-wide backend's cluster (client/jobs.py)."""
     from .client.jobs import Jobs
 
@@ -172,7 +175,7 @@ def _jobs() -> Any:
 
 
 def submit_job(command: list[str] | str, working_dir: str | None = ".", *, excludes: Iterable[str] = (),
-               name: str = "", limit_mb: int | None = None, **options: Any) -> Any:
+               name: str = "", limit_mb: int | None = None, **options: Any) -> Job:
     """Run `command` (a list of arguments, or one string split as a shell would) as a job on a matching
     peer, in a copy of `working_dir` (honouring .gitignore and `excludes`); returns its `Job` once a peer
     has recorded it. The job goes on when this process ends (docs/jobs.md).
@@ -194,14 +197,14 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
                           limit_bytes=(limit_mb << 20) if limit_mb is not None else limit_from_env())
 
 
-def job(job_id: str) -> Any:
+def job(job_id: str) -> Job:
     """The job of that id, from any process of any machine of the cluster: its state, logs, result."""
     return _jobs().job(job_id)
 
 
 def jobs(all: bool = False) -> list[dict[str, Any]]:
     """Every job that the cluster's peers know (each peer is asked): the last day's, or `all`."""
-    return _jobs().list(include_old=all)
+    return _jobs().rows(include_old=all)
 
 
 def peers(wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]:

@@ -13,9 +13,10 @@ from .taskenv import check_env
 
 
 def _jobs() -> Any:
-    from .api import _jobs as jobs
+    from .client.jobs import Jobs
+    from .runtime import default_client
 
-    return jobs()
+    return Jobs(default_client())
 
 
 def _env(text: str) -> tuple[str, str]:
@@ -64,7 +65,7 @@ def _when(stamp: Any) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows = _jobs().list(include_old=args.all)
+    rows = _jobs().rows(include_old=args.all)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

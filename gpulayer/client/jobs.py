@@ -165,7 +165,7 @@ class Jobs:
         job.refresh()
         return job
 
-    def list(self, include_old: bool = False) -> list[dict[str, Any]]:
+    def rows(self, include_old: bool = False) -> list[dict[str, Any]]:
         """Every job the peers know (the last day's ended ones, or all with `include_old`), with its peer;
         a peer that did not answer gives a row with state "unknown" and the error."""
         rows: list[dict[str, Any]] = []
@@ -191,7 +191,7 @@ class Jobs:
         root = Path(working_dir if working_dir is not None else ".").resolve()
         limit = folder.DEFAULT_LIMIT if limit_bytes is None else limit_bytes
         manifest = folder.scan(root, excludes, limit) if working_dir is not None else folder.Manifest([])
-        blobs = {e.digest: (root / e.path) for e in manifest.entries}
+        blobs: dict[str, Path | bytes] = {e.digest: root / e.path for e in manifest.entries}
         entries = [[e.path, e.size, e.mode, e.digest] for e in manifest.entries]
         for path, data in (extra or {}).items():
             digest = folder.digest_bytes(data)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -33,6 +33,7 @@ from ..jobs.store import (ENDED, FAILED, LOST, QUEUED, RUNNING, STOPPED, SUCCEED
                           StateDirInUse, default_state_dir, holder_of)
 from ..matching import Requirements, match
 from ..resources.model import Advert
+from .channel import AsyncChannel
 from .scheduler import Scheduler, ScheduledTask
 from .workers import Slot, job_pythonpath, worker_env
 
@@ -60,6 +61,14 @@ def claim_state_dir(path: str | None) -> tuple[Path, int]:
             continue
         return candidate, fd
     raise StateDirInUse(f"the state folder {candidates[0]} is in use by another peer")
+
+
+class JobConnection(Protocol):
+    """What a job request needs of the connection it came on (peer/server.py's Connection)."""
+
+    channel: AsyncChannel
+    client: str
+    address: str
 
 
 class JobOwner:
@@ -170,7 +179,7 @@ class Jobs:
         self.store.close()
         os.close(self._lock)
 
-    def forget(self, conn: object) -> None:
+    def forget(self, conn: JobConnection) -> None:
         """A connection went: its unfinished uploads are dropped (nothing of them is recorded)."""
         for key in [k for k in self._uploads if k[0] is conn]:
             upload = self._uploads.pop(key)
@@ -179,7 +188,7 @@ class Jobs:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def handle(self, conn: Any, msg: wire.Message, buffers: list[Any], draining: bool) -> None:
+    def handle(self, conn: JobConnection, msg: wire.Message, buffers: list[Any], draining: bool) -> None:
         """Answer one job request of an authenticated connection (`conn.channel`, `conn.client`)."""
         kind = msg["t"]
         problem = messages.check_request(msg) if kind != wire.JOB_SUBMIT else None
@@ -208,7 +217,7 @@ class Jobs:
         elif kind == wire.JOB_FETCH:
             self.scheduler.spawn(self._send_files(conn, msg, row))
 
-    def _row(self, conn: Any, msg: wire.Message) -> JobRow | None:
+    def _row(self, conn: JobConnection, msg: wire.Message) -> JobRow | None:
         """The job a request names, or None after answering that this peer holds no such job."""
         job_id = msg["job"]
         row = self.store.get(job_id)
@@ -228,7 +237,7 @@ class Jobs:
         row = self.store.get(job_id)
         return row is None or row.state in ENDED
 
-    def _answer_when(self, conn: Any, msg: wire.Message, done: Callable[[], bool],
+    def _answer_when(self, conn: JobConnection, msg: wire.Message, done: Callable[[], bool],
                      timeout: float | None = None) -> None:
         """Answer with the job's JOB_INFO once `done()` (or after `timeout` seconds)."""
         async def answer() -> None:
@@ -243,7 +252,7 @@ class Jobs:
 
         self.scheduler.spawn(answer())
 
-    def _info(self, conn: Any, msg: wire.Message, **extra: Any) -> None:
+    def _info(self, conn: JobConnection, msg: wire.Message, **extra: Any) -> None:
         row = self.store.get(msg["job"])
         conn.channel.write({"t": wire.JOB_INFO, "id": msg["id"], "job": row.public() if row else None, **extra})
 
@@ -253,7 +262,7 @@ class Jobs:
 
     # ---- submit -----------------------------------------------------------------------------
 
-    def _submit(self, conn: Any, msg: wire.Message, draining: bool) -> None:
+    def _submit(self, conn: JobConnection, msg: wire.Message, draining: bool) -> None:
         request_id = msg.get("id")
         spec = messages.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
         problem = spec if isinstance(spec, str) else messages.check_files(msg.get("files"))
@@ -278,7 +287,7 @@ class Jobs:
         if not need:
             self._record(conn, request_id)
 
-    def _blob(self, conn: Any, msg: wire.Message, buffers: list[Any]) -> None:
+    def _blob(self, conn: JobConnection, msg: wire.Message, buffers: list[Any]) -> None:
         """One chunk of the next blob the peer asked for; the last one is checked against its digest."""
         upload = self._uploads.get((conn, msg["id"]))
         if upload is None or not upload.need or msg["digest"] != upload.need[0] or len(buffers) != 1:
@@ -300,12 +309,12 @@ class Jobs:
         if not upload.need:
             self._record(conn, msg["id"])
 
-    def forget_upload(self, conn: Any, request_id: int) -> None:
+    def forget_upload(self, conn: JobConnection, request_id: int) -> None:
         upload = self._uploads.pop((conn, request_id), None)
         if upload is not None and upload.writer is not None:
             upload.writer.abort()
 
-    def _record(self, conn: Any, request_id: int) -> None:
+    def _record(self, conn: JobConnection, request_id: int) -> None:
         """Build the job's folder from the blobs, record the job (durably), then acknowledge it."""
         upload = self._uploads.pop((conn, request_id))
         incoming = Path(self.store.reserve())
@@ -424,7 +433,7 @@ class Jobs:
 
     # ---- logs, files, removal ---------------------------------------------------------------
 
-    async def _send_log(self, conn: Any, msg: wire.Message, row: JobRow) -> None:
+    async def _send_log(self, conn: JobConnection, msg: wire.Message, row: JobRow) -> None:
         """The job's log from `offset` (or its last `tail` lines), in JOB_DATA pieces; with `follow`,
         until the job ends. Then the job's JOB_INFO, with the offset reached."""
         path = self.store.folder(row.id) / LOG_FILE
@@ -437,7 +446,7 @@ class Jobs:
             await asyncio.sleep(FOLLOW_POLL_S)
         self._info(conn, msg, offset=offset)
 
-    async def _send_from(self, conn: Any, request_id: int, path: Path, offset: int) -> int:
+    async def _send_from(self, conn: JobConnection, request_id: int, path: Path, offset: int) -> int:
         try:
             f = open(path, "rb")
         except FileNotFoundError:
@@ -450,7 +459,7 @@ class Jobs:
                 await conn.channel.drain(DATA_CHUNK)
         return offset
 
-    async def _send_files(self, conn: Any, msg: wire.Message, row: JobRow) -> None:
+    async def _send_files(self, conn: JobConnection, msg: wire.Message, row: JobRow) -> None:
         """The files asked for (or what the job created or changed), each in JOB_DATA pieces, then the
         JOB_INFO listing them; a path that leaves the job's folder refuses the whole request."""
         work = self.store.folder(row.id) / WORK_DIR
@@ -482,7 +491,7 @@ class Jobs:
             sent.append([rel, size])
         self._info(conn, msg, files=sent)
 
-    def _remove(self, conn: Any, msg: wire.Message, row: JobRow) -> None:
+    def _remove(self, conn: JobConnection, msg: wire.Message, row: JobRow) -> None:
         if row.state not in ENDED:
             return conn.channel.write(wire.error(
                 "bad-request", f"job {row.id} is {row.state}: stop it first (`gpulayer stop {row.id}`)", msg["id"]))
@@ -535,7 +544,7 @@ def _signal(run: Run, sig: int) -> None:
 
 def _started_at(pid: int) -> float | None:
     try:
-        return psutil.Process(pid).create_time()
+        return float(psutil.Process(pid).create_time())
     except psutil.Error:
         return None
 

@@ -245,7 +245,7 @@ def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
         conn.send({"t": wire.JOB_BLOB, "id": 1, "digest": digest, "last": False}, [data[:1000]])
     finally:
         conn.close()
-    assert jobs.list(include_old=True) == []
+    assert jobs.rows(include_old=True) == []
     wait_until(lambda: not [p for p in (state / "blobs").rglob("*") if p.is_file()], 10)
     assert not list((state / "jobs").iterdir())
 
