@@ -185,8 +185,6 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     """
     import shlex
 
-    from .jobs.folder import limit_from_env
-
     parsed = TaskOptions.parse(options)
     no_keep(parsed, "gl.submit_job()")
     argv = shlex.split(command) if isinstance(command, str) else list(command)
@@ -194,7 +192,7 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
         raise ValueError("a job needs a command")
     return _jobs().submit(argv, working_dir, parsed.requirements, excludes=tuple(excludes), name=name,
                           env=parsed.env, timeout=parsed.timeout, retries=parsed.retries,
-                          limit_bytes=(limit_mb << 20) if limit_mb is not None else limit_from_env())
+                          limit_bytes=(limit_mb << 20) if limit_mb is not None else None)
 
 
 def job(job_id: str) -> Job:

@@ -17,8 +17,9 @@ PACKAGE = ROOT / "gpulayer"
 # import only themselves (and the layers below). A module is placed by its longest listed prefix.
 LAYERS: list[dict[str, set[str]]] = [
     {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
-                "records", "security", "progress", "peer_table", "jobs"}},
-    {"transport": {"shm", "wire", "lending", "jobs.messages"}},
+                "records", "security", "progress", "peer_table",
+                "jobs", "jobs.folder"}},
+    {"transport": {"shm", "wire", "lending", "jobs.transfer", "jobs.messages"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
     {"worker": {"peer.worker", "peer.actor_worker", "peer.lease_worker", "peer.running", "peer.spawning"},
      "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},

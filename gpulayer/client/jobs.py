@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +20,13 @@ from typing import IO, Any
 
 from .. import wire
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
-from ..jobs import call, folder, messages
+from ..jobs import call, folder, messages, transfer
 from ..jobs.store import ENDED, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
 from .connection import CONNECT_TIMEOUT
 from .engine import Client
 from .inference import with_inferred
 
-CHUNK = 4 << 20  # bytes of a blob a JOB_BLOB carries
 PING_EVERY_S = 1.0  # while waiting on a long answer (wait, a followed log), a PING this often keeps it open
 SILENCE_S = 15.0  # nothing heard from the peer this long: the connection is lost
 
@@ -81,9 +81,9 @@ class JobLink:
         self.conn.send(msg, buffers)
         return int(msg["id"])
 
-    def answer(self, request_id: int, on_data: Callable[[wire.Message, list[Any]], None] | None = None,
+    def answer(self, request_id: int, on_data: Callable[[wire.Message, list[Any]], object] | None = None,
                timeout: float | None = None) -> wire.Message:
-        """The peer's JOB_NEED or JOB_INFO for `request_id` (JOB_DATA pieces go to `on_data`); raises
+        """The peer's JOB_NEED or JOB_INFO for `request_id` (JOB_LOG and FILE pieces go to `on_data`); raises
         JobError for its ERROR, PeerLost when the connection is lost or silent, TimeoutError past `timeout`."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -102,14 +102,14 @@ class JobLink:
                 continue  # a PONG, or the peer's word on something else
             if msg["t"] == wire.ERROR:
                 raise JobError(wire.printable(msg.get("code"), 40), wire.printable(msg.get("message"), 2000))
-            if msg["t"] == wire.JOB_DATA:
+            if msg["t"] in (wire.JOB_LOG, wire.FILE):
                 if on_data is not None:
                     on_data(msg, buffers)
                 continue
             if msg["t"] in (wire.JOB_NEED, wire.JOB_INFO):
                 return msg
 
-    def ask(self, msg: wire.Message, on_data: Callable[[wire.Message, list[Any]], None] | None = None,
+    def ask(self, msg: wire.Message, on_data: Callable[[wire.Message, list[Any]], object] | None = None,
             timeout: float | None = None) -> wire.Message:
         return self.answer(self.send(msg), on_data, timeout)
 
@@ -185,18 +185,14 @@ class Jobs:
     def submit(self, command: list[str], working_dir: str | os.PathLike[str] | None, req: Requirements, *,
                excludes: tuple[str, ...] = (), name: str = "", env: dict[str, str] | None = None,
                timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
-               extra: dict[str, bytes] | None = None, function: bool = False) -> Job:
-        """Ship `working_dir` (and the `extra` files, relative path -> bytes) and record the job on the
-        best matching peer; returns once a peer has recorded it."""
-        root = Path(working_dir if working_dir is not None else ".").resolve()
-        limit = folder.DEFAULT_LIMIT if limit_bytes is None else limit_bytes
-        manifest = folder.scan(root, excludes, limit) if working_dir is not None else folder.Manifest([])
-        blobs: dict[str, Path | bytes] = {e.digest: root / e.path for e in manifest.entries}
-        entries = [[e.path, e.size, e.mode, e.digest] for e in manifest.entries]
-        for path, data in (extra or {}).items():
-            digest = folder.digest_bytes(data)
-            blobs[digest] = data
-            entries.append([path, len(data), 0o600, digest])
+               function: bool = False) -> Job:
+        """Ship `working_dir` (none: an empty folder) and record the job on the best matching peer;
+        returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent."""
+        if working_dir is None:
+            with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
+                return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
+                                   function=function)
+        manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
                        retries=retries, function=function)
         self.client.start()
@@ -205,7 +201,7 @@ class Jobs:
         for record in self.client.placement.ranked(req):
             try:
                 with JobLink(self.client, record.addresses) as link:
-                    info = _submit_over(link, spec, entries, blobs)
+                    info = _submit_over(link, spec, manifest)
             except (PeerLost, JobError) as exc:
                 if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
                     raise
@@ -218,11 +214,15 @@ class Jobs:
 
     def submit_function(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                         req: Requirements, **options: Any) -> Job:
-        """fn(*args, **kwargs) as a job (its folder holds only the call); Job.result() gives its outcome."""
+        """fn(*args, **kwargs) as a job whose folder holds only the call; Job.result() gives its outcome."""
         packed = call.pack_call(fn, args, kwargs)
         name = options.pop("name", "") or getattr(fn, "__qualname__", "function")
-        return self.submit(call.COMMAND, None, with_inferred(req, fn, packed), name=name,
-                           extra={call.CALL_FILE: packed}, function=True, **options)
+        with tempfile.TemporaryDirectory(prefix="gpulayer-call-") as holder:
+            path = Path(holder, call.CALL_FILE)
+            path.parent.mkdir()
+            path.write_bytes(packed)
+            return self.submit(call.COMMAND, holder, with_inferred(req, fn, packed), name=name, function=True,
+                               **options)
 
     # ---- one job ----------------------------------------------------------------------------
 
@@ -230,31 +230,12 @@ class Jobs:
         return JobLink(self.client, holder.addresses)
 
 
-def _submit_over(link: JobLink, spec: JobSpec, entries: list[list[Any]], blobs: dict[str, Path | bytes]
-                 ) -> wire.Message:
-    request_id = link.send(messages.submit(0, spec, entries))
-    need = link.answer(request_id, timeout=60.0)
-    for digest in need.get("need") or []:
-        if digest not in blobs:
-            raise JobError("protocol", "the peer asked for a blob that is not in the job's folder")
-        for chunk, last in _chunks(blobs[digest]):
-            link.conn.send({"t": wire.JOB_BLOB, "id": request_id, "digest": digest, "last": last}, [chunk])
-    return link.answer(request_id, timeout=None if need.get("need") else 60.0)
-
-
-def _chunks(source: Path | bytes) -> Iterator[tuple[bytes, bool]]:
-    """The blob in pieces of CHUNK bytes, each with whether it is the last (an empty blob is one piece)."""
-    if isinstance(source, bytes):
-        yield source, True
-        return
-    with open(source, "rb") as f:
-        chunk = f.read(CHUNK)
-        while True:
-            following = f.read(CHUNK) if len(chunk) == CHUNK else b""
-            yield chunk, not following
-            if not following:
-                return
-            chunk = following
+def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest) -> wire.Message:
+    """JOB_SUBMIT, then the blobs the peer lacks; the peer's JOB_INFO once it recorded the job."""
+    request_id = link.send(messages.submit(0, spec, manifest.to_wire()))
+    need = link.answer(request_id, timeout=60.0).get("need") or []
+    transfer.push_blobs(link.conn, manifest, need, request_id)
+    return link.answer(request_id, timeout=None if need else 60.0)
 
 
 class Job:
@@ -294,7 +275,7 @@ class Job:
             self._holder = self._jobs.holder(self.id, fresh=True)
             return self._jobs.link(self._holder)
 
-    def _ask(self, kind: str, on_data: Callable[[wire.Message, list[Any]], None] | None = None,
+    def _ask(self, kind: str, on_data: Callable[[wire.Message, list[Any]], object] | None = None,
              **fields: Any) -> wire.Message:
         with self._link() as link:
             reply = link.ask(messages.request(kind, 0, self.id, **fields), on_data)
@@ -338,16 +319,14 @@ class Job:
         return b"".join(pieces).decode("utf-8", "replace")
 
     def fetch(self, paths: list[str] | None = None, to: str | os.PathLike[str] = ".", force: bool = False) -> list[Path]:
-        """Bring files of the job's folder into `to` (default: what the job created or changed); an existing
-        file is refused unless `force`. Returns the paths written."""
-        target = Path(to)
-        target.mkdir(parents=True, exist_ok=True)
-        receiving = _Receiving(target, force)
+        """Bring files of the job's folder into `to` (default: what the job created or changed); nothing is
+        written when one would overwrite a file, unless `force`. Returns the paths written."""
+        receiver = transfer.FileReceiver(to, force)
         try:
-            self._ask(wire.JOB_FETCH, receiving.take, paths=paths)
+            self._ask(wire.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), paths=paths)
         finally:
-            receiving.close()
-        return receiving.written
+            receiver.abort()
+        return [Path(to, f[0]) for f in receiver.files or []]
 
     def result(self, timeout: float | None = None) -> Any:
         """A function job's return value, or its exception raised here with the remote traceback."""
@@ -355,52 +334,13 @@ class Job:
             raise JobError("bad-request", f"job {self.id} runs a command, not a function: it has no result")
         if self.wait(timeout) not in ENDED:
             raise TimeoutError(f"job {self.id} is still {self.state} after {timeout} s")
-        packed: list[bytes] = []
-        try:
-            self._ask(wire.JOB_FETCH, lambda _m, b: packed.append(bytes(b[0])), paths=[call.OUTCOME_FILE])
-        except JobError:
-            raise JobError("no-result", f"job {self.id} ended {self.state} without a result"
-                                        f"{': ' + self.reason if self.reason else ''}") from None
-        return call.outcome(b"".join(packed))
-
-
-class _Receiving:
-    """Files arriving in JOB_DATA pieces, each written to a hidden partial file and renamed when whole.
-    Paths come from the peer: each is checked to stay inside the target folder."""
-
-    def __init__(self, target: Path, force: bool):
-        self.target = target
-        self.force = force
-        self.written: list[Path] = []
-        self._current: tuple[str, Path, IO[bytes]] | None = None
-
-    def take(self, msg: wire.Message, buffers: list[Any]) -> None:
-        rel = msg.get("path")
-        if not isinstance(rel, str) or len(buffers) != 1:
-            raise JobError("protocol", "a JOB_DATA of a fetch needs a 'path' and one buffer")
-        if self._current is None or self._current[0] != rel:
-            self.close()
-            path = folder.resolve_inside(self.target, rel)
-            if path.exists() and not self.force:
-                raise JobError("exists", f"{path} exists (fetch --force overwrites)")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f".{path.name}.partial")
-            self._current = (rel, path, open(partial, "wb"))
-        self._current[2].write(buffers[0])
-        if msg.get("last"):
-            rel, path, f = self._current
-            f.close()
-            mode = msg.get("mode")
-            os.chmod(f.name, (mode if isinstance(mode, int) else 0o644) & 0o755 | 0o600)
-            os.replace(f.name, path)
-            self.written.append(path)
-            self._current = None
-
-    def close(self) -> None:
-        if self._current is not None:
-            self._current[2].close()
-            Path(self._current[2].name).unlink(missing_ok=True)
-            self._current = None
+        with tempfile.TemporaryDirectory(prefix="gpulayer-result-") as here:
+            try:
+                self.fetch([call.OUTCOME_FILE], here)
+            except JobError:
+                raise JobError("no-result", f"job {self.id} ended {self.state} without a result"
+                                            f"{': ' + self.reason if self.reason else ''}") from None
+            return call.outcome(Path(here, call.OUTCOME_FILE).read_bytes())
 
 
 def exit_status(job: Job) -> int:

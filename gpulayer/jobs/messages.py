@@ -1,9 +1,10 @@
 """The job messages (ADR 0016): their builders, and one check for each request the peer reads.
 
 A submit is JOB_SUBMIT (the spec and the folder's manifest) -> JOB_NEED (the digests the peer lacks)
--> a JOB_BLOB per chunk of each of them -> JOB_INFO (the job, recorded). The other requests name a
-job and are answered with JOB_INFO, after JOB_DATA pieces for logs and fetch; a refusal is an ERROR
-with the request's id. Every one travels on the secure channel, after the handshake.
+-> BLOB messages of those (jobs/transfer.py) -> JOB_INFO (the job, recorded). The other requests name
+a job and are answered with JOB_INFO, after JOB_LOG pieces for logs and FILE messages for a fetch
+(jobs/transfer.py); a refusal is an ERROR with the request's id. Every one travels on the secure
+channel, after the handshake.
 """
 
 from __future__ import annotations
@@ -20,15 +21,14 @@ from .store import JobSpec, check_job_id
 MAX_COMMAND_ARGS = 4096
 MAX_RETRIES = 100
 MAX_GRACE_S = 3600.0
-MAX_FILES = 1_000_000
+MAX_FILES = 200_000
 MAX_TAIL = 1_000_000
-DIGEST_HEX = 64  # a blob's sha256, in hex
 DEFAULT_GRACE_S = 10.0
 
 
 def submit(request_id: int, spec: JobSpec, files: list[list[Any]]) -> wire.Message:
     """Ask to record a job: `spec` (JobSpec, the submitter set by the peer) and its folder's manifest
-    entries [path, size, mode, digest]."""
+    (`Manifest.to_wire`)."""
     fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
               "timeout": spec.timeout, "retries": spec.retries, "function": spec.function}
     return {"t": wire.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files}
@@ -74,33 +74,11 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
                    retries=retries, submitter=submitter, function=fields.get("function", False))
 
 
-def check_files(files: Any) -> str | None:
-    """Why a JOB_SUBMIT's manifest entries are malformed, or None (their paths are checked where the
-    folder is built: jobs/folder.py)."""
-    if not isinstance(files, list) or len(files) > MAX_FILES:
-        return f"'files' is a list of at most {MAX_FILES} entries"
-    for entry in files:
-        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
-                and _count(entry[1], 1 << 50) and _count(entry[2], 0o7777) and check_digest(entry[3]) is None):
-            return "each entry of 'files' is [path, size, mode, sha256 hex digest]"
-    return None
-
-
-def check_digest(value: Any) -> str | None:
-    if not isinstance(value, str) or len(value) != DIGEST_HEX or value.strip("0123456789abcdef"):
-        return "a blob digest is 64 lowercase hex digits"
-    return None
-
-
 def check_request(msg: Mapping[str, Any]) -> str | None:
-    """Why a job request other than JOB_SUBMIT is malformed, or None."""
+    """Why a job request other than JOB_SUBMIT and BLOB (jobs/transfer.py checks those) is malformed, or None."""
     kind = msg["t"]
     if not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
         return f"a {kind.upper()} needs an integer 'id'"
-    if kind == wire.JOB_BLOB:
-        if check_digest(msg.get("digest")) or not isinstance(msg.get("last"), bool):
-            return "a JOB_BLOB needs the blob's 'digest' and 'last', and its chunk as one buffer"
-        return None
     if kind == wire.JOB_LIST:
         return None if isinstance(msg.get("all", False), bool) else "a JOB_LIST's 'all' is a boolean"
     problem = check_job_id(msg.get("job"))

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import psutil
 
 from .. import wire
-from ..jobs import folder, messages, shim
+from ..jobs import folder, messages, shim, transfer
 from ..jobs.store import (ENDED, FAILED, LOST, QUEUED, RUNNING, STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore,
                           StateDirInUse, default_state_dir, holder_of)
 from ..matching import Requirements, match
@@ -39,8 +39,8 @@ from .workers import Slot, job_pythonpath, worker_env
 
 log = logging.getLogger("gpulayer.peer")
 
-LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR = "log", "exit.json", "grace", "work"
-DATA_CHUNK = 4 << 20  # bytes of a log or a file a JOB_DATA carries
+LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json", "grace", "work", "manifest.json"
+DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
 FOLLOW_POLL_S = 0.1  # how often a followed log is read again while its job runs
 RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of --job-retention-days and --job-retention-gb
 
@@ -90,12 +90,11 @@ class JobOwner:
 
 @dataclass
 class Upload:
-    """A job being received: its spec, its manifest, and the blobs still to come (in that order)."""
+    """A job being received: its spec, its manifest, and the blobs the peer still waits for."""
 
     spec: JobSpec
     manifest: folder.Manifest
-    need: list[str]
-    writer: Any = None  # the BlobStore writer of need[0], once its first chunk came
+    receiver: transfer.BlobReceiver
 
 
 @dataclass
@@ -182,21 +181,19 @@ class Jobs:
     def forget(self, conn: JobConnection) -> None:
         """A connection went: its unfinished uploads are dropped (nothing of them is recorded)."""
         for key in [k for k in self._uploads if k[0] is conn]:
-            upload = self._uploads.pop(key)
-            if upload.writer is not None:
-                upload.writer.abort()
+            self._uploads.pop(key).receiver.abort()
 
     # ---- requests ---------------------------------------------------------------------------
 
     def handle(self, conn: JobConnection, msg: wire.Message, buffers: list[Any], draining: bool) -> None:
         """Answer one job request of an authenticated connection (`conn.channel`, `conn.client`)."""
         kind = msg["t"]
-        problem = messages.check_request(msg) if kind != wire.JOB_SUBMIT else None
+        problem = messages.check_request(msg) if kind not in (wire.JOB_SUBMIT, wire.BLOB) else None
         if problem is not None:
             return conn.channel.write(wire.error("bad-request", problem, msg.get("id")))
         if kind == wire.JOB_SUBMIT:
             return self._submit(conn, msg, draining)
-        if kind == wire.JOB_BLOB:
+        if kind == wire.BLOB:
             return self._blob(conn, msg, buffers)
         if kind == wire.JOB_LIST:
             rows = self.store.rows() if msg.get("all") else self._recent()
@@ -265,70 +262,57 @@ class Jobs:
     def _submit(self, conn: JobConnection, msg: wire.Message, draining: bool) -> None:
         request_id = msg.get("id")
         spec = messages.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
-        problem = spec if isinstance(spec, str) else messages.check_files(msg.get("files"))
-        if problem is None and (not isinstance(request_id, int) or (conn, request_id) in self._uploads):
-            problem = "a JOB_SUBMIT needs an integer 'id' not in use on this connection"
-        if problem is not None:
+        if isinstance(spec, str) or not isinstance(request_id, int) or (conn, request_id) in self._uploads:
+            problem = spec if isinstance(spec, str) else "a JOB_SUBMIT needs an integer 'id' not in use on this connection"
             return conn.channel.write(wire.error("bad-request", problem, request_id))
-        assert isinstance(spec, JobSpec) and isinstance(request_id, int)
         try:
             req = Requirements.from_wire(spec.req)
-        except ValueError as exc:
+            manifest = folder.Manifest.from_wire(msg.get("files"))
+        except (ValueError, folder.FolderError) as exc:
             return conn.channel.write(wire.error("bad-request", str(exc), request_id))
         reasons = match(req, self.advert())
         if reasons:
             return conn.channel.write(wire.error("no-match", "; ".join(reasons), request_id))
         if draining:
             return conn.channel.write(wire.error("busy", "the peer is shutting down", request_id))
-        manifest = folder.Manifest([folder.Entry(*entry) for entry in msg["files"]])
-        need = self.blobs.missing([e.digest for e in manifest.entries])
-        self._uploads[(conn, request_id)] = Upload(spec, manifest, need)
+        need = self.blobs.missing(manifest.blobs())
+        receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need})
+        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver)
         conn.channel.write({"t": wire.JOB_NEED, "id": request_id, "need": need})
         if not need:
             self._record(conn, request_id)
 
     def _blob(self, conn: JobConnection, msg: wire.Message, buffers: list[Any]) -> None:
-        """One chunk of the next blob the peer asked for; the last one is checked against its digest."""
-        upload = self._uploads.get((conn, msg["id"]))
-        if upload is None or not upload.need or msg["digest"] != upload.need[0] or len(buffers) != 1:
-            self.forget_upload(conn, msg["id"])
-            return conn.channel.write(wire.error(
-                "bad-request", "a JOB_BLOB must carry the next blob that the JOB_NEED asked for, as one buffer",
-                msg["id"]))
-        if upload.writer is None:
-            upload.writer = self.blobs.writer(upload.need[0])
+        """A piece of a blob the JOB_NEED asked for; the job is recorded once the last blob is stored."""
+        upload = self._uploads.get((conn, msg.get("id")))  # type: ignore[arg-type]
         try:
-            upload.writer.write(buffers[0])
-            if msg["last"]:
-                upload.writer, writer = None, upload.writer
-                writer.commit()
-                upload.need.pop(0)
+            if upload is None:
+                raise folder.FolderError("a BLOB must belong to a JOB_SUBMIT of this connection")
+            done = upload.receiver.feed(msg, buffers)
         except (OSError, folder.FolderError) as exc:
-            self.forget_upload(conn, msg["id"])
-            return conn.channel.write(wire.error("bad-request", f"the upload failed: {exc}", msg["id"]))
-        if not upload.need:
+            self.forget_upload(conn, msg.get("id"))
+            return conn.channel.write(wire.error("bad-request", f"the upload failed: {exc}", msg.get("id")))
+        if done:
             self._record(conn, msg["id"])
 
-    def forget_upload(self, conn: JobConnection, request_id: int) -> None:
+    def forget_upload(self, conn: JobConnection, request_id: Any) -> None:
         upload = self._uploads.pop((conn, request_id), None)
-        if upload is not None and upload.writer is not None:
-            upload.writer.abort()
+        if upload is not None:
+            upload.receiver.abort()
 
     def _record(self, conn: JobConnection, request_id: int) -> None:
         """Build the job's folder from the blobs, record the job (durably), then acknowledge it."""
         upload = self._uploads.pop((conn, request_id))
         incoming = Path(self.store.reserve())
         try:
-            (incoming / WORK_DIR).mkdir(mode=0o700)
             folder.materialise(upload.manifest, self.blobs, incoming / WORK_DIR)
         except (OSError, folder.FolderError) as exc:
             shutil.rmtree(incoming, ignore_errors=True)
             return conn.channel.write(wire.error("bad-request", f"the job's folder cannot be built: {exc}",
                                                  request_id))
-        row = self.store.add(upload.spec, sum(e.size for e in upload.manifest.entries))
+        _write_private(incoming / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
+        row = self.store.add(upload.spec, upload.manifest.total_bytes)
         os.replace(incoming, self.store.folder(row.id))
-        _write_private(self.store.folder(row.id) / "manifest.json",
-                       json.dumps([[e.path, e.size, e.mode, e.digest] for e in upload.manifest.entries]).encode())
         log.info("job %s recorded from %s: %s", row.id, conn.address, shlex.join(row.spec.command))
         conn.channel.write({"t": wire.JOB_INFO, "id": request_id, "job": row.public()})
         self._enqueue(row)
@@ -434,7 +418,7 @@ class Jobs:
     # ---- logs, files, removal ---------------------------------------------------------------
 
     async def _send_log(self, conn: JobConnection, msg: wire.Message, row: JobRow) -> None:
-        """The job's log from `offset` (or its last `tail` lines), in JOB_DATA pieces; with `follow`,
+        """The job's log from `offset` (or its last `tail` lines), in JOB_LOG pieces; with `follow`,
         until the job ends. Then the job's JOB_INFO, with the offset reached."""
         path = self.store.folder(row.id) / LOG_FILE
         offset = msg.get("offset", 0) if msg.get("tail") is None else _tail_offset(path, msg["tail"])
@@ -454,42 +438,32 @@ class Jobs:
         with f:
             f.seek(offset)
             while chunk := f.read(DATA_CHUNK):
-                conn.channel.write({"t": wire.JOB_DATA, "id": request_id, "offset": offset}, [chunk])
+                conn.channel.write({"t": wire.JOB_LOG, "id": request_id, "offset": offset}, [chunk])
                 offset += len(chunk)
                 await conn.channel.drain(DATA_CHUNK)
         return offset
 
     async def _send_files(self, conn: JobConnection, msg: wire.Message, row: JobRow) -> None:
-        """The files asked for (or what the job created or changed), each in JOB_DATA pieces, then the
-        JOB_INFO listing them; a path that leaves the job's folder refuses the whole request."""
+        """The files asked for (or what the job created or changed) as FILE messages (jobs/transfer.py),
+        then the JOB_INFO; a path that leaves the job's folder refuses the whole request."""
         work = self.store.folder(row.id) / WORK_DIR
-        paths = msg.get("paths")
         try:
+            paths = msg.get("paths")
             if paths is None:
-                manifest = _read_manifest(self.store.folder(row.id) / "manifest.json")
-                paths = folder.changed_files(work, manifest)
-            resolved = [(p, folder.resolve_inside(work, p)) for p in paths]
-            missing = [p for p, path in resolved if not path.is_file()]
-            if missing:
-                raise folder.FolderError(f"not a file in the job's folder: {', '.join(missing[:5])}")
-        except (OSError, folder.FolderError) as exc:
+                shipped = folder.Manifest.from_wire(json.loads((work.parent / MANIFEST_FILE).read_text()), 1 << 62)
+                paths = folder.changed_files(work, shipped)
+            files = transfer.listing(work, paths)
+        except (OSError, ValueError, folder.FolderError) as exc:
             return conn.channel.write(wire.error("bad-path", str(exc), msg["id"]))
-        sent = []
-        for rel, path in resolved:
-            with open(path, "rb") as f:
-                mode = os.fstat(f.fileno()).st_mode & 0o777
-                size = 0
-                while True:
-                    chunk = f.read(DATA_CHUNK)
-                    last = len(chunk) < DATA_CHUNK
-                    conn.channel.write({"t": wire.JOB_DATA, "id": msg["id"], "path": rel, "mode": mode,
-                                        "last": last}, [chunk])
-                    size += len(chunk)
-                    await conn.channel.drain(DATA_CHUNK)
-                    if last or conn.channel.closed:
-                        break
-            sent.append([rel, size])
-        self._info(conn, msg, files=sent)
+        try:
+            for piece, buffers in transfer.file_messages(work, files, msg["id"], reuse=False):
+                conn.channel.write(piece, buffers)
+                await conn.channel.drain(DATA_CHUNK)
+                if conn.channel.closed:
+                    return
+        except (OSError, folder.FolderError) as exc:  # a file changed or went while it was sent
+            return conn.channel.write(wire.error("bad-path", str(exc), msg["id"]))
+        self._info(conn, msg)
 
     def _remove(self, conn: JobConnection, msg: wire.Message, row: JobRow) -> None:
         if row.state not in ENDED:
@@ -528,10 +502,6 @@ def _read_status(path: Path) -> dict[str, int] | None:
     except (OSError, ValueError):
         return None
     return status if isinstance(status, dict) else None
-
-
-def _read_manifest(path: Path) -> folder.Manifest:
-    return folder.Manifest([folder.Entry(*entry) for entry in json.loads(path.read_text())])
 
 
 def _signal(run: Run, sig: int) -> None:

@@ -74,7 +74,6 @@ def test_malformed_job_ids_are_refused(value):
     ({"t": wire.JOB_LOGS, "id": 1, "job": "0123456789ab-1", "offset": -1, "follow": False}, "offset"),
     ({"t": wire.JOB_STOP, "id": 1, "job": "0123456789ab-1", "grace": float("nan")}, "grace"),
     ({"t": wire.JOB_FETCH, "id": 1, "job": "0123456789ab-1", "paths": "etc"}, "paths"),
-    ({"t": wire.JOB_BLOB, "id": 1, "digest": "ab", "last": True}, "digest"),
     ({"t": wire.JOB_WAIT, "id": True, "job": "0123456789ab-1"}, "integer 'id'"),
 ])
 def test_malformed_requests_are_refused_with_the_reason(msg, says):
