@@ -8,7 +8,8 @@ COMMAND ends, or on SIGTERM (the peer's stop or timeout), every descendant gets 
 SIGKILL after the seconds that GRACE_FILE holds (DEFAULT_GRACE_S when it holds none: the peer writes
 it before a stop); then it writes {"code": N} or {"signal": N} to STATUS and exits.
 
-It runs with the peer's interpreter (psutil and the standard library only; no gpulayer import), so
+It runs with the peer's interpreter (psutil, imported when the tree is signalled, and the standard
+library; no gpulayer import), so
 that a peer killed with -9 leaves a supervisor that the restarted peer can still stop by its pid.
 """
 
@@ -22,8 +23,6 @@ import signal
 import subprocess
 import sys
 
-import psutil
-
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 DEFAULT_GRACE_S = 10.0
 
@@ -35,7 +34,9 @@ def become_subreaper() -> None:
 
 
 def signal_tree(sig: int) -> None:
-    """Send `sig` to every descendant of this process (stopped first when it is SIGKILL)."""
+    """Send `sig` to every descendant of this process (again for what forked meanwhile, with SIGKILL)."""
+    import psutil  # here: a job whose tree ends by itself never pays for it at start
+
     for _ in range(5):  # again, for what forked meanwhile
         try:
             tree = psutil.Process().children(recursive=True)
@@ -50,6 +51,15 @@ def signal_tree(sig: int) -> None:
                 pass
         if sig != signal.SIGKILL:
             return
+
+
+def has_children() -> bool:
+    """Whether any process is still this one's child (an orphan of the tree is, here: the subreaper)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 class Supervisor:
@@ -96,7 +106,8 @@ class Supervisor:
             if pid == child.pid:
                 child.returncode = 0  # reaped here: Popen must not wait for it again
                 status = {"signal": os.WTERMSIG(code)} if os.WIFSIGNALED(code) else {"code": os.WEXITSTATUS(code)}
-                self.end()  # what it left behind goes too
+                if has_children():
+                    self.end()  # what it left behind goes too
         signal.setitimer(signal.ITIMER_REAL, 0)
         return _write_status(status_file, status or {"code": 127})
 

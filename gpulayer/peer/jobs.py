@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,7 +41,7 @@ log = logging.getLogger("gpulayer.peer")
 
 LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json", "grace", "work", "manifest.json"
 DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
-FOLLOW_POLL_S = 0.1  # how often a followed log is read again while its job runs
+FOLLOW_POLL_S = 0.02  # how often a followed log is looked at again while its job runs (a stat when it did not grow)
 RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of --job-retention-days and --job-retention-gb
 
 
@@ -103,15 +103,9 @@ class Run:
 
     task: ScheduledTask
     proc: asyncio.subprocess.Process | None = None
-    stopping: str = ""  # "stopped" or "timeout"
+    stopping: str = ""  # "stopped", "timeout", or "lost" (the peer stops)
     timer: asyncio.TimerHandle | None = None
-
-
-@dataclass
-class Waiters:
-    """The futures of the requests waiting for a job to end."""
-
-    futures: list[asyncio.Future[None]] = field(default_factory=list)
+    runner: asyncio.Task[None] | None = None  # `Jobs._run`, which records how it ended
 
 
 class Jobs:
@@ -166,13 +160,11 @@ class Jobs:
 
     async def shutdown(self) -> None:
         """The peer stops: running jobs are stopped and recorded lost; queued ones stay queued."""
-        for job_id, run in list(self.runs.items()):
+        runs = list(self.runs.values())
+        for run in runs:
             run.stopping = LOST
-            if run.proc is not None and run.proc.returncode is None:
-                run.proc.send_signal(signal.SIGTERM)
-        for run in list(self.runs.values()):
-            if run.proc is not None:
-                await run.proc.wait()
+            _signal(run, signal.SIGTERM)
+        await asyncio.gather(*(r.runner for r in runs if r.runner is not None), return_exceptions=True)
         if self._pythonpath:
             shutil.rmtree(self._pythonpath, ignore_errors=True)
         self.store.close()
@@ -333,7 +325,7 @@ class Jobs:
         """The scheduler gave the job its slots: run it."""
         self.queued.pop(job_id, None)
         run = self.runs[job_id] = Run(task)
-        self.scheduler.spawn(self._run(job_id, run, slot_env))
+        run.runner = self.scheduler.spawn(self._run(job_id, run, slot_env))
 
     def _environment(self, row: JobRow, slot_env: dict[str, str]) -> dict[str, str]:
         env = worker_env({**os.environ, **slot_env, **row.spec.env, "GPULAYER_JOB_ID": row.id,
@@ -363,6 +355,8 @@ class Jobs:
                 state, reason = FAILED, f"its supervisor could not start: {exc}"
                 break
             self.store.update(job_id, pid=run.proc.pid, pid_started=_started_at(run.proc.pid))
+            if run.stopping:  # stopped while this run started
+                _signal(run, signal.SIGTERM)
             if row.spec.timeout:
                 run.timer = self._loop().call_later(row.spec.timeout, self._time_out, job_id)
             await run.proc.wait()
@@ -372,7 +366,7 @@ class Jobs:
             if state != FAILED or run.stopping == LOST or attempt > row.attempts + row.spec.retries:
                 break
             self._append_log(job_id, f"gpulayer: attempt {attempt} {reason}; trying again\n")
-            run.stopping = ""
+            run.stopping = ""  # a timeout: the next run has its own
         self.runs.pop(job_id, None)
         if run.stopping == LOST:  # the peer stops: recorded as lost, as after a crash
             state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
