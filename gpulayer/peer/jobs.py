@@ -42,7 +42,8 @@ log = logging.getLogger("gpulayer.peer")
 LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json", "grace", "work", "manifest.json"
 DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
 FOLLOW_POLL_S = 0.02  # how often a followed log is looked at again while its job runs (a stat when it did not grow)
-RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of --job-retention-days and --job-retention-gb
+RETENTION_DAYS, RETENTION_GB = 30.0, 50.0
+STATUS_ENDED, STATUS_TAIL_LINES, STATUS_TAIL_BYTES = 20, 5, 2000  # what STATUS says of the jobs (the dashboard)  # the defaults of --job-retention-days and --job-retention-gb
 
 
 def claim_state_dir(path: str | None) -> tuple[Path, int]:
@@ -221,6 +222,21 @@ class Jobs:
         """The jobs `gpulayer jobs` shows without --all: every one not ended, and those ended in the last day."""
         cutoff = time.time() - 86400.0
         return [r for r in self.store.rows() if r.state not in ENDED or (r.ended or 0.0) >= cutoff]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """For STATUS (the dashboard): the jobs not ended and the last ended ones, each with its log's last lines."""
+        rows = self.store.rows()
+        shown = [r for r in rows if r.state not in ENDED] + [r for r in rows if r.state in ENDED][-STATUS_ENDED:]
+        return [{**r.public(), "tail": self._tail(r.id)} for r in shown]
+
+    def _tail(self, job_id: str) -> str:
+        path = self.store.folder(job_id) / LOG_FILE
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(_tail_offset(path, STATUS_TAIL_LINES), f.seek(0, os.SEEK_END) - STATUS_TAIL_BYTES))
+                return f.read(STATUS_TAIL_BYTES).decode("utf-8", "replace")
+        except OSError:
+            return ""
 
     def _row_ended(self, job_id: str) -> bool:
         row = self.store.get(job_id)

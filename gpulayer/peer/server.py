@@ -283,7 +283,8 @@ class Peer:
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
-                "unreserved_gb": self.scheduler.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held)}
+                "unreserved_gb": self.scheduler.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held),
+                "jobs": self.jobs.summary()}
 
     # ---- connections --------------------------------------------------------------------------
 
