@@ -26,6 +26,12 @@ def _env(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _framework(text: str) -> tuple[str, str]:
+    """'torch>=2.4' as ("torch", ">=2.4"); a bare name asks for any version."""
+    cut = next((i for i, ch in enumerate(text) if ch in "<>=!~"), len(text))
+    return text[:cut].strip(), text[cut:].strip()
+
+
 def _follow(job: Any) -> int:
     """Stream the job's output until it ends; its exit status. Ctrl-C detaches (the job goes on)."""
     from .client.jobs import exit_status
@@ -53,7 +59,7 @@ def _submit(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.frameworks:
-        options["frameworks"] = args.frameworks
+        options["frameworks"] = dict(_framework(spec) for spec in args.frameworks)
     job = submit_job(command, args.working_dir, excludes=args.exclude, name=args.name, **options)
     print(job.id, flush=True)
     print(f"gpulayer: job {job.id} recorded on peer {job.peer}", file=sys.stderr)

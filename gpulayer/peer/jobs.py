@@ -416,8 +416,22 @@ class Jobs:
         self._retain()
 
     def _retain(self) -> None:
-        for job_id in self.store.retain(*self.retention):
-            log.info("job %s removed by the retention limits", job_id)
+        """Apply the retention limits; when jobs went, so does the content that only they held."""
+        removed = self.store.retain(*self.retention)
+        if removed:
+            log.info("removed by the retention limits: job(s) %s", ", ".join(removed))
+            self.blobs.prune(self._blobs_in_use())
+
+    def _blobs_in_use(self) -> set[str]:
+        """The digests of the jobs kept and of the uploads under way."""
+        used = {d for u in self._uploads.values() for d in u.manifest.blobs()}
+        for row in self.store.rows():
+            try:
+                shipped = json.loads((self.store.folder(row.id) / MANIFEST_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            used.update(entry[3] for entry in shipped if isinstance(entry, list) and len(entry) == 4)
+        return used
 
     def _append_log(self, job_id: str, line: str) -> None:
         path = self.store.folder(job_id) / LOG_FILE

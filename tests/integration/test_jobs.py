@@ -263,3 +263,71 @@ def test_the_trainer_example_as_a_job_with_its_logs_fetched(jobs_peer, tmp_path)
     assert fetched.returncode == 0, fetched.stderr
     logs = tmp_path / "back" / "lightning_logs"
     assert logs.is_dir() and any(p.is_file() for p in logs.rglob("*"))
+
+
+def test_folders_that_cannot_ship_are_refused_before_anything_is_sent(jobs_peer, tmp_path):
+    _, state, key, jobs = jobs_peer()
+    leaky = tmp_path / "leaky"
+    leaky.mkdir()
+    (leaky / "train.py").write_text("print('x')\n")
+    (leaky / "secrets").symlink_to("/etc")
+    out = gpulayer("submit", "--working-dir", str(leaky), "--", "python", "train.py", key=key)
+    assert out.returncode == 1 and "secrets" in out.stderr and out.stdout == "", out.stderr
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "weights.bin").write_bytes(b"\0" * (2 << 20))
+    out = subprocess.run([sys.executable, "-m", "gpulayer.cli", "submit", "--working-dir", str(big), "--", "true"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "GPULAYER_KEY": key, "GPULAYER_JOB_FOLDER_LIMIT_MB": "1"})
+    assert out.returncode == 1 and "over the limit" in out.stderr and "weights.bin" in out.stderr, out.stderr
+    assert jobs.rows(include_old=True) == [] and not list((state / "jobs").iterdir())
+
+
+def test_a_job_no_peer_can_run_is_refused_with_the_reasons(jobs_peer):
+    from gpulayer.errors import NoMatchingPeer
+    from gpulayer.matching import Requirements
+
+    _, state, _, jobs = jobs_peer()
+    with pytest.raises(NoMatchingPeer, match="cuda"):
+        jobs.submit(["true"], None, Requirements.build(accelerator="cuda"))
+    assert not list((state / "jobs").iterdir())
+
+
+def test_ctrl_c_while_following_detaches_and_the_job_goes_on(jobs_peer, tmp_path):
+    _, _, key, jobs = jobs_peer()
+    release = tmp_path / "release"
+    script = (f"import os, time\nprint('waiting', flush=True)\n"
+              f"while not os.path.exists({str(release)!r}): time.sleep(0.02)\nprint('after')")
+    follower = subprocess.Popen([sys.executable, "-m", "gpulayer.cli", "submit", "-f", "--", "python", "-c", script],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "GPULAYER_KEY": key})
+    job_id = follower.stdout.readline().strip()
+    assert follower.stdout.readline().strip() == "waiting"
+    follower.send_signal(signal.SIGINT)
+    _, err = follower.communicate(timeout=30)
+    assert follower.returncode == 130 and f"job {job_id} goes on" in err
+    assert jobs.job(job_id).state == "running"
+    release.touch()
+    job = jobs.job(job_id)
+    assert job.wait(60) == "succeeded" and job.logs() == "waiting\nafter\n"
+
+
+def test_retention_removes_the_oldest_ended_job_and_the_content_only_it_held(jobs_peer, tmp_path):
+    from gpulayer.client.jobs import JobError
+
+    _, state, _, jobs = jobs_peer("retaining", "--job-retention-gb", str(1.5 / 1024))  # 1.5 MiB of job folders
+    done = []
+    for name in ("first", "second"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "weights.bin").write_bytes(secrets.token_bytes(1 << 20))
+        job = jobs.submit(["true"], folder, _cpu())
+        assert job.wait(60) == "succeeded"
+        done.append((job, hashlib.sha256((folder / "weights.bin").read_bytes()).hexdigest()))
+    (first, first_digest), (second, second_digest) = done
+    with pytest.raises(JobError, match="no-job"):
+        first.refresh()
+    assert second.refresh().state == "succeeded" and (state / "jobs" / second.id).is_dir()
+    assert not (state / "jobs" / first.id).exists()
+    stored = {p.name for p in (state / "blobs").rglob("*") if p.is_file()}
+    assert any(second_digest in name for name in stored) and not any(first_digest in name for name in stored)
