@@ -125,15 +125,16 @@ class Jobs:
 
     # ---- finding peers ----------------------------------------------------------------------
 
-    def holders(self) -> list[tuple[Holder, wire.Message | str]]:
-        """Every peer of the cluster, with its JOB_INFO listing (all its jobs) or why it did not answer."""
+    def holders(self, include_old: bool = False) -> list[tuple[Holder, wire.Message | str]]:
+        """Every peer of the cluster, with its JOB_INFO listing (the last day's jobs, or all with
+        `include_old`) or why it did not answer."""
         self.client.peers(probe=False)  # waits for the mDNS answers, as `gpulayer peers` does
         records = [r for r in self.client.directory.records() if r.addresses]
 
         def ask(record: Any) -> tuple[Holder, wire.Message | str]:
             try:
                 with JobLink(self.client, record.addresses) as link:
-                    info = link.ask(messages.request(wire.JOB_LIST, 0, all=True), timeout=10.0)
+                    info = link.ask(messages.request(wire.JOB_LIST, 0, all=include_old), timeout=10.0)
             except (OSError, GPULayerError, TimeoutError) as exc:
                 return Holder("", record.advert.name, record.addresses), str(exc)
             holder = Holder(wire.printable(info.get("holder"), 12), record.advert.name, record.addresses)
@@ -166,18 +167,14 @@ class Jobs:
         return job
 
     def rows(self, include_old: bool = False) -> list[dict[str, Any]]:
-        """Every job the peers know (the last day's ended ones, or all with `include_old`), with its peer;
-        a peer that did not answer gives a row with state "unknown" and the error."""
+        """Every job the peers know (those not ended and those ended in the last day, or all with
+        `include_old`), with its peer; a peer that did not answer gives a row in state "unknown"."""
         rows: list[dict[str, Any]] = []
-        cutoff = time.time() - 86400.0
-        for holder, info in self.holders():
+        for holder, info in self.holders(include_old):
             if isinstance(info, str):
                 rows.append({"id": "?", "peer": holder.name, "state": "unknown", "reason": info})
                 continue
-            for row in info.get("jobs") or []:
-                if isinstance(row, dict) and (include_old or row.get("state") not in ENDED
-                                              or (row.get("ended") or 0) >= cutoff):
-                    rows.append({**row, "peer": holder.name})
+            rows += [{**row, "peer": holder.name} for row in info.get("jobs") or [] if isinstance(row, dict)]
         return sorted(rows, key=lambda r: r.get("submitted") or 0.0)
 
     # ---- submitting -------------------------------------------------------------------------

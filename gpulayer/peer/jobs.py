@@ -248,11 +248,12 @@ class Jobs:
         async def answer() -> None:
             if not done():
                 waiter = self._loop().create_future()
-                self._ended.setdefault(msg["job"], []).append(waiter)
+                waiting = self._ended.setdefault(msg["job"], [])
+                waiting.append(waiter)
                 try:
                     await asyncio.wait_for(waiter, timeout)
                 except asyncio.TimeoutError:
-                    pass
+                    waiting.remove(waiter)
             self._info(conn, msg)
 
         self.scheduler.spawn(answer())
