@@ -131,7 +131,7 @@ def _rm(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """The job commands, on the `gpulayer` parser's subparsers."""
-    from .jobs.messages import DEFAULT_GRACE_S
+    from .protocol.jobs import DEFAULT_GRACE_S
 
     submit = sub.add_parser("submit", help="run a command with this folder on a peer, as a job that outlives "
                                            "this shell; prints its id")

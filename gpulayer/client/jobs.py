@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .. import wire
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
-from ..jobs import call, folder, messages, transfer
+from ..jobs import call, folder, transfer
 from ..jobs.store import ENDED, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
+from ..protocol import handshake, jobs as job_protocol, messages
+from ..transport import blocking, sockets
 from .connection import CONNECT_TIMEOUT
 from .engine import Client
 from .inference import with_inferred
@@ -61,11 +62,11 @@ class JobLink:
                 errors.append(f"{address[0]}:{address[1]}: {exc.strerror or exc}")
         else:
             raise PeerLost(f"the peer is unreachable: {'; '.join(errors) or 'no address'}")
-        wire.tune(sock)
-        self.conn = wire.BlockingConnection(sock)
+        sockets.tune(sock)
+        self.conn = blocking.BlockingConnection(sock)
         self._ids = iter(range(1, 1 << 62))
         try:
-            self.hello = wire.client_handshake(self.conn, client.key, client.client_id)
+            self.hello = handshake.client_handshake(self.conn, client.key, client.client_id)
         except BaseException:
             self.conn.close()
             raise
@@ -76,13 +77,13 @@ class JobLink:
     def __exit__(self, *_: object) -> None:
         self.conn.close()
 
-    def send(self, msg: wire.Message, buffers: wire.Buffers = ()) -> int:
+    def send(self, msg: messages.Message, buffers: messages.Buffers = ()) -> int:
         msg.setdefault("id", next(self._ids))
         self.conn.send(msg, buffers)
         return int(msg["id"])
 
-    def answer(self, request_id: int, on_data: Callable[[wire.Message, list[Any]], object] | None = None,
-               timeout: float | None = None) -> wire.Message:
+    def answer(self, request_id: int, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
+               timeout: float | None = None) -> messages.Message:
         """The peer's JOB_NEED or JOB_INFO for `request_id` (JOB_LOG and FILE pieces go to `on_data`); raises
         JobError for its ERROR, PeerLost when the connection is lost or silent, TimeoutError past `timeout`."""
         end = None if timeout is None else time.monotonic() + timeout
@@ -94,23 +95,23 @@ class JobLink:
                     raise PeerLost(f"the peer went silent for {SILENCE_S:g} s") from None
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError("no answer in time") from None
-                self.conn.send(wire.ping())
+                self.conn.send(messages.ping())
                 continue
             except (OSError, ConnectionError) as exc:
                 raise PeerLost(f"the connection to the peer was lost: {exc}") from None
             if msg.get("id") != request_id:
                 continue  # a PONG, or the peer's word on something else
-            if msg["t"] == wire.ERROR:
-                raise JobError(wire.printable(msg.get("code"), 40), wire.printable(msg.get("message"), 2000))
-            if msg["t"] in (wire.JOB_LOG, wire.FILE):
+            if msg["t"] == messages.ERROR:
+                raise JobError(messages.printable(msg.get("code"), 40), messages.printable(msg.get("message"), 2000))
+            if msg["t"] in (messages.JOB_LOG, messages.FILE):
                 if on_data is not None:
                     on_data(msg, buffers)
                 continue
-            if msg["t"] in (wire.JOB_NEED, wire.JOB_INFO):
+            if msg["t"] in (messages.JOB_NEED, messages.JOB_INFO):
                 return msg
 
-    def ask(self, msg: wire.Message, on_data: Callable[[wire.Message, list[Any]], object] | None = None,
-            timeout: float | None = None) -> wire.Message:
+    def ask(self, msg: messages.Message, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
+            timeout: float | None = None) -> messages.Message:
         return self.answer(self.send(msg), on_data, timeout)
 
 
@@ -125,19 +126,19 @@ class Jobs:
 
     # ---- finding peers ----------------------------------------------------------------------
 
-    def holders(self, include_old: bool = False) -> list[tuple[Holder, wire.Message | str]]:
+    def holders(self, include_old: bool = False) -> list[tuple[Holder, messages.Message | str]]:
         """Every peer of the cluster, with its JOB_INFO listing (the last day's jobs, or all with
         `include_old`) or why it did not answer."""
         self.client.peers(probe=False)  # waits for the mDNS answers, as `gpulayer peers` does
         records = [r for r in self.client.directory.records() if r.addresses]
 
-        def ask(record: Any) -> tuple[Holder, wire.Message | str]:
+        def ask(record: Any) -> tuple[Holder, messages.Message | str]:
             try:
                 with JobLink(self.client, record.addresses) as link:
-                    info = link.ask(messages.request(wire.JOB_LIST, 0, all=include_old), timeout=10.0)
+                    info = link.ask(job_protocol.request(messages.JOB_LIST, 0, all=include_old), timeout=10.0)
             except (OSError, GPULayerError, TimeoutError) as exc:
                 return Holder("", record.advert.name, record.addresses), str(exc)
-            holder = Holder(wire.printable(info.get("holder"), 12), record.advert.name, record.addresses)
+            holder = Holder(messages.printable(info.get("holder"), 12), record.advert.name, record.addresses)
             self._holders[holder.holder] = holder
             return holder, info
 
@@ -227,9 +228,9 @@ class Jobs:
         return JobLink(self.client, holder.addresses)
 
 
-def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest) -> wire.Message:
+def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest) -> messages.Message:
     """JOB_SUBMIT, then the blobs the peer lacks; the peer's JOB_INFO once it recorded the job."""
-    request_id = link.send(messages.submit(0, spec, manifest.to_wire()))
+    request_id = link.send(job_protocol.submit(0, spec, manifest.to_wire()))
     need = link.answer(request_id, timeout=60.0).get("need") or []
     transfer.push_blobs(link.conn, manifest, need, request_id)
     return link.answer(request_id, timeout=None if need else 60.0)
@@ -272,39 +273,39 @@ class Job:
             self._holder = self._jobs.holder(self.id, fresh=True)
             return self._jobs.link(self._holder)
 
-    def _ask(self, kind: str, on_data: Callable[[wire.Message, list[Any]], object] | None = None,
-             **fields: Any) -> wire.Message:
+    def _ask(self, kind: str, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
+             **fields: Any) -> messages.Message:
         with self._link() as link:
-            reply = link.ask(messages.request(kind, 0, self.id, **fields), on_data)
+            reply = link.ask(job_protocol.request(kind, 0, self.id, **fields), on_data)
         if isinstance(reply.get("job"), dict):
             self.info = reply["job"]
         return reply
 
     def refresh(self) -> Job:
         """Ask its peer for its state now."""
-        self._ask(wire.JOB_WAIT, timeout=0)
+        self._ask(messages.JOB_WAIT, timeout=0)
         return self
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the job ends (or `timeout` s pass); its state."""
-        self._ask(wire.JOB_WAIT, timeout=timeout)
+        self._ask(messages.JOB_WAIT, timeout=timeout)
         return self.state
 
-    def stop(self, grace: float = messages.DEFAULT_GRACE_S) -> str:
+    def stop(self, grace: float = job_protocol.DEFAULT_GRACE_S) -> str:
         """SIGTERM to its processes, SIGKILL after `grace` s; returns once it ended (its state)."""
-        self._ask(wire.JOB_STOP, grace=grace)
+        self._ask(messages.JOB_STOP, grace=grace)
         return self.state
 
     def remove(self) -> None:
         """Forget the ended job on its peer and delete its folder there."""
-        self._ask(wire.JOB_RM)
+        self._ask(messages.JOB_RM)
 
     def logs(self, follow: bool = False, tail: int | None = None, out: IO[bytes] | None = None) -> str:
         """Its stdout and stderr as written, from the start (or the last `tail` lines); with `follow`,
         until it ends. With `out`, the bytes go there as they come (and "" is returned)."""
         pieces: list[bytes] = []
 
-        def take(_msg: wire.Message, buffers: list[Any]) -> None:
+        def take(_msg: messages.Message, buffers: list[Any]) -> None:
             data = bytes(buffers[0]) if buffers else b""
             if out is None:
                 pieces.append(data)
@@ -312,7 +313,7 @@ class Job:
                 out.write(data)
                 out.flush()
 
-        self._ask(wire.JOB_LOGS, take, offset=0, follow=follow, tail=tail)
+        self._ask(messages.JOB_LOGS, take, offset=0, follow=follow, tail=tail)
         return b"".join(pieces).decode("utf-8", "replace")
 
     def fetch(self, paths: list[str] | None = None, to: str | os.PathLike[str] = ".", force: bool = False) -> list[Path]:
@@ -320,7 +321,7 @@ class Job:
         written when one would overwrite a file, unless `force`. Returns the paths written."""
         receiver = transfer.FileReceiver(to, force)
         try:
-            self._ask(wire.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), paths=paths)
+            self._ask(messages.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), paths=paths)
         finally:
             receiver.abort()
         return [Path(to, f[0]) for f in receiver.files or []]

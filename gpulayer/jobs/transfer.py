@@ -19,7 +19,7 @@ name and renames it into place when its last byte is in, so a fetch that breaks 
     FILE {"id": request, "n": index in the list, "off": offset} + [chunk]   (no chunk for an empty file)
 
 A sender that fails in the middle (a file gone, a path refused) sends ERROR with the request's id
-(`wire.error`); the receiver raises FolderError with its message. After any FolderError the stream is
+(`messages.error`); the receiver raises FolderError with its message. After any FolderError the stream is
 mid-way: the caller closes the connection. The peer runs the same code on a connection handed to a
 thread (blocking) or drives `BlobReceiver` and `file_messages` from its event loop.
 """
@@ -33,22 +33,22 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from .. import wire
+from ..protocol import messages
 from .folder import (PathLike, BlobStore, BlobWriter, FolderError, Manifest, check_relpath, files_under,
                      is_digest, resolve_inside)
 
-BLOB, FILE = wire.BLOB, wire.FILE
+BLOB, FILE = messages.BLOB, messages.FILE
 CHUNK = 4 << 20  # bytes a BLOB or FILE message carries at most
 IDLE_TIMEOUT = 60.0  # seconds a receiver waits for the next message before it gives up
 MAX_LISTED = 200_000  # files one fetch may bring
 
 
 class Connection(Protocol):
-    """What the blocking helpers need: `wire.BlockingConnection` (or a PeerConnection's own)."""
+    """What the blocking helpers need: `transport.blocking.BlockingConnection` (or a PeerConnection's own)."""
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None: ...
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None: ...
 
-    def recv(self, deadline: float | None = None) -> tuple[wire.Message, list[Any]]: ...
+    def recv(self, deadline: float | None = None) -> tuple[messages.Message, list[Any]]: ...
 
 
 def _chunks(path: PathLike, size: int, buf: bytearray) -> Iterator[tuple[int, memoryview]]:
@@ -71,7 +71,7 @@ def _chunks(path: PathLike, size: int, buf: bytearray) -> Iterator[tuple[int, me
 
 
 def blob_messages(manifest: Manifest, missing: list[str], request_id: int,
-                  chunk: int = CHUNK) -> Iterator[tuple[wire.Message, list[memoryview]]]:
+                  chunk: int = CHUNK) -> Iterator[tuple[messages.Message, list[memoryview]]]:
     """The BLOB messages of the `missing` digests (a scanned manifest's, read from its sources), with their
     buffers. One read buffer is reused: send each message before asking for the next."""
     sizes, sources = manifest.blobs(), manifest.source_of()
@@ -113,11 +113,11 @@ class BlobReceiver:
     def done(self) -> bool:
         return not self.left
 
-    def feed(self, msg: wire.Message, buffers: list[Any]) -> bool:
+    def feed(self, msg: messages.Message, buffers: list[Any]) -> bool:
         """Take one BLOB message (or an ERROR from the sender, which raises FolderError)."""
-        if msg.get("t") == wire.ERROR:
+        if msg.get("t") == messages.ERROR:
             self.abort()
-            raise FolderError(f"the upload stopped: {wire.printable(msg.get('message'))}")
+            raise FolderError(f"the upload stopped: {messages.printable(msg.get('message'))}")
         digest, offset, size = msg.get("d"), msg.get("off"), msg.get("size")
         if msg.get("t") != BLOB or not is_digest(digest) or not isinstance(offset, int) \
                 or not isinstance(size, int) or len(buffers) > 1:
@@ -160,7 +160,7 @@ class _Receiver(Protocol):
     @property
     def done(self) -> bool: ...
 
-    def feed(self, msg: wire.Message, buffers: list[Any]) -> bool: ...
+    def feed(self, msg: messages.Message, buffers: list[Any]) -> bool: ...
 
     def abort(self) -> None: ...
 
@@ -190,7 +190,7 @@ def listing(root: PathLike, relpaths: list[str]) -> list[list[Any]]:
 
 
 def file_messages(root: PathLike, files: list[list[Any]], request_id: int, chunk: int = CHUNK,
-                  reuse: bool = True) -> Iterator[tuple[wire.Message, list[memoryview]]]:
+                  reuse: bool = True) -> Iterator[tuple[messages.Message, list[memoryview]]]:
     """The FILE messages of `files` (what `listing` gave), header first. With `reuse`, one read buffer
     serves every chunk (send each before the next); without, each chunk has its own (the event loop
     queues them unsent)."""
@@ -212,7 +212,7 @@ def send_files(conn: Connection, root: PathLike, relpaths: list[str], request_id
             conn.send(msg, buffers)
             sent += sum(b.nbytes for b in buffers)
     except FolderError as exc:
-        conn.send(wire.error("bad-request", str(exc), request_id))
+        conn.send(messages.error("bad-request", str(exc), request_id))
         raise
     return sent
 
@@ -239,11 +239,11 @@ class FileReceiver:
     def done(self) -> bool:
         return self.files is not None and self._next == len(self.files)
 
-    def feed(self, msg: wire.Message, buffers: list[Any]) -> bool:
+    def feed(self, msg: messages.Message, buffers: list[Any]) -> bool:
         """Take one FILE message (or the sender's ERROR, which raises FolderError); True when all came."""
-        if msg.get("t") == wire.ERROR:
+        if msg.get("t") == messages.ERROR:
             self.abort()
-            raise FolderError(f"the peer stopped the fetch: {wire.printable(msg.get('message'))}")
+            raise FolderError(f"the peer stopped the fetch: {messages.printable(msg.get('message'))}")
         if msg.get("t") != FILE or len(buffers) > 1:
             self.abort()
             raise FolderError("expected a FILE message with at most one chunk")

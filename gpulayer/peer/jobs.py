@@ -27,13 +27,13 @@ from typing import Any, Protocol
 
 import psutil
 
-from .. import wire
-from ..jobs import folder, messages, shim, transfer
+from ..jobs import folder, shim, transfer
 from ..jobs.store import (ENDED, FAILED, LOST, QUEUED, RUNNING, STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore,
                           StateDirInUse, default_state_dir, holder_of)
 from ..matching import Requirements, match
+from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
-from .channel import AsyncChannel
+from ..transport.channel import AsyncChannel
 from .scheduler import Scheduler, ScheduledTask
 from .workers import Slot, job_pythonpath, worker_env
 
@@ -79,13 +79,13 @@ class JobOwner:
         self.address = f"job {job_id}"
         self.client = job_id
 
-    def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
+    def task_done(self, task: ScheduledTask, reply: messages.Outgoing, buffers: list[Any]) -> None:
         pass
 
-    def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
+    def task_output(self, task: ScheduledTask, msg: messages.LogMessage) -> None:
         pass
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         pass
 
 
@@ -178,36 +178,36 @@ class Jobs:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def handle(self, conn: JobConnection, msg: wire.Message, buffers: list[Any], draining: bool) -> None:
+    def handle(self, conn: JobConnection, msg: messages.Message, buffers: list[Any], draining: bool) -> None:
         """Answer one job request of an authenticated connection (`conn.channel`, `conn.client`)."""
         kind = msg["t"]
-        problem = messages.check_request(msg) if kind not in (wire.JOB_SUBMIT, wire.BLOB) else None
+        problem = job_protocol.check_request(msg) if kind not in (messages.JOB_SUBMIT, messages.BLOB) else None
         if problem is not None:
-            return conn.channel.write(wire.error("bad-request", problem, msg.get("id")))
-        if kind == wire.JOB_SUBMIT:
+            return conn.channel.write(messages.error("bad-request", problem, msg.get("id")))
+        if kind == messages.JOB_SUBMIT:
             return self._submit(conn, msg, draining)
-        if kind == wire.BLOB:
+        if kind == messages.BLOB:
             return self._blob(conn, msg, buffers)
-        if kind == wire.JOB_LIST:
+        if kind == messages.JOB_LIST:
             rows = self.store.rows() if msg.get("all") else self._recent()
-            return conn.channel.write({"t": wire.JOB_INFO, "id": msg["id"], "holder": self.holder,
+            return conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "holder": self.holder,
                                        "jobs": [r.public() for r in rows]})
         row = self._row(conn, msg)
         if row is None:
             return
-        if kind == wire.JOB_STOP:
-            self.stop(row, msg.get("grace", messages.DEFAULT_GRACE_S))
+        if kind == messages.JOB_STOP:
+            self.stop(row, msg.get("grace", job_protocol.DEFAULT_GRACE_S))
             return self._answer_when(conn, msg, lambda: self._row_ended(row.id))
-        if kind == wire.JOB_WAIT:
+        if kind == messages.JOB_WAIT:
             return self._answer_when(conn, msg, lambda: self._row_ended(row.id), msg.get("timeout"))
-        if kind == wire.JOB_RM:
+        if kind == messages.JOB_RM:
             return self._remove(conn, msg, row)
-        if kind == wire.JOB_LOGS:
+        if kind == messages.JOB_LOGS:
             self.scheduler.spawn(self._send_log(conn, msg, row))
-        elif kind == wire.JOB_FETCH:
+        elif kind == messages.JOB_FETCH:
             self.scheduler.spawn(self._send_files(conn, msg, row))
 
-    def _row(self, conn: JobConnection, msg: wire.Message) -> JobRow | None:
+    def _row(self, conn: JobConnection, msg: messages.Message) -> JobRow | None:
         """The job a request names, or None after answering that this peer holds no such job."""
         job_id = msg["job"]
         row = self.store.get(job_id)
@@ -215,7 +215,7 @@ class Jobs:
             elsewhere = holder_of(job_id) != self.holder
             reason = (f"job {job_id} is not this peer's (this peer holds the jobs {self.holder}-*)" if elsewhere
                       else f"job {job_id} is not known here (removed, or never submitted)")
-            conn.channel.write(wire.error("no-job", reason, msg["id"]))
+            conn.channel.write(messages.error("no-job", reason, msg["id"]))
         return row
 
     def _recent(self) -> list[JobRow]:
@@ -242,7 +242,7 @@ class Jobs:
         row = self.store.get(job_id)
         return row is None or row.state in ENDED
 
-    def _answer_when(self, conn: JobConnection, msg: wire.Message, done: Callable[[], bool],
+    def _answer_when(self, conn: JobConnection, msg: messages.Message, done: Callable[[], bool],
                      timeout: float | None = None) -> None:
         """Answer with the job's JOB_INFO once `done()` (or after `timeout` seconds)."""
         async def answer() -> None:
@@ -258,9 +258,9 @@ class Jobs:
 
         self.scheduler.spawn(answer())
 
-    def _info(self, conn: JobConnection, msg: wire.Message, **extra: Any) -> None:
+    def _info(self, conn: JobConnection, msg: messages.Message, **extra: Any) -> None:
         row = self.store.get(msg["job"])
-        conn.channel.write({"t": wire.JOB_INFO, "id": msg["id"], "job": row.public() if row else None, **extra})
+        conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public() if row else None, **extra})
 
     @staticmethod
     def _loop() -> asyncio.AbstractEventLoop:
@@ -268,30 +268,30 @@ class Jobs:
 
     # ---- submit -----------------------------------------------------------------------------
 
-    def _submit(self, conn: JobConnection, msg: wire.Message, draining: bool) -> None:
+    def _submit(self, conn: JobConnection, msg: messages.Message, draining: bool) -> None:
         request_id = msg.get("id")
-        spec = messages.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
+        spec = job_protocol.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
         if isinstance(spec, str) or not isinstance(request_id, int) or (conn, request_id) in self._uploads:
             problem = spec if isinstance(spec, str) else "a JOB_SUBMIT needs an integer 'id' not in use on this connection"
-            return conn.channel.write(wire.error("bad-request", problem, request_id))
+            return conn.channel.write(messages.error("bad-request", problem, request_id))
         try:
             req = Requirements.from_wire(spec.req)
             manifest = folder.Manifest.from_wire(msg.get("files"))
         except (ValueError, folder.FolderError) as exc:
-            return conn.channel.write(wire.error("bad-request", str(exc), request_id))
+            return conn.channel.write(messages.error("bad-request", str(exc), request_id))
         reasons = match(req, self.advert())
         if reasons:
-            return conn.channel.write(wire.error("no-match", "; ".join(reasons), request_id))
+            return conn.channel.write(messages.error("no-match", "; ".join(reasons), request_id))
         if draining:
-            return conn.channel.write(wire.error("busy", "the peer is shutting down", request_id))
+            return conn.channel.write(messages.error("busy", "the peer is shutting down", request_id))
         need = self.blobs.missing(manifest.blobs())
         receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need})
         self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver)
-        conn.channel.write({"t": wire.JOB_NEED, "id": request_id, "need": need})
+        conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
         if not need:
             self._record(conn, request_id)
 
-    def _blob(self, conn: JobConnection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _blob(self, conn: JobConnection, msg: messages.Message, buffers: list[Any]) -> None:
         """A piece of a blob the JOB_NEED asked for; the job is recorded once the last blob is stored."""
         upload = self._uploads.get((conn, msg.get("id")))  # type: ignore[arg-type]
         try:
@@ -300,7 +300,7 @@ class Jobs:
             done = upload.receiver.feed(msg, buffers)
         except (OSError, folder.FolderError) as exc:
             self.forget_upload(conn, msg.get("id"))
-            return conn.channel.write(wire.error("bad-request", f"the upload failed: {exc}", msg.get("id")))
+            return conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", msg.get("id")))
         if done:
             self._record(conn, msg["id"])
 
@@ -317,13 +317,13 @@ class Jobs:
             folder.materialise(upload.manifest, self.blobs, incoming / WORK_DIR)
         except (OSError, folder.FolderError) as exc:
             shutil.rmtree(incoming, ignore_errors=True)
-            return conn.channel.write(wire.error("bad-request", f"the job's folder cannot be built: {exc}",
+            return conn.channel.write(messages.error("bad-request", f"the job's folder cannot be built: {exc}",
                                                  request_id))
         _write_private(incoming / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
         row = self.store.add(upload.spec, upload.manifest.total_bytes)
         os.replace(incoming, self.store.folder(row.id))
         log.info("job %s recorded from %s: %s", row.id, conn.address, shlex.join(row.spec.command))
-        conn.channel.write({"t": wire.JOB_INFO, "id": request_id, "job": row.public()})
+        conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": row.public()})
         self._enqueue(row)
 
     # ---- running ----------------------------------------------------------------------------
@@ -442,7 +442,7 @@ class Jobs:
 
     # ---- logs, files, removal ---------------------------------------------------------------
 
-    async def _send_log(self, conn: JobConnection, msg: wire.Message, row: JobRow) -> None:
+    async def _send_log(self, conn: JobConnection, msg: messages.Message, row: JobRow) -> None:
         """The job's log from `offset` (or its last `tail` lines), in JOB_LOG pieces; with `follow`,
         until the job ends. Then the job's JOB_INFO, with the offset reached."""
         path = self.store.folder(row.id) / LOG_FILE
@@ -463,12 +463,12 @@ class Jobs:
         with f:
             f.seek(offset)
             while chunk := f.read(DATA_CHUNK):
-                conn.channel.write({"t": wire.JOB_LOG, "id": request_id, "offset": offset}, [chunk])
+                conn.channel.write({"t": messages.JOB_LOG, "id": request_id, "offset": offset}, [chunk])
                 offset += len(chunk)
                 await conn.channel.drain(DATA_CHUNK)
         return offset
 
-    async def _send_files(self, conn: JobConnection, msg: wire.Message, row: JobRow) -> None:
+    async def _send_files(self, conn: JobConnection, msg: messages.Message, row: JobRow) -> None:
         """The files asked for (or what the job created or changed) as FILE messages (jobs/transfer.py),
         then the JOB_INFO; a path that leaves the job's folder refuses the whole request."""
         work = self.store.folder(row.id) / WORK_DIR
@@ -479,7 +479,7 @@ class Jobs:
                 paths = folder.changed_files(work, shipped)
             files = transfer.listing(work, paths)
         except (OSError, ValueError, folder.FolderError) as exc:
-            return conn.channel.write(wire.error("bad-path", str(exc), msg["id"]))
+            return conn.channel.write(messages.error("bad-path", str(exc), msg["id"]))
         try:
             for piece, buffers in transfer.file_messages(work, files, msg["id"], reuse=False):
                 conn.channel.write(piece, buffers)
@@ -487,15 +487,15 @@ class Jobs:
                 if conn.channel.closed:
                     return
         except (OSError, folder.FolderError) as exc:  # a file changed or went while it was sent
-            return conn.channel.write(wire.error("bad-path", str(exc), msg["id"]))
+            return conn.channel.write(messages.error("bad-path", str(exc), msg["id"]))
         self._info(conn, msg)
 
-    def _remove(self, conn: JobConnection, msg: wire.Message, row: JobRow) -> None:
+    def _remove(self, conn: JobConnection, msg: messages.Message, row: JobRow) -> None:
         if row.state not in ENDED:
-            return conn.channel.write(wire.error(
+            return conn.channel.write(messages.error(
                 "bad-request", f"job {row.id} is {row.state}: stop it first (`gpulayer stop {row.id}`)", msg["id"]))
         self.store.remove(row.id)
-        conn.channel.write({"t": wire.JOB_INFO, "id": msg["id"], "job": row.public()})
+        conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
 
 
 def _outcome(status: dict[str, int] | None, stopping: str, timeout: float | None) -> tuple[str, str, int | None]:

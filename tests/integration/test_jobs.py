@@ -230,20 +230,20 @@ def test_a_job_id_of_another_cluster_or_malformed_names_nothing(jobs_peer):
 
 
 def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
-    from gpulayer import wire
-    from gpulayer.jobs import messages
+    from gpulayer.protocol import handshake, jobs as job_protocol, messages
+    from gpulayer.transport import blocking
     from gpulayer.jobs.store import JobSpec
 
     peer, state, key, jobs = jobs_peer()
     data = secrets.token_bytes(1 << 20)
     digest = hashlib.sha256(data).hexdigest()
-    conn = wire.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
+    conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
     try:
-        wire.client_handshake(conn, key.encode(), "truncating")
-        conn.send(messages.submit(1, JobSpec(["true"]), [["blob.bin", len(data), False, digest]]))
+        handshake.client_handshake(conn, key.encode(), "truncating")
+        conn.send(job_protocol.submit(1, JobSpec(["true"]), [["blob.bin", len(data), False, digest]]))
         need, _ = conn.recv()
-        assert need["t"] == wire.JOB_NEED and need["need"] == [digest]
-        conn.send({"t": wire.BLOB, "id": 1, "d": digest, "off": 0, "size": len(data)}, [data[:1000]])
+        assert need["t"] == messages.JOB_NEED and need["need"] == [digest]
+        conn.send({"t": messages.BLOB, "id": 1, "d": digest, "off": 0, "size": len(data)}, [data[:1000]])
     finally:
         conn.close()
     assert jobs.rows(include_old=True) == []

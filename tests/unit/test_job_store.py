@@ -1,4 +1,4 @@
-"""The peer's job store (jobs/store.py) and the job requests' checks (jobs/messages.py): real SQLite files."""
+"""The peer's job store (jobs/store.py) and the job requests' checks (protocol/jobs.py): real SQLite files."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer import wire
-from gpulayer.jobs import messages
+from gpulayer.protocol import jobs as job_protocol, messages
 from gpulayer.jobs.store import ENDED, QUEUED, SUCCEEDED, JobSpec, JobStore, check_job_id, holder_of
 
 
@@ -71,13 +70,13 @@ def test_malformed_job_ids_are_refused(value):
 
 
 @pytest.mark.parametrize("msg, says", [
-    ({"t": wire.JOB_LOGS, "id": 1, "job": "0123456789ab-1", "offset": -1, "follow": False}, "offset"),
-    ({"t": wire.JOB_STOP, "id": 1, "job": "0123456789ab-1", "grace": float("nan")}, "grace"),
-    ({"t": wire.JOB_FETCH, "id": 1, "job": "0123456789ab-1", "paths": "etc"}, "paths"),
-    ({"t": wire.JOB_WAIT, "id": True, "job": "0123456789ab-1"}, "integer 'id'"),
+    ({"t": messages.JOB_LOGS, "id": 1, "job": "0123456789ab-1", "offset": -1, "follow": False}, "offset"),
+    ({"t": messages.JOB_STOP, "id": 1, "job": "0123456789ab-1", "grace": float("nan")}, "grace"),
+    ({"t": messages.JOB_FETCH, "id": 1, "job": "0123456789ab-1", "paths": "etc"}, "paths"),
+    ({"t": messages.JOB_WAIT, "id": True, "job": "0123456789ab-1"}, "integer 'id'"),
 ])
 def test_malformed_requests_are_refused_with_the_reason(msg, says):
-    assert says in messages.check_request(msg)
+    assert says in job_protocol.check_request(msg)
 
 
 @pytest.mark.parametrize("spec, says", [
@@ -88,4 +87,4 @@ def test_malformed_requests_are_refused_with_the_reason(msg, says):
     ({"command": ["x"], "timeout": float("inf")}, "timeout"),
 ])
 def test_malformed_specs_are_refused_with_the_reason(spec, says):
-    assert says in messages.check_spec(spec, "me")
+    assert says in job_protocol.check_spec(spec, "me")

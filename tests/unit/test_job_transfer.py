@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer import security, wire
+from gpulayer import security
+from gpulayer.protocol import handshake, messages
+from gpulayer.transport import blocking
 from gpulayer.jobs import transfer
 from gpulayer.jobs.folder import BlobStore, DigestCache, FolderError, materialise, scan
 
@@ -29,18 +31,18 @@ class Pair:
         peer_sock, _ = listener.accept()
         listener.close()
         peer_sock.settimeout(TIMEOUT)
-        self.client, self.peer = wire.BlockingConnection(client_sock), wire.BlockingConnection(peer_sock)
-        hello = wire.hello(security.new_nonce(), "peer-1", security.cluster_id(KEY), {})
+        self.client, self.peer = blocking.BlockingConnection(client_sock), blocking.BlockingConnection(peer_sock)
+        hello = handshake.hello(security.new_nonce(), "peer-1", security.cluster_id(KEY), {})
 
         def peer_side():
             self.peer.send(hello)
             msg, _ = self.peer.recv()
-            checked = wire.check_auth(msg, KEY, hello)
+            checked = handshake.check_auth(msg, KEY, hello)
             assert checked is not None
             self.peer.send(checked[0])
             self.peer.secure(*checked[1])
 
-        self.run_beside(peer_side, lambda: wire.client_handshake(self.client, KEY, "client-1"))
+        self.run_beside(peer_side, lambda: handshake.client_handshake(self.client, KEY, "client-1"))
 
     def run_beside(self, other, mine):
         """Run `other` in a thread and `mine` here; both results, or the first exception of either.
@@ -100,13 +102,13 @@ def project(tmp_path) -> Path:
 def upload(pair: Pair, root: Path, store: BlobStore) -> tuple[int, int]:
     """The upload conversation: the manifest goes, the peer says what it lacks, only that comes."""
     manifest = scan(root, cache=DigestCache(None))
-    pair.client.send({"t": wire.SUBMIT, "id": 1, "manifest": manifest.to_wire()})
+    pair.client.send({"t": messages.SUBMIT, "id": 1, "manifest": manifest.to_wire()})
 
     def peer_side():
         msg, _ = pair.peer.recv()
         received = transfer.Manifest.from_wire(msg["manifest"])
         missing = store.missing(received.blobs())
-        pair.peer.send({"t": wire.ACCEPT, "id": 1, "missing": missing})
+        pair.peer.send({"t": messages.ACCEPT, "id": 1, "missing": missing})
         return transfer.receive_blobs(pair.peer, store, {d: received.blobs()[d] for d in missing})
 
     def client_side():
@@ -235,7 +237,7 @@ def test_a_hostile_fetch_header_writes_nothing(pair, tmp_path, files, problem):
     dest = tmp_path / "back"
     dest.mkdir()
     (dest / "link").symlink_to(tmp_path)
-    pair.peer.send({"t": wire.FILE, "id": 7, "files": files})
+    pair.peer.send({"t": messages.FILE, "id": 7, "files": files})
     with pytest.raises(FolderError, match=problem):
         transfer.receive_files(pair.client, dest)
     assert sorted(p.name for p in dest.iterdir()) == ["link"]

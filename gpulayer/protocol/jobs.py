@@ -13,10 +13,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .. import wire
 from ..checks import check_timeout
 from ..taskenv import check_env
-from .store import JobSpec, check_job_id
+from ..jobs.store import JobSpec, check_job_id
+from . import messages
 
 MAX_COMMAND_ARGS = 4096
 MAX_RETRIES = 100
@@ -26,15 +26,15 @@ MAX_TAIL = 1_000_000
 DEFAULT_GRACE_S = 10.0
 
 
-def submit(request_id: int, spec: JobSpec, files: list[list[Any]]) -> wire.Message:
+def submit(request_id: int, spec: JobSpec, files: list[list[Any]]) -> messages.Message:
     """Ask to record a job: `spec` (JobSpec, the submitter set by the peer) and its folder's manifest
     (`Manifest.to_wire`)."""
     fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
               "timeout": spec.timeout, "retries": spec.retries, "function": spec.function}
-    return {"t": wire.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files}
+    return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files}
 
 
-def request(kind: str, request_id: int, job_id: str | None = None, **fields: Any) -> wire.Message:
+def request(kind: str, request_id: int, job_id: str | None = None, **fields: Any) -> messages.Message:
     """Any other job request: JOB_LIST (all), JOB_LOGS (offset, follow, tail), JOB_WAIT (timeout),
     JOB_STOP (grace), JOB_FETCH (paths), JOB_RM."""
     return {"t": kind, "id": request_id, **({"job": job_id} if job_id is not None else {}), **fields}
@@ -79,19 +79,19 @@ def check_request(msg: Mapping[str, Any]) -> str | None:
     kind = msg["t"]
     if not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
         return f"a {kind.upper()} needs an integer 'id'"
-    if kind == wire.JOB_LIST:
+    if kind == messages.JOB_LIST:
         return None if isinstance(msg.get("all", False), bool) else "a JOB_LIST's 'all' is a boolean"
     problem = check_job_id(msg.get("job"))
     if problem is not None:
         return problem
-    if kind == wire.JOB_LOGS and not (_count(msg.get("offset", 0), 1 << 62) and isinstance(msg.get("follow"), bool)
+    if kind == messages.JOB_LOGS and not (_count(msg.get("offset", 0), 1 << 62) and isinstance(msg.get("follow"), bool)
                                       and (msg.get("tail") is None or _count(msg.get("tail"), MAX_TAIL))):
         return "a JOB_LOGS needs 'offset' (bytes), 'follow' (a boolean) and 'tail' (lines, or nil)"
-    if kind == wire.JOB_WAIT and msg.get("timeout") is not None and not _number(msg.get("timeout"), 0, 1e9):
+    if kind == messages.JOB_WAIT and msg.get("timeout") is not None and not _number(msg.get("timeout"), 0, 1e9):
         return "a JOB_WAIT's 'timeout' is seconds, or nil"
-    if kind == wire.JOB_STOP and not _number(msg.get("grace", DEFAULT_GRACE_S), 0, MAX_GRACE_S):
+    if kind == messages.JOB_STOP and not _number(msg.get("grace", DEFAULT_GRACE_S), 0, MAX_GRACE_S):
         return f"a JOB_STOP's 'grace' is seconds from 0 to {MAX_GRACE_S:g}"
-    if kind == wire.JOB_FETCH:
+    if kind == messages.JOB_FETCH:
         paths = msg.get("paths")
         if paths is not None and not (isinstance(paths, list) and len(paths) <= MAX_FILES
                                       and all(isinstance(p, str) for p in paths)):
