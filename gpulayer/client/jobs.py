@@ -130,8 +130,10 @@ class Jobs:
         """Every peer of the cluster, with its JOB_INFO listing (the last day's jobs, or all with
         `include_old`) or why it did not answer."""
         self.client.peers(probe=False)  # waits for the mDNS answers, as `gpulayer peers` does
-        records = [r for r in self.client.directory.records() if r.addresses]
+        return self._ask([r for r in self.client.directory.records() if r.addresses], include_old)
 
+    def _ask(self, records: list[Any], include_old: bool = False) -> list[tuple[Holder, messages.Message | str]]:
+        """The JOB_LIST answers of these peers (or why each did not answer), asked at once."""
         def ask(record: Any) -> tuple[Holder, messages.Message | str]:
             try:
                 with JobLink(self.client, record.addresses) as link:
@@ -155,12 +157,32 @@ class Jobs:
         if fresh:
             self._holders.pop(wanted, None)
         if wanted not in self._holders:
-            answered = [h for h, info in self.holders() if not isinstance(info, str)]
+            answered = self._find(wanted)
             if wanted not in self._holders:
-                raise JobError("no-job", f"no peer of this cluster holds job {job_id} ({len(answered)} peer(s) "
+                raise JobError("no-job", f"no peer of this cluster holds job {job_id} ({answered} peer(s) "
                                          "answered; a job of another cluster, or of a peer that is down, is not "
                                          "found)")
         return self._holders[wanted]
+
+    def _find(self, wanted: str) -> int:
+        """Ask the peers as they are discovered until the holder `wanted` answers, or the discovery
+        time passes (GPULAYER_DISCOVERY_TIMEOUT); how many peers answered."""
+        self.client.start()
+        directory, answered = self.client.directory, 0
+        asked: set[str] = set()
+        deadline = time.monotonic() + self.client.discovery_timeout
+
+        def unasked(records: list[Any]) -> list[Any]:
+            return [r for r in records if r.addresses and r.advert.peer_id not in asked]
+
+        while wanted not in self._holders:
+            left = deadline - time.monotonic()
+            if left <= 0 or not directory.wait_for(lambda records: bool(unasked(records)), left):
+                break
+            fresh = unasked(directory.records())
+            asked.update(r.advert.peer_id for r in fresh)
+            answered += sum(not isinstance(info, str) for _, info in self._ask(fresh))
+        return answered
 
     def job(self, job_id: str) -> Job:
         job = Job(self, self.holder(job_id), {"id": job_id})
