@@ -17,9 +17,11 @@ FIFOs, devices) are skipped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -115,7 +117,7 @@ class Manifest:
                     and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= 0
                     and isinstance(item[2], bool) and is_digest(item[3])):
                 raise FolderError("a manifest entry is [path, size >= 0, executable, sha256 hex]")
-            check_relpath(item[0], strict=True)
+            check_parts(item[0], strict=True)
             total += item[1]
             entries.append(Entry(item[0], item[1], item[2], item[3]))
         if total > limit:
@@ -126,8 +128,12 @@ class Manifest:
         return cls(tuple(entries))
 
 
+_HEX_DIGEST = re.compile(f"[0-9a-f]{{{DIGEST_HEX}}}")
+
+
 def is_digest(value: Any) -> TypeGuard[str]:
-    return isinstance(value, str) and len(value) == DIGEST_HEX and not value.strip("0123456789abcdef")
+    """Whether `value` is a SHA-256 digest in lowercase hex."""
+    return isinstance(value, str) and _HEX_DIGEST.fullmatch(value) is not None
 
 
 def check_relpath(relpath: str, strict: bool = False) -> PurePosixPath:
@@ -135,33 +141,44 @@ def check_relpath(relpath: str, strict: bool = False) -> PurePosixPath:
 
     `strict` (a manifest's paths) also refuses what is not already normalised (`./a`, `a//b`, `a/`),
     a name over 255 bytes or a path over MAX_PATH, and `.git`."""
+    check_parts(relpath, strict)
+    return PurePosixPath(relpath)
+
+
+def check_parts(relpath: str, strict: bool = False) -> list[str]:
+    """`check_relpath`'s checks, without making a PurePosixPath (the hot path of a manifest): its names."""
     if not isinstance(relpath, str) or "\x00" in relpath:
         raise FolderError(f"not a path: {relpath!r}")
-    pure = PurePosixPath(relpath)
-    if pure.is_absolute() or relpath.startswith("/"):
+    if relpath.startswith("/"):
         raise FolderError(f"{relpath!r} is an absolute path: only paths inside the job's folder are allowed")
-    if ".." in pure.parts:
+    parts = relpath.split("/")
+    if ".." in parts:
         raise FolderError(f"{relpath!r} goes up with '..': only paths inside the job's folder are allowed")
     if strict:
-        if not relpath or str(pure) != relpath or len(relpath.encode()) > MAX_PATH \
-                or any(len(part.encode()) > 255 for part in pure.parts):
+        if "" in parts or "." in parts or len(relpath) > MAX_PATH // 4 and len(relpath.encode()) > MAX_PATH \
+                or any(len(part) > 63 and len(part.encode()) > 255 for part in parts):
             raise FolderError(f"{relpath!r} is not a normalised relative path of a file")
-        if NEVER_SHIPPED in pure.parts:
+        if NEVER_SHIPPED in parts:
             raise FolderError(f"{relpath!r} is inside {NEVER_SHIPPED}/, which is never shipped")
-    return pure
+    return parts
 
 
 def _check_tree(entries: list[Entry]) -> None:
-    """Sorted entries name each file once, and no file is also a folder of another."""
+    """Entries name each file once, and no file is also a folder of another."""
     files = {e.path for e in entries}
     if len(files) != len(entries):
         raise FolderError("a manifest names the same path twice")
+    folders = set()
     for e in entries:
-        parent = PurePosixPath(e.path).parent
-        while str(parent) != ".":
-            if str(parent) in files:
-                raise FolderError(f"{str(parent)!r} is a file, and {e.path!r} needs it as a folder")
-            parent = parent.parent
+        cut = e.path.rfind("/")
+        while cut > 0 and e.path[:cut] not in folders:
+            folders.add(e.path[:cut])
+            cut = e.path.rfind("/", 0, cut)
+    clash = files & folders
+    if clash:
+        folder = min(clash)
+        child = next(e.path for e in entries if e.path.startswith(folder + "/"))
+        raise FolderError(f"{folder!r} is a file, and {child!r} needs it as a folder")
 
 
 # --- the submitter's side: scan -------------------------------------------------------------------
@@ -175,19 +192,21 @@ def _identity(st: os.stat_result) -> list[int]:
 class DigestCache:
     """Digests of files already hashed, keyed by (real path, size, mtime_ns, inode); a JSON file (0600).
 
-    A rescan of an unchanged folder hashes nothing. With `path=None` it lives in memory only.
+    A rescan of an unchanged folder hashes nothing. With `path=None` it lives in memory only (one
+    object serves the scans of a process either way).
     """
 
     def __init__(self, path: Path | None):
         self.path = path
-        self._old: dict[str, list[Any]] = {}
-        self._new: dict[str, list[Any]] = {}
+        self._known: dict[str, list[Any]] = {}  # what the last scan saw (or the file held)
+        self._seen: dict[str, list[Any]] = {}  # what this scan has seen
         if path is not None:
             try:
                 loaded = json.loads(path.read_text())
-                self._old = loaded if isinstance(loaded, dict) else {}
+                self._known = loaded if isinstance(loaded, dict) else {}
             except (OSError, ValueError):
-                self._old = {}
+                self._known = {}
+        self._on_disk = self._known
 
     @classmethod
     def for_folder(cls, real_root: str) -> DigestCache:
@@ -197,26 +216,29 @@ class DigestCache:
         return cls(Path(base) / "gpulayer" / "digests" / f"{name}.json")
 
     def get(self, real: str, st: os.stat_result) -> str | None:
-        hit = self._old.get(real)
+        hit = self._known.get(real)
         if isinstance(hit, list) and len(hit) == 4 and hit[:3] == _identity(st) and is_digest(hit[3]):
-            self._new[real] = hit
+            self._seen[real] = hit
             return str(hit[3])
         return None
 
     def put(self, real: str, st: os.stat_result, digest: str) -> None:
-        self._new[real] = [*_identity(st), digest]
+        self._seen[real] = [*_identity(st), digest]
 
     def save(self) -> None:
-        """Write what this scan saw (entries of files gone are dropped); a failure only costs a rehash."""
-        if self.path is None or self._new == self._old:
+        """End a scan: what it saw is what the next one starts from (files gone are dropped), and it is
+        written to the file when it changed; a failure to write only costs a rehash."""
+        seen, self._known, self._seen = self._seen, self._seen, {}
+        if self.path is None or seen == self._on_disk:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as out:
-                json.dump(self._new, out)
+                json.dump(seen, out)
             os.replace(tmp, self.path)
+            self._on_disk = seen
         except OSError:
             return
 
@@ -236,14 +258,16 @@ class _Ignores:
     """git's ignore rules for one walk: --exclude patterns first, then .gitignore files, deepest first."""
 
     def __init__(self, excludes: Iterable[str]):
-        self.excludes = pathspec.GitIgnoreSpec.from_lines(list(excludes))
+        patterns = list(excludes)
+        self.excludes = pathspec.GitIgnoreSpec.from_lines(patterns) if patterns else None
 
     def ignored(self, rel: str, is_dir: bool, specs: list[tuple[str, pathspec.GitIgnoreSpec]]) -> bool:
         """Whether `rel` (relative to the root) is left out; `specs`: (base, spec) from the root down."""
         name = rel + "/" if is_dir else rel
-        verdict = self.excludes.check_file(name).include
-        if verdict is not None:
-            return verdict
+        if self.excludes is not None:
+            verdict = self.excludes.check_file(name).include
+            if verdict is not None:
+                return verdict
         for base, spec in reversed(specs):
             verdict = spec.check_file(name[len(base):]).include
             if verdict is not None:
@@ -364,14 +388,15 @@ class BlobWriter:
     """Receives one blob in pieces; `commit` checks its size and digest, then renames it into the store.
 
     Anything short of a successful commit (a truncated or wrong upload, an exception, `abort`) leaves
-    nothing in the store. Use it as a context manager, or call `abort` on failure.
+    nothing in the store. Use it as a context manager, or call `abort` on failure. With `caller_hashes`
+    the caller hashes the very bytes it writes (on another thread, say) and gives `commit` that digest.
     """
 
-    def __init__(self, store: BlobStore, digest: str, size: int):
+    def __init__(self, store: BlobStore, digest: str, size: int, caller_hashes: bool = False):
         self.store, self.digest, self.size = store, digest, size
         self.written = 0
-        self._hash = hashlib.new(DIGEST)
-        self._tmp = store.directory / "tmp" / f"{digest[:16]}.{secrets.token_hex(8)}"
+        self._hash = None if caller_hashes else hashlib.new(DIGEST)
+        self._tmp = os.path.join(store.tmp, f"{digest[:16]}.{secrets.token_hex(8)}")
         self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -382,34 +407,41 @@ class BlobWriter:
         if self.written + view.nbytes > self.size:
             self.abort()
             raise FolderError(f"blob {self.digest[:16]} got more than the {self.size} bytes announced")
-        self._hash.update(view)
+        if self._hash is not None:
+            self._hash.update(view)
         self.written += view.nbytes
         while view:
             view = view[os.write(self._fd, view):]
 
-    def commit(self) -> Path:
-        """Check the size and digest, then store the blob (atomic rename); FolderError, nothing kept, if wrong."""
+    def commit(self, hashed: str | None = None) -> Path:
+        """Check the size and digest (`hashed`: the caller's, with `caller_hashes`), then store the blob
+        (atomic rename); FolderError, and nothing kept, if either is wrong."""
         if self._fd is None:
             raise FolderError(f"blob {self.digest[:16]} is closed")
         if self.written != self.size:
             self.abort()
             raise FolderError(f"blob {self.digest[:16]} is truncated: {self.written} of {self.size} bytes came")
-        if self._hash.hexdigest() != self.digest:
+        if (self._hash.hexdigest() if self._hash is not None else hashed) != self.digest:
             self.abort()
             raise FolderError(f"blob {self.digest[:16]} does not match its digest (changed while it was sent?)")
         os.close(self._fd)
         self._fd = None
-        final = self.store.path(self.digest)
-        final.parent.mkdir(mode=0o700, exist_ok=True)
-        os.replace(self._tmp, final)
-        return final
+        final = self.store.blob_path(self.digest)
+        try:
+            os.replace(self._tmp, final)
+        except FileNotFoundError:  # the first blob of its two-hex folder
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(final), 0o700)
+            os.replace(self._tmp, final)
+        return Path(final)
 
     def abort(self) -> None:
         """Drop what was written."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-            self._tmp.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
 
     def __enter__(self) -> BlobWriter:
         return self
@@ -427,6 +459,7 @@ class BlobStore:
 
     def __init__(self, directory: PathLike):
         self.directory = Path(directory)
+        self.tmp = str(self.directory / "tmp")
         (self.directory / "tmp").mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.directory, 0o700)
 
@@ -436,26 +469,38 @@ class BlobStore:
             stale.unlink(missing_ok=True)
 
     def path(self, digest: str) -> Path:
+        return Path(self.blob_path(digest))
+
+    def blob_path(self, digest: str) -> str:
+        """Where a blob lives (a str: the hot path of an upload); FolderError for what is not a digest."""
         if not is_digest(digest):
             raise FolderError(f"not a sha256 digest: {str(digest)[:80]!r}")
-        return self.directory / digest[:2] / digest
+        return os.path.join(self.directory, digest[:2], digest)
 
     def has(self, digest: str, size: int) -> bool:
         try:
-            return self.path(digest).stat().st_size == size
+            return os.stat(self.blob_path(digest)).st_size == size
         except FileNotFoundError:
             return False
 
     def missing(self, blobs: Mapping[str, int]) -> list[str]:
-        """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks, in their order."""
-        return [digest for digest, size in blobs.items() if not self.has(digest, size)]
+        """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks, in their order.
 
-    def writer(self, digest: str, size: int) -> BlobWriter:
-        """A writer for one blob of `size` bytes and this digest."""
+        The folders they would be in are listed first, so only blobs present are looked at one by one."""
+        for digest in blobs:
+            self.blob_path(digest)  # FolderError for what is not a digest
+        present: set[str] = set()
+        for prefix in {digest[:2] for digest in blobs}:
+            with contextlib.suppress(FileNotFoundError):
+                present.update(os.listdir(os.path.join(self.directory, prefix)))
+        return [digest for digest, size in blobs.items() if digest not in present or not self.has(digest, size)]
+
+    def writer(self, digest: str, size: int, caller_hashes: bool = False) -> BlobWriter:
+        """A writer for one blob of `size` bytes and this digest (`BlobWriter`)."""
         self.path(digest)
         if not isinstance(size, int) or size < 0:
             raise FolderError(f"a blob's size is a whole number of bytes, not {size!r}")
-        return BlobWriter(self, digest, size)
+        return BlobWriter(self, digest, size, caller_hashes)
 
     def blobs(self) -> Iterator[tuple[str, int]]:
         """(digest, size) of every stored blob."""
@@ -523,7 +568,7 @@ def materialise(manifest: Manifest, store: BlobStore, dest: PathLike) -> None:
         raise FolderError(f"the job's folder {dest} exists already")
     entries = sorted(manifest.entries, key=lambda e: e.path)
     for e in entries:
-        check_relpath(e.path, strict=True)
+        check_parts(e.path, strict=True)
         if not is_digest(e.digest):
             raise FolderError(f"{e.path!r} has no valid digest")
     _check_tree(entries)

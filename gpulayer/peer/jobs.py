@@ -298,6 +298,8 @@ class Jobs:
             if upload is None:
                 raise folder.FolderError("a BLOB must belong to a JOB_SUBMIT of this connection")
             done = upload.receiver.feed(msg, buffers)
+            if done:
+                upload.receiver.finish()
         except (OSError, folder.FolderError) as exc:
             self.forget_upload(conn, msg.get("id"))
             return conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", msg.get("id")))

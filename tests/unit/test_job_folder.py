@@ -158,6 +158,12 @@ def test_unchanged_rescan_hashes_nothing(project, tmp_path):
     assert cache_files and all(f.stat().st_mode & 0o077 == 0 for f in cache_files)
 
 
+def test_one_cache_object_serves_many_scans(project):
+    cache = DigestCache(None)
+    assert scan(project, cache=cache).hashed_bytes > 0
+    assert scan(project, cache=cache).hashed_bytes == 0
+
+
 def test_not_a_folder(tmp_path):
     with pytest.raises(FolderError, match="is not a folder"):
         memory_scan(tmp_path / "nope")
