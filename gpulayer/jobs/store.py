@@ -27,6 +27,7 @@ QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST = "queued", "running", "succee
 STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST)
 ENDED = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
 
+RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of the peer's --job-retention-days and --job-retention-gb
 JOB_ID = re.compile(r"([0-9a-f]{12})-([1-9][0-9]{0,9})")
 HOLDER_HEX = 12
 

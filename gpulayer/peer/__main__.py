@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from .. import security
 from ..errors import GPULayerError
 from ..protocol import framing
 from ..resources import detect, override
 from ..taskenv import SLOT_ENV_PREFIX
-from .jobs import RETENTION_DAYS, RETENTION_GB
-from .server import PeerConfig, run_peer
+from ..jobs.store import RETENTION_DAYS, RETENTION_GB
+
+if TYPE_CHECKING:
+    from .server import PeerConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +79,7 @@ def _workdir(text: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
+    from .server import PeerConfig  # here: `gpulayer submit` and the other commands build this parser too
     from ..discovery import check_name, configured_interfaces
 
     name = check_name(args.name)  # before the slow part: a name that cannot be advertised fails at once
@@ -126,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
             os.replace(partial, args.ready_file)
 
     try:
+        import asyncio
+
+        from .server import run_peer
+
         asyncio.run(run_peer(config, ready))
     except GPULayerError as exc:
         print(f"gpulayer peer: {exc}", file=sys.stderr)

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 import psutil
 
 from ..jobs import folder, shim, transfer
-from ..jobs.store import (ENDED, FAILED, LOST, QUEUED, RUNNING, STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore,
-                          StateDirInUse, default_state_dir, holder_of)
+from ..jobs.store import (ENDED, FAILED, LOST, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING, STOPPED, SUCCEEDED,
+                          JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of)
 from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
@@ -42,7 +42,6 @@ log = logging.getLogger("gpulayer.peer")
 LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json", "grace", "work", "manifest.json"
 DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
 FOLLOW_POLL_S = 0.02  # how often a followed log is looked at again while its job runs (a stat when it did not grow)
-RETENTION_DAYS, RETENTION_GB = 30.0, 50.0
 STATUS_ENDED, STATUS_TAIL_LINES, STATUS_TAIL_BYTES = 20, 5, 2000  # what STATUS says of the jobs (the dashboard)  # the defaults of --job-retention-days and --job-retention-gb
 
 

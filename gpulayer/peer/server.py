@@ -25,7 +25,7 @@ import psutil
 
 from .. import discovery, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
-from ..jobs.store import StateDirInUse
+from ..jobs.store import RETENTION_DAYS, RETENTION_GB, StateDirInUse
 from ..matching import Requirements, match, missing_software
 from ..protocol import framing, handshake, messages
 from ..resources.model import Advert, Resources
@@ -33,7 +33,7 @@ from ..resources.utilisation import Sample, Sampler
 from ..transport import shm, sockets
 from ..transport.channel import AsyncChannel
 from .actors import Actor, grace_from_env
-from .jobs import RETENTION_DAYS, RETENTION_GB, Jobs
+from .jobs import Jobs
 from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
