@@ -19,7 +19,7 @@ LAYERS: list[dict[str, set[str]]] = [
     {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
                 "records", "security", "progress", "peer_table", "jobs", "jobs.folder"}},
     {"protocol": {"protocol"}},
-    {"transport": {"transport", "lending", "jobs.transfer"}},
+    {"transport": {"transport", "lending", "invite", "jobs.transfer"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
     {"worker": {"peer.worker", "peer.actor_worker", "peer.lease_worker", "peer.running", "peer.spawning"},
      "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},

@@ -18,12 +18,12 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
-from .. import discovery, security
+from .. import discovery, invite, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..jobs.store import RETENTION_DAYS, RETENTION_GB, StateDirInUse
 from ..matching import Requirements, match, missing_software
@@ -38,7 +38,7 @@ from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
 from .workers import Worker
-from . import held
+from . import gossip, held
 from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, plan_slots
 
 log = logging.getLogger("gpulayer.peer")
@@ -68,6 +68,7 @@ class PeerConfig:
     state_dir: str | None = None  # the jobs' folder (peer/jobs.py); None: the first free one of the user's
     job_retention_days: float = RETENTION_DAYS
     job_retention_gb: float = RETENTION_GB
+    seeds: list[tuple[str, int]] = field(default_factory=list)  # peers to gossip with at first (gossip.py)
 
 
 class Connection:
@@ -162,6 +163,8 @@ class Peer:
         self.held = held.HeldResults(held.limit_from_env(), grace_from_env())  # results kept (keep=True)
         self.sampler = Sampler(recorded=config.measured_from, on_sample=self._on_sample)
         self.reprobe = Reprobe(config.python)  # looks again for what tasks ask and the last probe missed
+        self.invites = invite.Invites(config.key, log.warning)  # open invite codes (invite.py)
+        self.gossip = gossip.Gossip(config.key, self.peer_id, [], config.seeds)  # its addresses once it listens
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
@@ -211,6 +214,8 @@ class Peer:
         if shm.enabled():
             self._local = LocalLinks(self._loop, self.quiet)
         self.scheduler.spawn(self._watchdog())
+        self.gossip.addresses = [(a, self.port) for a in discovery.advertised_addresses(self.config.interfaces)]
+        self.scheduler.spawn(gossip.rounds(self.gossip, self.port))
         self.sampler.start()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
@@ -354,6 +359,8 @@ class Peer:
 
     def authenticate(self, conn: Connection, msg: messages.Message) -> None:
         self._unauthenticated.pop(conn, None)
+        if msg["t"] in (messages.PAKE, messages.PAKE_CONFIRM):
+            return self._invite_step(conn, msg)
         checked = handshake.check_auth(msg, self.config.key, conn.hello)
         if checked is None:
             self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
@@ -367,6 +374,20 @@ class Peer:
         self._receiving(conn.channel.reader, conn.client)
         self.scheduler.actors.connected(conn)
         self.held.connected(conn.client)
+
+    def _invite_step(self, conn: Connection, msg: messages.Message) -> None:
+        """One message of an invite's exchange (invite.py): unauthenticated, it can get the cluster key
+        for the right code and nothing else; the connection closes after it."""
+        reply, more = self.invites.step(conn, conn.hello, msg)
+        if reply["t"] == messages.ERROR:
+            return self.refuse(conn, reply["code"], reply["message"])
+        conn.channel.write(reply)
+        if more:
+            self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
+            return
+        log.info("gave the cluster key to %s, which had an invite's code", conn.address)
+        self.drop(conn)
+        conn.channel.close_gracefully()
 
     def _receiving(self, reader: framing.MessageReader, client: str) -> None:
         """Receive big buffers as this peer does: within the memory headroom, into segments where it has
@@ -395,6 +416,7 @@ class Peer:
     def drop(self, conn: Connection) -> None:
         """Forget a connection and cancel its tasks: its submitter is gone."""
         self._unauthenticated.pop(conn, None)
+        self.invites.forget(conn)
         if self._local is not None:
             self._local.forget(conn)
         self.jobs.forget(conn)
@@ -457,6 +479,11 @@ class Peer:
             conn.channel.write({**self.status(), "id": msg.get("id")})
         elif kind in messages.JOB_REQUESTS:
             self.jobs.handle(conn, msg, buffers, self._draining)
+        elif kind == messages.INVITE:
+            conn.channel.write(self.invites.answer(msg))
+        elif kind == messages.PEERS:
+            self.gossip.heard_from(conn.address.rpartition(":")[0], msg)
+            conn.channel.write({"t": messages.PEERS, "id": msg.get("id"), "peers": self.gossip.listing()})
         elif kind == messages.BYE:
             conn.channel.close()
             self.drop(conn)
