@@ -331,3 +331,15 @@ def test_retention_removes_the_oldest_ended_job_and_the_content_only_it_held(job
     assert not (state / "jobs" / first.id).exists()
     stored = {p.name for p in (state / "blobs").rglob("*") if p.is_file()}
     assert any(second_digest in name for name in stored) and not any(first_digest in name for name in stored)
+
+
+def test_a_peer_stopped_with_sigterm_stops_its_running_job_and_records_it_lost(jobs_peer):
+    peer, _, _, jobs = jobs_peer()
+    marker = str(secrets.randbelow(10 ** 6) + 10 ** 7)
+    job = jobs.submit(["sh", "-c", f"echo up; sleep {marker}; :"], None, _cpu())
+    wait_until(lambda: "up" in job.logs(), 60)
+    assert peer.stop(timeout=60) == 0  # a clean stop: the job's tree is stopped before the peer exits
+    assert not [p for p in processes_with(marker) if p.name() == "sleep"]
+    peer.start()
+    lost = jobs.job(job.id)
+    assert lost.state == "lost" and "stopped while it ran" in lost.reason and lost.logs().startswith("up\n")
