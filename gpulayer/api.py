@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .actor_class import ActorClass
 from .runtime import configure as configure, default_client as default_client, shutdown as shutdown
+from .errors import ConfigError
 from .task_options import TaskOptions, check_arguments, no_keep, split_call
 
 if TYPE_CHECKING:
@@ -23,8 +24,20 @@ if TYPE_CHECKING:
 
 
 def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> Future[Any]:
+    if options.nodes is not None:  # a gang: its future's result is the ranks' results (docs/gangs.md)
+        return _gang(fn, args, kwargs, options)
     return default_client().submit(fn, args, kwargs, req=options.requirements, timeout=options.timeout,
                                    retries=options.retries, env=options.env, keep=options.keep)
+
+
+def _gang(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> Future[Any]:
+    backend = default_client()
+    submit_gang = getattr(backend, "submit_gang", None)
+    if submit_gang is None:
+        raise ConfigError("a gang (nodes=) runs on the LAN's peers; this backend has no gangs")
+    future: Future[Any] = submit_gang(fn, args, kwargs, req=options.requirements, nodes=options.nodes,
+                                      timeout=options.timeout, retries=options.retries, env=options.env)
+    return future
 
 
 def _map(fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], progress: bool | None,
@@ -32,6 +45,8 @@ def _map(fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], progress:
     if not iterables:
         raise TypeError("map() needs at least one iterable")
     no_keep(options, "gl.map()")
+    if options.nodes is not None:
+        raise ValueError("nodes= makes a gang of one call: use gl.run or gl.submit, not gl.map")
     calls = list(zip(*iterables))
     if calls:
         check_arguments(fn, calls[0], {})  # a wrong count fails here, not on every peer
@@ -49,7 +64,8 @@ def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any] | J
     from peer to peer, not through here (docs/data.md).
 
     Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
-    (what the peer must offer); timeout, retries, env, keep (how the task runs). A function that
+    (what the peer must offer); timeout, retries, env, keep, nodes (how the task runs; nodes=N: a gang
+    of N ranks on N peers, whose future's result is their results in rank order). A function that
     takes one of these names itself is called with `gl.options(...).submit(fn, ...)`, where
     every keyword goes to fn.
 
@@ -69,7 +85,8 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run fn(*args, **kwargs) on a matching peer and return its result (or raise its exception).
 
     Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
-    (what the peer must offer); timeout, retries, env (how the task runs). The other keywords go
+    (what the peer must offer); timeout, retries, env, nodes (how the task runs; nodes=N runs fn as a
+    gang of N ranks on N distinct peers and returns their results in rank order, docs/gangs.md). The other keywords go
     to fn; the call is checked against fn's signature before anything is sent, and a keyword
     that fn also takes is refused as ambiguous: `gl.options(timeout=5).run(fn, ..., timeout=...)`
     gives the task option and fn's own argument apart.

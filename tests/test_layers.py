@@ -17,7 +17,7 @@ PACKAGE = ROOT / "gpulayer"
 # import only themselves (and the layers below). A module is placed by its longest listed prefix.
 LAYERS: list[dict[str, set[str]]] = [
     {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
-                "records", "security", "progress", "peer_table", "jobs", "jobs.folder"}},
+                "distributed", "records", "security", "progress", "peer_table", "jobs", "jobs.folder"}},
     {"protocol": {"protocol"}},
     {"transport": {"transport", "lending", "invite", "jobs.transfer"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
