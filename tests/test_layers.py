@@ -24,7 +24,8 @@ LAYERS: list[dict[str, set[str]]] = [
     {"worker": {"peer.worker", "peer.actor_worker", "peer.lease_worker", "peer.running", "peer.spawning"},
      "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
     {"backends": {"backends"}},
-    {"surface": {"", "__main__", "runtime", "api", "actor_class", "cli", "dashboard", "demo", "benchmark"}},
+    {"surface": {"", "__main__", "runtime", "api", "actor_class", "cli", "dashboard", "demo", "benchmark",
+                 "jobs_cli"}},
 ]
 # Edges the layers would allow that stay out all the same (prefixes of module names): the Ray backend
 # runs tasks without the peer's code; the option table needs no transport.
