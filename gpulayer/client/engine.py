@@ -195,6 +195,16 @@ class Client(Listener):
             future.add_done_callback(waiting.tick)
         return task.future
 
+    def submit_gang(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                    req: Requirements, nodes: int, timeout: float | None = None, retries: int = 0,
+                    env: dict[str, str] | None = None) -> Future[list[Any]]:
+        """fn(*args, **kwargs) as a gang of `nodes` ranks on distinct peers (client/gangs.py, ADR 0018);
+        the future's result is the ranks' results in rank order."""
+        from .gangs import submit_gang
+
+        return submit_gang(self, fn, args, kwargs, req=req, nodes=nodes, timeout=check_timeout(timeout),
+                           retries=check_retries(retries), env=check_env(env))
+
     def _prepare(self, task: SubmittedTask, fn: Callable[..., Any], data: bytes, buffers: list[Any],
                  deps: list[TaskFuture]) -> None:
         """Place a task whose argument futures are done: it fails as the first of them that failed."""
