@@ -14,7 +14,7 @@ from .taskenv import task_folder
 
 __version__ = "0.1.0"
 _API = ("run", "submit", "map", "options", "remote", "peers", "device", "actors", "configure", "default_client",
-        "RemoteFunction", "ActorClass", "Options")
+        "RemoteFunction", "ActorClass", "Options", "submit_job", "job", "jobs")
 
 __all__ = [*_API, "ActorDied", "AuthError", "ConfigError", "GangFailed", "GPULayerError", "NoMatchingPeer", "PeerLost",
            "ProtocolError", "RemoteError", "TaskRejected", "TaskTimeout", "WaitCycle", "WorkerDied", "task_folder"]

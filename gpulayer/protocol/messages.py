@@ -31,10 +31,15 @@ WAIT = "wait"  # a worker's task blocks on a future, or goes on: its slot is len
 BLOB, FILE = "blob", "file"  # a job's working folder up, its files down (checked by gpulayer/jobs/transfer.py)
 INVITE, PAKE, PAKE_CONFIRM = "invite", "pake", "pake_confirm"  # invite codes (invite.py, docs/security.md)
 PEERS = "peers"  # lists of verified peers, between key holders (peer/gossip.py, ADR 0017)
+# jobs (ADR 0016; their builders and checks are in protocol/jobs.py): requests, then the peer's replies
+JOB_SUBMIT, JOB_LIST, JOB_LOGS, JOB_WAIT, JOB_STOP, JOB_FETCH, JOB_RM = (
+    "job_submit", "job_list", "job_logs", "job_wait", "job_stop", "job_fetch", "job_rm")
+JOB_NEED, JOB_INFO, JOB_LOG = "job_need", "job_info", "job_log"
+JOB_REQUESTS = frozenset({JOB_SUBMIT, BLOB, JOB_LIST, JOB_LOGS, JOB_WAIT, JOB_STOP, JOB_FETCH, JOB_RM})
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
                            LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END, WAIT, BLOB, FILE, INVITE, PAKE, PAKE_CONFIRM,
-                           PEERS})
+                           PEERS, *JOB_REQUESTS, JOB_NEED, JOB_INFO, JOB_LOG})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
