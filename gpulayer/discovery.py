@@ -51,9 +51,6 @@ LABEL_MAX = 63  # bytes in one DNS label (RFC 1035): a peer's mDNS instance name
 MAX_LOOKUPS = 32  # mDNS service-info look-ups outstanding at once; more names wait for the next announcement
 LOOKUP_TIMEOUT_MS = 1500
 MAX_FOREIGN = 256  # peers of other clusters counted at most (their ids only)
-AGE_OUT = 10.0  # seconds after its last verification anywhere that gossip drops a peer (ADR 0017)
-MAX_LIST = 256  # entries of one gossiped list, sent or taken
-MAX_ADDRESSES = 8  # addresses of one entry
 Address = tuple[str, int]
 
 
@@ -496,36 +493,6 @@ def every_peer(wait: float, interfaces: list[str] | None = None) -> list[tuple[s
         return found
     finally:
         zc.close()
-
-
-def gossip_entries(value: Any) -> list[tuple[str, list[Address], float]]:
-    """The well-formed entries of a gossiped list (ADR 0017), MAX_LIST at most: (peer id, addresses, age
-    in seconds); the others are skipped (a list comes from a key holder, but of another version, maybe)."""
-    out = []
-    for entry in value[:MAX_LIST] if isinstance(value, list) else []:
-        if not isinstance(entry, dict):
-            continue
-        peer_id, addresses, age = entry.get("id"), entry.get("a"), entry.get("age")
-        if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 64 or not peer_id.isalnum():
-            continue
-        if isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age <= AGE_OUT:
-            continue
-        good = [(a[0], a[1]) for a in (addresses[:MAX_ADDRESSES] if isinstance(addresses, list) else [])
-                if isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and 0 < len(a[0]) <= 255
-                and port_of(a[1]) is not None]
-        if good:
-            out.append((peer_id, good, float(age)))
-    return out
-
-
-def gossip_entry(peer_id: str, addresses: list[Address], age: float) -> dict[str, Any]:
-    """One entry of a gossiped list."""
-    return {"id": peer_id, "a": [list(a) for a in addresses], "age": round(age, 3)}
-
-
-def port_of(value: Any) -> int | None:
-    """A TCP port from the wire, or None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else None
 
 
 class Browser(ServiceListener):

@@ -465,7 +465,7 @@ class Peer:
             conn.channel.write(self.invites.answer(msg))
         elif kind == messages.PEERS:
             self.gossip.heard_from(conn.address.rpartition(":")[0], msg)
-            conn.channel.write({"t": messages.PEERS, "id": msg.get("id"), "peers": self.gossip.listing()})
+            conn.channel.write(messages.peers(msg.get("id"), self.gossip.listing()))
         elif kind == messages.BYE:
             conn.channel.close()
             self.drop(conn)
