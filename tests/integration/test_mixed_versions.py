@@ -36,16 +36,35 @@ def older_tree(tmp_path_factory) -> Path:
     return tree
 
 
+class OlderPeer(PeerProcess):
+    """A peer of the code in `tree` (run from there: `python -m` puts its folder first on the path)."""
+
+    def __init__(self, tree: Path, *args, **kwargs):
+        super().__init__(*args, env={"PYTHONPATH": str(tree)}, **kwargs)
+        self.tree = tree
+
+    def _popen(self, log) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=self.tree)
+
+    def imports_from_tree(self) -> bool:
+        """Whether gpulayer, imported as this peer imports it, is the one in `tree`."""
+        found = subprocess.run([self.argv[0], "-c", "import gpulayer; print(gpulayer.__file__)"], env=self.env,
+                               cwd=self.tree, capture_output=True, text=True, timeout=60)
+        return found.stdout.strip() == str(self.tree / "gpulayer" / "__init__.py")
+
+
 @pytest.fixture
 def peers(tmp_path, older_tree):
-    """start(name, older, *args) -> a started PeerProcess of this cluster, of OLDER's code when `older`."""
+    """start(name, older, *args) -> a started peer of this cluster, of OLDER's code when `older`."""
     key = new_key()
     started: list[PeerProcess] = []
 
     def start(name: str, older: bool, *args: str) -> PeerProcess:
-        env = {"PYTHONPATH": str(older_tree)} if older else None
-        started.append(PeerProcess(tmp_path, key, name, "--concurrency", "1", *args, env=env).start())
-        return started[-1]
+        peer = OlderPeer(older_tree, tmp_path, key, name, "--concurrency", "1", *args) if older \
+            else PeerProcess(tmp_path, key, name, "--concurrency", "1", *args)
+        started.append(peer.start())
+        return peer
 
     yield start
     for peer in started:
@@ -67,6 +86,7 @@ def listed(peer: PeerProcess) -> list[str]:
 
 def test_a_submitter_keeps_its_connection_to_an_older_peer_through_its_gossip_asks(peers):
     older = peers("older", True)
+    assert older.imports_from_tree()
     client = Client(key=older.key.encode(), echo_output=False, interfaces=["127.0.0.1"])
     try:
         cpu = Requirements.build(accelerator="cpu")
