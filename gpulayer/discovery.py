@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import ipaddress
 import json
 import logging
 import os
@@ -55,7 +56,7 @@ Address = tuple[str, int]
 
 
 def configured_interfaces(interfaces: list[str] | None = None) -> list[str] | None:
-    """The IPv4 addresses to use for mDNS: the argument, else GPULAYER_INTERFACES, else None (all)."""
+    """The addresses (IPv4 or IPv6) to use for mDNS: the argument, else GPULAYER_INTERFACES, else None (all)."""
     if interfaces:
         return list(interfaces)
     env = os.environ.get(INTERFACES_ENV, "").strip()
@@ -66,19 +67,29 @@ def _zeroconf(interfaces: list[str] | None) -> Zeroconf:
     """A Zeroconf on its own thread, even when called from inside a running event loop, with its
     sockets bound to the mDNS group where the system allows it (`group_sockets`)."""
     choice = interfaces if interfaces else InterfaceChoice.All
+    version = ip_version(interfaces)
 
     def make() -> Zeroconf:
         if not GROUP_BOUND:
-            return Responder(interfaces=choice, ip_version=IPVersion.V4Only)
+            return Responder(interfaces=choice, ip_version=version)
         with _SOCKETS_LOCK:  # zeroconf looks its socket factory up by name when it starts
             setattr(zeroconf_core, "create_sockets", group_sockets)
             try:
-                return Responder(interfaces=choice, ip_version=IPVersion.V4Only)
+                return Responder(interfaces=choice, ip_version=version)
             finally:
                 setattr(zeroconf_core, "create_sockets", zeroconf_net.create_sockets)
 
     with ThreadPoolExecutor(1) as pool:  # no event loop runs there, so zeroconf starts its own thread
         return pool.submit(make).result()
+
+
+def ip_version(interfaces: list[str] | None) -> IPVersion:
+    """IPv4 and IPv6 on all interfaces where this host has IPv6; else those of the addresses given."""
+    if interfaces:
+        has_v6 = any(":" in i for i in interfaces)
+        return (IPVersion.All if any(":" not in i for i in interfaces) else IPVersion.V6Only) if has_v6 \
+            else IPVersion.V4Only
+    return IPVersion.All if socket.has_ipv6 else IPVersion.V4Only
 
 
 LEGACY_UNICAST_TTL = 10  # seconds at most in an answer to a query from a port other than 5353 (RFC 6762 6.7)
@@ -114,17 +125,20 @@ _IP_MULTICAST_ALL = 49  # Linux: deliver to a socket only the groups it joined i
 
 def group_sockets(interfaces: zeroconf_net.InterfacesType, unicast: bool, ip_version: IPVersion,
                   apple_p2p: bool = False) -> tuple[socket.socket | None, list[socket.socket]]:
-    """zeroconf's sockets (`create_sockets`), bound to 224.0.0.251:5353 instead of the wildcard and
-    each interface's address: they receive what is sent to the mDNS group and nothing sent to this
-    host's own addresses, so that unicast queries to port 5353 (RFC 6762 section 6.7; `dig -p 5353
-    @HOST`) reach the system's responder (avahi, mDNSResponder), which binds the wildcard. Bound to a
-    group, a socket sends from the address of the interface that IP_MULTICAST_IF picks, from port
-    5353. The listen socket joins the group on every interface; each interface's responder only sends."""
+    """zeroconf's sockets (`create_sockets`), bound to the mDNS groups (224.0.0.251:5353, [ff02::fb]:5353)
+    instead of the wildcard and each interface's address: they receive what is sent to the group and
+    nothing sent to this host's own addresses, so that unicast queries to port 5353 (RFC 6762 section
+    6.7; `dig -p 5353 @HOST`) reach the system's responder (avahi, mDNSResponder), which binds the
+    wildcard. Bound to a group, a socket sends from the address of the interface that IP_MULTICAST_IF
+    (IPV6_MULTICAST_IF) picks, from port 5353. IPv4: the listen socket joins the group on every
+    interface, and each interface's responder only sends. IPv6: one socket an interface, bound to the
+    group at that interface's scope, receives and sends."""
     listen = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP,), ip_version=IPVersion.V4Only, apple_p2p=apple_p2p)
     if listen is None:
         return zeroconf_net.create_sockets(interfaces, unicast, ip_version, apple_p2p)
     responders = []
-    for interface in zeroconf_net.normalize_interface_choice(interfaces, IPVersion.V4Only):
+    chosen = zeroconf_net.normalize_interface_choice(interfaces, ip_version)
+    for interface in [i for i in chosen if isinstance(i, str)] if ip_version != IPVersion.V6Only else []:
         if not zeroconf_net.add_multicast_member(listen, interface):
             continue
         sock = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP,), ip_version=IPVersion.V4Only, apple_p2p=apple_p2p)
@@ -135,16 +149,54 @@ def group_sockets(interfaces: zeroconf_net.InterfacesType, unicast: bool, ip_ver
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(str(interface)))
         zeroconf_net.set_respond_socket_multicast_options(sock, IPVersion.V4Only)
         responders.append(sock)
+    indexes = {i[1] for i in chosen if isinstance(i, tuple)} if ip_version != IPVersion.V4Only else set()
+    responders += filter(None, (_group_socket_v6(index, apple_p2p) for index in sorted(indexes)))
     return listen, responders
 
 
+_MDNS_GROUP6 = "ff02::fb"
+
+
+def _group_socket_v6(index: int, apple_p2p: bool) -> socket.socket | None:
+    """A socket bound to [ff02::fb%index]:5353 that joined the group there and sends there; None where
+    that interface has no IPv6 multicast."""
+    try:
+        sock = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP6, 0, index), ip_version=IPVersion.V6Only,
+                                       apple_p2p=apple_p2p)
+    except OSError as exc:
+        log.debug("no IPv6 mDNS on interface %d: %s", index, exc)
+        return None
+    if sock is None:
+        return None
+    if not zeroconf_net.add_multicast_member(sock, (("", 0, 0), index)):
+        sock.close()
+        return None
+    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, index)
+    zeroconf_net.set_respond_socket_multicast_options(sock, IPVersion.V6Only)
+    return sock
+
+
 def advertised_addresses(interfaces: list[str] | None) -> list[str]:
-    """The addresses a peer puts in its mDNS record."""
+    """The addresses a peer puts in its mDNS record: IPv4 and IPv6 (global, and link-local without the
+    scope, which each receiver adds: its own interface's), never loopback unless it has nothing else."""
     if interfaces:
-        return [i for i in interfaces if i != "0.0.0.0"]
-    found = [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
-             if isinstance(ip.ip, str) and not ip.ip.startswith("127.")]
-    return found or ["127.0.0.1"]
+        return [i for i in interfaces if i not in ("0.0.0.0", "::")]
+    found = [ip.ip if isinstance(ip.ip, str) else ip.ip[0] for adapter in ifaddr.get_adapters() for ip in adapter.ips]
+    return [a for a in found if not ipaddress.ip_address(a).is_loopback] or ["127.0.0.1"]
+
+
+def remote(addr: tuple[Any, ...]) -> Address:
+    """(host, port) of an accepted connection's other side: an IPv4-mapped IPv6 address as the IPv4 one."""
+    host = ipaddress.ip_address(addr[0].split("%")[0])
+    if isinstance(host, ipaddress.IPv6Address) and host.ipv4_mapped is not None:
+        return str(host.ipv4_mapped), addr[1]
+    return addr[0], addr[1]
+
+
+def host_port(address: Address) -> str:
+    """HOST:PORT, with an IPv6 host in brackets."""
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def check_name(name: str) -> str:
@@ -261,7 +313,7 @@ class PeerRecord:
 
     @property
     def address(self) -> str:
-        return "%s:%d" % self.addresses[0] if self.addresses else "?"
+        return host_port(self.addresses[0]) if self.addresses else "?"
 
     @property
     def claim(self) -> tuple[str, str]:
@@ -489,7 +541,7 @@ def every_peer(wait: float, interfaces: list[str] | None = None) -> list[tuple[s
         for name in list(names):
             info = zc.get_service_info(SERVICE_TYPE, name, timeout=LOOKUP_TIMEOUT_MS)
             if info is not None and info.port:
-                found += [(address, info.port) for address in info.parsed_addresses(IPVersion.V4Only)]
+                found += [(address, info.port) for address in info.parsed_scoped_addresses()]
         return found
     finally:
         zc.close()
@@ -561,7 +613,7 @@ class Browser(ServiceListener):
     def _found(self, name: str, info: ServiceInfo) -> None:
         if not info.port:
             return
-        addresses = [(a, info.port) for a in info.parsed_addresses(IPVersion.V4Only)]
+        addresses = [(a, info.port) for a in info.parsed_scoped_addresses()]  # link-local: with our scope
         try:
             advert = Advert.from_txt(info.properties)
         except ValueError as exc:
@@ -587,7 +639,7 @@ class Browser(ServiceListener):
         query.add_question(DNSQuestion(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN))
         selector = selectors.DefaultSelector()
         sockets: dict[int, socket.socket] = {}
-        for ip in self.interfaces or advertised_addresses(None):
+        for ip in [a for a in self.interfaces or advertised_addresses(None) if ":" not in a]:  # IPv4
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             try:
                 sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(ip))

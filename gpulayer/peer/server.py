@@ -195,8 +195,8 @@ class Peer:
         self._stopped = asyncio.Event()
         _raise_fd_limit()
         await self.scheduler.start()
-        host = self.config.interfaces[0] if self.config.interfaces else "0.0.0.0"
-        self._server = socket.create_server((host, self.config.port), backlog=1024)
+        host = self.config.interfaces[0] if self.config.interfaces else ""
+        self._server = listen_socket(host, self.config.port)
         self._server.setblocking(False)
         self.port = self._server.getsockname()[1]
         self._loop.add_reader(self._server.fileno(), self._on_accept)
@@ -209,7 +209,8 @@ class Peer:
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
                 None, discovery.Advertiser, self.advert, self.port, self.config.interfaces)
-        log.info("peer %s (%s) listening on %s:%d with %d slot(s): %s", self.name, self.peer_id, host, self.port,
+        log.info("peer %s (%s) listening on %s with %d slot(s): %s", self.name, self.peer_id,
+                 discovery.host_port((host or "*", self.port)),
                  len(self.slots), ", ".join(s.device for s in self.slots))
 
     async def wait_stopped(self) -> None:
@@ -292,7 +293,7 @@ class Peer:
             self._accept_pause = 0.0
             self._make_room()
             sockets.tune(sock)
-            conn = Connection(self, sock, f"{addr[0]}:{addr[1]}")
+            conn = Connection(self, sock, discovery.host_port(discovery.remote(addr)))
             self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
 
     def _make_room(self) -> None:
@@ -464,7 +465,7 @@ class Peer:
         elif kind == messages.INVITE:
             conn.channel.write(self.invites.answer(msg))
         elif kind == messages.PEERS:
-            self.gossip.heard_from(conn.address.rpartition(":")[0], msg)
+            self.gossip.heard_from(conn.address.rpartition(":")[0].strip("[]"), msg)
             conn.channel.write(messages.peers(msg.get("id"), self.gossip.listing()))
         elif kind == messages.BYE:
             conn.channel.close()
@@ -681,6 +682,16 @@ def memory_refusal(total: int, headroom: int) -> str | None:
 def _receive_buffer(size: int, owner: str) -> Any:
     """Where a large frame of submitter `owner` is received: a segment, which goes on to the worker by descriptor."""
     return shm.receive_segment(size, owner) if size >= shm.SHM_MIN else framing.receive_buffer(size)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The peer's TCP socket: on `host`, an IPv4 or IPv6 address; on every address, IPv4 and IPv6, for ""."""
+    if host:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=1024)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=1024)
+    return socket.create_server(("", port), backlog=1024)
 
 
 def _raise_fd_limit() -> None:
