@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import fcntl
+import hashlib
 import ipaddress
 import json
 import logging
@@ -210,16 +212,43 @@ def check_name(name: str) -> str:
     return name
 
 
-def instance_label(name: str, peer_id: str) -> str:
+def instance_label(name: str, tag: str) -> str:
     """The mDNS instance label of a peer: its name with dots and non-printable characters as '-' (a dot
     would split the label: other browsers would not see the service), cut to fit one DNS label with
-    its peer id, which keeps it unique. The whole name travels in the TXT record."""
-    suffix = f"-{peer_id}"
+    its tag (its peer id, or the tag it keeps: `kept_tag`), which keeps it unique. The whole name travels
+    in the TXT record."""
+    suffix = f"-{tag}"
     shown = "".join(ch if ch.isprintable() and ch != "." else "-" for ch in name)
     room = LABEL_MAX - len(suffix.encode())
     return shown.encode()[:room].decode("utf-8", "ignore") + suffix
 
 
+def kept_tag(folder: Path, name: str) -> tuple[str, int] | None:
+    """The instance tag kept in `folder` for the peer named `name` (made at its first start), and a descriptor
+    that holds it locked while this peer runs; None where the folder cannot keep one, or another peer of
+    that name runs from it now (that one keeps the tag)."""
+    path = folder / "instances" / hashlib.sha256(name.encode()).hexdigest()[:16]
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        log.debug("no stable instance name (%s): the peer id names the advert", exc)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        tag = os.read(fd, 64).decode("ascii", "replace").strip()
+        if len(tag) != TAG_HEX or tag.strip("0123456789abcdef"):
+            tag = secrets.token_hex(TAG_HEX // 2)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, tag.encode(), 0)
+        return tag, fd
+    except OSError as exc:
+        log.debug("no stable instance name (%s): the peer id names the advert", exc)
+        os.close(fd)
+        return None
+
+
+TAG_HEX = 12  # hex digits of a kept instance tag, as many as a peer id's
 ANNOUNCEMENTS = 3  # of a record, and of each update (RFC 6762 section 8.3: at least 2, at most 8)
 ANNOUNCE_PAUSE = 1.0  # seconds from the first to the second; each later pause doubles the last gap
 
@@ -230,13 +259,17 @@ class Advertiser:
     The record is announced ANNOUNCEMENTS times, at once, then after 1 s, then after twice the last
     gap (RFC 6762 section 8.3: at least one second apart, the interval doubling), and again so for each
     update; it answers queries from the
-    first announcement on. No probing: the name holds the peer id."""
+    first announcement on. No probing: the name holds the peer id, or a tag that the peer keeps in its
+    `state` folder across restarts (`kept_tag`), so that browsers see one service, not a goodbye and a
+    new one at each restart."""
 
-    def __init__(self, advert: Advert, port: int, interfaces: list[str] | None = None):
+    def __init__(self, advert: Advert, port: int, interfaces: list[str] | None = None, state: Path | None = None):
+        kept = kept_tag(state, advert.name) if state is not None else None
+        self._tag_lock = kept[1] if kept else None
         self.zc = _zeroconf(interfaces)
         self.info = ServiceInfo(
             SERVICE_TYPE,
-            f"{instance_label(advert.name, advert.peer_id)}.{SERVICE_TYPE}",
+            f"{instance_label(advert.name, kept[0] if kept else advert.peer_id)}.{SERVICE_TYPE}",
             port=port,
             properties=advert.to_txt(),
             server=f"gpulayer-{advert.peer_id}.local.",
@@ -287,6 +320,8 @@ class Advertiser:
             self.zc.unregister_service(self.info)
         finally:
             self.zc.close()
+            if self._tag_lock is not None:
+                os.close(self._tag_lock)
 
 
 @dataclass(eq=False)  # a claim is itself: two with equal fields are still two

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
-    parser.add_argument("--ready-file", default=None, help="write {port, peer_id, name} as JSON here once serving")
+    parser.add_argument("--ready-file", default=None, help="write {port, peer_id, name, instance} as JSON here once serving")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -133,7 +133,15 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         workdir=args.workdir,
         measured_from=args.measured_from,
         seeds=args.seed + discovery.static_peers(),
+        state=key_folder(args.key_file),
     )
+
+
+def key_folder(key_file: str | None) -> Path | None:
+    """The folder of the key file the peer read its key from; None when GPULAYER_KEY gave it."""
+    if not key_file and os.environ.get(security.KEY_ENV, "").strip():
+        return None
+    return (Path(key_file) if key_file else security.default_key_path()).parent
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         if args.ready_file:  # written whole, then renamed: whoever waits for it never reads half of it
             partial = f"{args.ready_file}.partial"
             with open(partial, "w") as f:
-                json.dump({"port": peer.port, "peer_id": peer.peer_id, "name": peer.name}, f)
+                json.dump({"port": peer.port, "peer_id": peer.peer_id, "name": peer.name,
+                           "instance": peer.instance}, f)
             os.replace(partial, args.ready_file)
 
     try:

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -64,6 +65,7 @@ class PeerConfig:
     workdir: str | None = None  # where tasks start; None: a scratch folder removed at stop
     measured_from: str | None = None  # recorded readings replacing the measured utilisation (a test seam)
     seeds: list[tuple[str, int]] = field(default_factory=list)  # peers to gossip with at first (gossip.py)
+    state: Path | None = None  # where the peer keeps its mDNS instance tag across restarts (discovery.kept_tag)
 
 
 class Connection:
@@ -208,7 +210,7 @@ class Peer:
         self.sampler.start()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
-                None, discovery.Advertiser, self.advert, self.port, self.config.interfaces)
+                None, discovery.Advertiser, self.advert, self.port, self.config.interfaces, self.config.state)
         log.info("peer %s (%s) listening on %s with %d slot(s): %s", self.name, self.peer_id,
                  discovery.host_port((host or "*", self.port)),
                  len(self.slots), ", ".join(s.device for s in self.slots))
@@ -220,6 +222,11 @@ class Peer:
     @property
     def draining(self) -> bool:
         return self._draining
+
+    @property
+    def instance(self) -> str | None:
+        """The mDNS instance name it advertises under, None when it does not advertise."""
+        return self._advertiser.info.name if self._advertiser is not None else None
 
     async def stop(self, drain: bool = True) -> None:
         """Withdraw the mDNS record first, then drain (or cancel) the tasks, then close."""

@@ -1,0 +1,72 @@
+"""A peer's mDNS instance name stays the same across restarts (issue 30, item 4): the peer keeps a tag
+in the folder of its key file (discovery.kept_tag), so a browser that watches through a restart, even one
+without a goodbye (kill -9), sees one service that now points at the new port, not a second one beside
+the first, which it would list for as long as its record lives. A second peer of the same name that runs
+from the same folder at the same time gets a name of its own (its peer id's)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from zeroconf import ServiceBrowser, ServiceStateChange, Zeroconf
+
+from gpulayer.discovery import SERVICE_TYPE
+from support import PeerProcess, new_key, wait_until
+
+
+@pytest.fixture
+def browser():
+    """(zeroconf, names): a browse of GPUlayer services on loopback, and the names it heard added."""
+    zc = Zeroconf(interfaces=["127.0.0.1"])
+    names: set[str] = set()
+    lock = threading.Lock()
+
+    def heard(zeroconf, service_type, name, state_change):
+        if state_change is ServiceStateChange.Added:
+            with lock:
+                names.add(name)
+
+    browse = ServiceBrowser(zc, SERVICE_TYPE, handlers=[heard])
+    yield zc, names
+    browse.cancel()
+    zc.close()
+
+
+def port_of(zc: Zeroconf, name: str) -> int | None:
+    info = zc.get_service_info(SERVICE_TYPE, name, timeout=1000)
+    return info.port if info is not None else None
+
+
+def test_a_peer_keeps_its_instance_name_across_a_restart_and_a_twin_running_beside_it_gets_its_own(tmp_path, browser):
+    zc, names = browser
+    folder = tmp_path / "config"
+    folder.mkdir(mode=0o700)
+    key = new_key()
+    key_file = folder / "key"
+    key_file.write_text(key)
+    os.chmod(key_file, 0o600)
+    args = ("--key-file", str(key_file), "--concurrency", "1")
+    peers = [PeerProcess(tmp_path, key, "steady", *args)]
+    try:
+        first = peers[0].start()
+        instance = first.info["instance"]
+        assert first.peer_id not in instance
+        assert wait_until(lambda: instance in names, 10)
+
+        first.kill()  # no goodbye: the browser keeps the record
+        again = first.start()
+        assert again.info["instance"] == instance
+        assert wait_until(lambda: port_of(zc, instance) == again.port, 10)
+
+        peers.append(PeerProcess(tmp_path / "twin", key, "steady", *args))
+        (tmp_path / "twin").mkdir()
+        twin = peers[-1].start()
+        assert twin.info["instance"] != instance and twin.peer_id in twin.info["instance"]
+        assert wait_until(lambda: twin.info["instance"] in names, 10)
+        assert {name for name in names if name.startswith("steady-")} == {instance, twin.info["instance"]}
+    finally:
+        for peer in peers:
+            peer.stop(timeout=10)
+            peer.kill()
