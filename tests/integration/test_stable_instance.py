@@ -34,6 +34,11 @@ def browser():
     zc.close()
 
 
+def steady(names: set[str]) -> set[str]:
+    """The names of the peers called "steady" among `names`."""
+    return {name for name in set(names) if name.startswith("steady-")}
+
+
 def port_of(zc: Zeroconf, name: str) -> int | None:
     info = zc.get_service_info(SERVICE_TYPE, name, timeout=1000)
     return info.port if info is not None else None
@@ -51,21 +56,20 @@ def test_a_peer_keeps_its_instance_name_across_a_restart_and_a_twin_running_besi
     peers = [PeerProcess(tmp_path, key, "steady", *args)]
     try:
         first = peers[0].start()
-        instance = first.info["instance"]
-        assert first.peer_id not in instance
-        assert wait_until(lambda: instance in names, 10)
+        [instance] = wait_until(lambda: steady(names), 10)
+        assert first.peer_id not in instance and first.info["instance"] == instance
 
         first.kill()  # no goodbye: the browser keeps the record
         again = first.start()
-        assert again.info["instance"] == instance
         assert wait_until(lambda: port_of(zc, instance) == again.port, 10)
+        assert steady(names) == {instance}
 
-        peers.append(PeerProcess(tmp_path / "twin", key, "steady", *args))
         (tmp_path / "twin").mkdir()
+        peers.append(PeerProcess(tmp_path / "twin", key, "steady", *args))
         twin = peers[-1].start()
-        assert twin.info["instance"] != instance and twin.peer_id in twin.info["instance"]
-        assert wait_until(lambda: twin.info["instance"] in names, 10)
-        assert {name for name in names if name.startswith("steady-")} == {instance, twin.info["instance"]}
+        assert wait_until(lambda: len(steady(names)) == 2, 10)
+        [other] = steady(names) - {instance}
+        assert twin.peer_id in other
     finally:
         for peer in peers:
             peer.stop(timeout=10)
