@@ -33,8 +33,8 @@ from typing import Any
 import ifaddr
 import zeroconf._core as zeroconf_core
 import zeroconf._utils.net as zeroconf_net
-from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, DNSRecord, InterfaceChoice, IPVersion,
-                      ServiceBrowser, ServiceInfo, ServiceListener, ServiceStateChange, Zeroconf)
+from zeroconf import (DNSAddress, DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, DNSRecord, InterfaceChoice,
+                      IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, ServiceStateChange, Zeroconf)
 
 from .errors import ConfigError
 from .resources.model import TXT_VALUE_MAX, Advert
@@ -108,7 +108,47 @@ class Responder(Zeroconf):
         if addr is not None and port != _MDNS_PORT:
             out.answers = [(_capped(record), when) for record, when in out.answers]
             out.additionals = [_capped(record) for record in out.additionals]
-        super().async_send(out, addr, port, v6_flow_scope, transport)
+        if not any(isinstance(r, DNSAddress) for r in [a for a, _ in out.answers] + out.additionals):
+            return super().async_send(out, addr, port, v6_flow_scope, transport)
+        for sender in [transport] if transport is not None else list(self.engine.senders):
+            own = _own_addresses(sender.transport.get_extra_info("socket"), addr)
+            super().async_send(_only(out, own), addr, port, v6_flow_scope, sender)
+
+
+def _own_addresses(sock: Any, addr: str | None) -> set[bytes] | None:
+    """The packed addresses of the interface that `sock` sends on (its IPV6 scope, its IPv4 multicast
+    interface, else the one whose subnet holds `addr`, where a reply goes); None when that is unknown."""
+    adapters = ifaddr.get_adapters()
+    try:
+        name = sock.getsockname() if sock is not None else None
+        if name is not None and len(name) == 4:  # IPv6: bound to the group at the interface's scope
+            chosen = [a for a in adapters if a.index == name[3]]
+        else:
+            where = socket.inet_ntoa(sock.getsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, 4)) if sock else ""
+            chosen = [a for a in adapters if any(ip.ip == where for ip in a.ips)]
+            if not chosen and addr is not None and ":" not in addr:
+                chosen = [a for a in adapters for ip in a.ips if isinstance(ip.ip, str)
+                          and ipaddress.ip_address(addr) in ipaddress.ip_network(f"{ip.ip}/{ip.network_prefix}", False)]
+    except (OSError, ValueError):
+        return None
+    return {_packed(ip.ip if isinstance(ip.ip, str) else ip.ip[0]) for a in chosen[:1] for ip in a.ips} or None
+
+
+def _packed(address: str) -> bytes:
+    return socket.inet_pton(socket.AF_INET6 if ":" in address else socket.AF_INET, address)
+
+
+def _only(out: DNSOutgoing, own: set[bytes] | None) -> DNSOutgoing:
+    """A copy of `out` whose address records are those of `own` only (RFC 6762 section 6.2: each interface
+    its own addresses); `out` itself when `own` is None."""
+    if own is None:
+        return out
+    kept = DNSOutgoing(out.flags, out.multicast, out.id)
+    kept.questions = list(out.questions)
+    kept.answers = [(r, when) for r, when in out.answers if not isinstance(r, DNSAddress) or r.address in own]
+    kept.authorities = list(out.authorities)
+    kept.additionals = [r for r in out.additionals if not isinstance(r, DNSAddress) or r.address in own]
+    return kept
 
 
 def _capped(record: DNSRecord) -> DNSRecord:

@@ -72,3 +72,20 @@ def test_on_a_dual_stack_lan_the_advert_carries_both_families_and_a_task_runs(la
     agent.call("configure")
     ran = agent.call("run", fn="where", peer="p46")
     assert ran["ok"] and ran["value"] == "p46", ran
+
+
+def test_a_peer_on_two_lans_advertises_on_each_only_that_interfaces_addresses(tmp_path):
+    a = new_lan(tmp_path / "a", subnet="10.77.1.", prefix_len=24)
+    b = new_lan(tmp_path / "b", subnet="10.77.2.", prefix_len=24)
+    try:
+        router = a.add_router(b)
+        peer = router.start_peer("two-legs", new_key(), 1).wait_ready()
+        on_a = advertised(a.add_host("listener-a"), peer.port)
+        on_b = advertised(b.add_host("listener-b"), peer.port)
+        assert [x for x in on_a if "." in x] == [router.ip], on_a  # RFC 6762 section 6.2
+        assert len([x for x in on_b if "." in x]) == 1 and all(x.startswith("10.77.2.") for x in on_b if "." in x), on_b
+        assert not set(on_a) & set(on_b), (on_a, on_b)  # link-local ones too: each interface its own
+    finally:
+        a.close()  # first: the router is its host, and its leg on b's bridge goes with it
+        b.close()
+    assert not a.leftovers() and not b.leftovers()
