@@ -1,8 +1,9 @@
 """Finding peers: mDNS advertise and browse, the peer directory, static peers and the cache.
 
-Every peer registers `<label>-<peer id>._gpulayer._tcp.local.` with its Advert in the TXT
-record, the label being its name made fit for one DNS label (`instance_label`). Registration
-skips probing (the name holds a unique peer id), so a new peer is seen in milliseconds;
+Every peer registers `<label>-<tag>._gpulayer._tcp.local.` with its Advert in the TXT record, the
+label being its name made fit for one DNS label (`instance_label`), the tag one it keeps across
+restarts (`kept_tag`) or its peer id. Its IPv4 and IPv6 addresses go out on each interface, that
+interface's only. Registration skips probing (the name holds a unique tag), so a new peer is seen in milliseconds;
 browsers ask with QM questions, so a late joiner gets multicast answers at once instead of
 waiting about a second for unicast ones. zeroconf keeps a peer that died without a goodbye
 listed for up to about 19 minutes, so liveness is the client's job.
