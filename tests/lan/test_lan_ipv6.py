@@ -41,12 +41,16 @@ def advertised(host, port: int) -> list[str]:
     return [address for address, at in ast.literal_eval(done.stdout) if at == port]
 
 
-def test_on_an_ipv6_only_lan_a_submitter_finds_a_peer_and_runs_a_task(lan6):
-    lan = lan6(ipv4=False)
+def peer_and_submitter(lan, name: str):
+    """A peer `name` on a host of `lan`, a submitter's host beside it, the key, and what that host resolves."""
     key = new_key()
-    peer = lan.add_host("p6").start_peer("p6", key, 1).wait_ready()
-    submitter = lan.add_host("s6")
-    found = advertised(submitter, peer.port)
+    peer = lan.add_host(name).start_peer(name, key, 1).wait_ready()
+    submitter = lan.add_host(f"s-{name}")
+    return peer, submitter, key, advertised(submitter, peer.port)
+
+
+def test_on_an_ipv6_only_lan_a_submitter_finds_a_peer_and_runs_a_task(lan6):
+    peer, submitter, key, found = peer_and_submitter(lan6(ipv4=False), "p6")
     assert f"fd77::{peer.host.index:x}" in found, found
     assert any(a.startswith("fe80::") and "%" in a for a in found), found  # link-local, with our scope
     assert not any("." in a for a in found), found
@@ -61,11 +65,7 @@ def test_on_an_ipv6_only_lan_a_submitter_finds_a_peer_and_runs_a_task(lan6):
 
 
 def test_on_a_dual_stack_lan_the_advert_carries_both_families_and_a_task_runs(lan6):
-    lan = lan6(ipv4=True)
-    key = new_key()
-    peer = lan.add_host("p46").start_peer("p46", key, 1).wait_ready()
-    submitter = lan.add_host("s46")
-    found = advertised(submitter, peer.port)
+    peer, submitter, key, found = peer_and_submitter(lan6(ipv4=True), "p46")
     assert {peer.host.ip, f"fd77::{peer.host.index:x}"} <= set(found), found
     assert not any(a.startswith("127.") or a == "::1" for a in found), found  # never loopback on a LAN
     agent = submitter.agent(key, name="s46")
