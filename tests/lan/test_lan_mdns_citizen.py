@@ -131,5 +131,5 @@ def test_avahi_browse_resolves_a_peer(net):
     done = host.run(["unshare", "-m", "sh", "-c", BROWSE.format(bus=bus, conf=conf, out=out)], timeout=60,
                     env=lan_env(None))
     resolved = [line.split(";") for line in done.stdout.splitlines() if line.startswith("=")]
-    assert [(r[2], r[3].startswith("browsed-"), r[7], r[8]) for r in resolved] == \
-        [("IPv4", True, peer.host.ip, str(peer.port))], done.stdout + done.stderr
+    assert [(r[2], r[7], r[8]) for r in resolved if r[3].startswith("browsed-")] == \
+        [("IPv4", peer.host.ip, str(peer.port))], done.stdout + done.stderr  # the module's other peers run too
