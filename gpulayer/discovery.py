@@ -112,27 +112,34 @@ class Responder(Zeroconf):
         if not any(isinstance(r, DNSAddress) for r in [a for a, _ in out.answers] + out.additionals):
             return super().async_send(out, addr, port, v6_flow_scope, transport)
         for sender in [transport] if transport is not None else list(self.engine.senders):
-            own = _own_addresses(sender.transport.get_extra_info("socket"), addr)
+            own = _own_addresses(sender.transport.get_extra_info("socket"), addr, v6_flow_scope)
             super().async_send(_only(out, own), addr, port, v6_flow_scope, sender)
 
 
-def _own_addresses(sock: Any, addr: str | None) -> set[bytes] | None:
-    """The packed addresses of the interface that `sock` sends on (its IPV6 scope, its IPv4 multicast
-    interface, else the one whose subnet holds `addr`, where a reply goes); None when that is unknown."""
+def _own_addresses(sock: Any, addr: str | None, scope: tuple[()] | tuple[int, int]) -> set[bytes] | None:
+    """The packed addresses of the interface a message goes out on: for a reply to `addr`, the one
+    toward it (its IPv6 scope, else the subnet that holds it: the socket it came in on says nothing);
+    else the one `sock` sends on (its IPv6 scope, its IPv4 multicast interface). None when unknown."""
     adapters = ifaddr.get_adapters()
     try:
-        name = sock.getsockname() if sock is not None else None
-        if name is not None and len(name) == 4:  # IPv6: bound to the group at the interface's scope
-            chosen = [a for a in adapters if a.index == name[3]]
+        if addr is not None:
+            target = ipaddress.ip_address(addr.split("%")[0])
+            chosen = [a for a in adapters if a.index == scope[1]] if scope and scope[1] else \
+                [a for a in adapters for ip in a.ips
+                 if target in ipaddress.ip_network(f"{_plain(ip.ip)}/{ip.network_prefix}", False)]
+        elif len(sock.getsockname()) == 4:  # IPv6: bound to the group at the interface's scope
+            chosen = [a for a in adapters if a.index == sock.getsockname()[3]]
         else:
-            where = socket.inet_ntoa(sock.getsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, 4)) if sock else ""
+            where = socket.inet_ntoa(sock.getsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, 4))
             chosen = [a for a in adapters if any(ip.ip == where for ip in a.ips)]
-            if not chosen and addr is not None and ":" not in addr:
-                chosen = [a for a in adapters for ip in a.ips if isinstance(ip.ip, str)
-                          and ipaddress.ip_address(addr) in ipaddress.ip_network(f"{ip.ip}/{ip.network_prefix}", False)]
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         return None
-    return {_packed(ip.ip if isinstance(ip.ip, str) else ip.ip[0]) for a in chosen[:1] for ip in a.ips} or None
+    return {_packed(_plain(ip.ip)) for a in chosen[:1] for ip in a.ips} or None
+
+
+def _plain(ip: str | tuple[str, int, int]) -> str:
+    """An ifaddr address as text, without IPv6's flow and scope."""
+    return ip if isinstance(ip, str) else ip[0]
 
 
 def _packed(address: str) -> bytes:
@@ -224,7 +231,7 @@ def advertised_addresses(interfaces: list[str] | None) -> list[str]:
     scope, which each receiver adds: its own interface's), never loopback unless it has nothing else."""
     if interfaces:
         return [i for i in interfaces if i not in ("0.0.0.0", "::")]
-    found = [ip.ip if isinstance(ip.ip, str) else ip.ip[0] for adapter in ifaddr.get_adapters() for ip in adapter.ips]
+    found = [_plain(ip.ip) for adapter in ifaddr.get_adapters() for ip in adapter.ips]
     return [a for a in found if not ipaddress.ip_address(a).is_loopback] or ["127.0.0.1"]
 
 

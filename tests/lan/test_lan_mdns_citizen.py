@@ -111,10 +111,11 @@ BUS_CONF = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configur
 <policy context="default"><allow user="*"/><allow own="*"/><allow send_destination="*"/>
 <allow receive_sender="*"/></policy></busconfig>
 """
-# in a mount namespace of its own, with its own /run: a system bus, avahi-daemon on it, and avahi-browse
-# asked until it resolves a service (50 tries, 0.2 s apart) or gives up
+# in a mount namespace of its own, with its own /run: a system bus, avahi-daemon on it once the bus listens,
+# and avahi-browse asked until it resolves a service (50 tries, 0.2 s apart) or gives up
 BROWSE = """mount -t tmpfs tmpfs /run && mkdir -p /run/dbus || exit 1
 dbus-daemon --config-file={bus} --nofork --nopidfile >/dev/null 2>&1 & BUS=$!
+for i in $(seq 50); do [ -S /run/dbus/system_bus_socket ] && break; sleep 0.1; done
 avahi-daemon -f {conf} --no-drop-root --no-chroot --no-rlimits >/dev/null 2>&1 & AVAHI=$!
 for i in $(seq 50); do avahi-browse -rpt _gpulayer._tcp > {out} 2>&1 && grep -q '^=' {out} && break; sleep 0.2; done
 kill $AVAHI $BUS; cat {out}"""
