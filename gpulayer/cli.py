@@ -1,4 +1,5 @@
-"""`gpulayer`: resources detect | peers | join | invite | ray-node | demo | bench | dashboard | key init | key id."""
+"""`gpulayer`: resources detect | peers | join | invite | ray-node | demo | bench | dashboard | key init | key id,
+and the job commands (jobs_cli.py): submit | jobs | logs | wait | stop | fetch | rm."""
 
 from __future__ import annotations
 
@@ -154,6 +155,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from .benchmark import add_arguments as add_bench_arguments
+    from .jobs_cli import add_commands as add_job_commands
     from .peer.__main__ import add_arguments
 
     parser = argparse.ArgumentParser(prog="gpulayer", description="Peer-to-peer scheduler for the GPUs on a LAN.")
@@ -228,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     key_id.add_argument("--key-file", default=None, help="the key file (default: GPULAYER_KEY, else "
                                                          "~/.config/gpulayer/key)")
     key_id.set_defaults(func=_key_id)
+    add_job_commands(sub)
     return parser
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import fcntl
-import hashlib
 import ipaddress
 import json
 import logging
@@ -271,28 +269,18 @@ def instance_label(name: str, tag: str) -> str:
     return shown.encode()[:room].decode("utf-8", "ignore") + suffix
 
 
-def kept_tag(folder: Path, name: str) -> tuple[str, int] | None:
-    """The instance tag kept in `folder` for the peer named `name` (made at its first start), and a descriptor
-    that holds it locked while this peer runs; None where the folder cannot keep one, or another peer of
-    that name runs from it now (that one keeps the tag)."""
-    path = folder / "instances" / hashlib.sha256(name.encode()).hexdigest()[:16]
+def kept_tag(folder: Path) -> str | None:
+    """The instance tag kept in the peer's state folder (made at its first start there), or None where the
+    folder cannot keep one. The folder is this peer's alone while it runs (peer/jobs.py holds it)."""
+    path = folder / "mdns-instance"
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as exc:
-        log.debug("no stable instance name (%s): the peer id names the advert", exc)
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        tag = os.read(fd, 64).decode("ascii", "replace").strip()
+        tag = path.read_text().strip() if path.exists() else ""
         if len(tag) != TAG_HEX or tag.strip("0123456789abcdef"):
             tag = secrets.token_hex(TAG_HEX // 2)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, tag.encode(), 0)
-        return tag, fd
-    except OSError as exc:
+            path.write_text(tag + "\n")
+        return tag
+    except (OSError, UnicodeDecodeError) as exc:
         log.debug("no stable instance name (%s): the peer id names the advert", exc)
-        os.close(fd)
         return None
 
 
@@ -312,12 +300,11 @@ class Advertiser:
     new one at each restart."""
 
     def __init__(self, advert: Advert, port: int, interfaces: list[str] | None = None, state: Path | None = None):
-        kept = kept_tag(state, advert.name) if state is not None else None
-        self._tag_lock = kept[1] if kept else None
+        tag = kept_tag(state) if state is not None else None
         self.zc = _zeroconf(interfaces)
         self.info = ServiceInfo(
             SERVICE_TYPE,
-            f"{instance_label(advert.name, kept[0] if kept else advert.peer_id)}.{SERVICE_TYPE}",
+            f"{instance_label(advert.name, tag or advert.peer_id)}.{SERVICE_TYPE}",
             port=port,
             properties=advert.to_txt(),
             server=f"gpulayer-{advert.peer_id}.local.",
@@ -368,8 +355,6 @@ class Advertiser:
             self.zc.unregister_service(self.info)
         finally:
             self.zc.close()
-            if self._tag_lock is not None:
-                os.close(self._tag_lock)
 
 
 @dataclass(eq=False)  # a claim is itself: two with equal fields are still two

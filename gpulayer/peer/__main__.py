@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import security
 from ..errors import GPULayerError
 from ..protocol import framing
 from ..resources import detect, override
 from ..taskenv import SLOT_ENV_PREFIX
-from .server import PeerConfig, run_peer
+from ..jobs.store import RETENTION_DAYS, RETENTION_GB
+
+if TYPE_CHECKING:
+    from .server import PeerConfig
 
 INVITE_BROWSE_SECONDS = 1.5  # how long `--invite` listens for peers over mDNS (without --seed)
 
@@ -50,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(e.g. --env PYTORCH_ENABLE_MPS_FALLBACK=1)")
     parser.add_argument("--workdir", default=None, type=_workdir, metavar="DIR",
                         help="the folder tasks start in, kept (default: a scratch folder removed when the peer stops)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
+                        help="the folder of this peer's jobs (default: the first free of ~/.local/state/gpulayer/peer, "
+                             "peer-2, ...; $XDG_STATE_HOME moves it)")
+    parser.add_argument("--job-retention-days", type=float, default=RETENTION_DAYS, metavar="DAYS",
+                        help=f"ended jobs older than this are removed with their folder (default {RETENTION_DAYS:g})")
+    parser.add_argument("--job-retention-gb", type=float, default=RETENTION_GB, metavar="GB",
+                        help="the oldest ended jobs are removed while the jobs' folders come to more than this "
+                             f"(default {RETENTION_GB:g})")
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
@@ -108,6 +119,7 @@ def _workdir(text: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
+    from .server import PeerConfig  # here: `gpulayer submit` and the other commands build this parser too
     from .. import discovery
     from ..discovery import check_name, configured_interfaces
 
@@ -132,16 +144,12 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         drain_timeout=args.drain_timeout,
         workdir=args.workdir,
         measured_from=args.measured_from,
+        state_dir=args.state_dir,
+        job_retention_days=args.job_retention_days,
+        job_retention_gb=args.job_retention_gb,
         seeds=args.seed + discovery.static_peers(),
-        state=key_folder(args.key_file),
     )
 
-
-def key_folder(key_file: str | None) -> Path | None:
-    """The folder of the key file the peer read its key from; None when GPULAYER_KEY gave it."""
-    if not key_file and os.environ.get(security.KEY_ENV, "").strip():
-        return None
-    return (Path(key_file) if key_file else security.default_key_path()).parent
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
             os.replace(partial, args.ready_file)
 
     try:
+        import asyncio
+
+        from .server import run_peer
+
         asyncio.run(run_peer(config, ready))
     except GPULayerError as exc:
         print(f"gpulayer peer: {exc}", file=sys.stderr)

@@ -19,13 +19,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import psutil
 
 from .. import discovery, invite, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
+from ..jobs.store import RETENTION_DAYS, RETENTION_GB, StateDirInUse
 from ..matching import Requirements, match, missing_software
 from ..protocol import framing, handshake, messages
 from ..resources.model import Advert, Resources
@@ -33,6 +33,7 @@ from ..resources.utilisation import Sample, Sampler
 from ..transport import shm, sockets
 from ..transport.channel import AsyncChannel
 from .actors import Actor, grace_from_env
+from .jobs import Jobs
 from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
@@ -64,8 +65,10 @@ class PeerConfig:
     worker_start_timeout: float = 120.0
     workdir: str | None = None  # where tasks start; None: a scratch folder removed at stop
     measured_from: str | None = None  # recorded readings replacing the measured utilisation (a test seam)
+    state_dir: str | None = None  # the jobs' folder (peer/jobs.py); None: the first free one of the user's
+    job_retention_days: float = RETENTION_DAYS
+    job_retention_gb: float = RETENTION_GB
     seeds: list[tuple[str, int]] = field(default_factory=list)  # peers to gossip with at first (gossip.py)
-    state: Path | None = None  # where the peer keeps its mDNS instance tag across restarts (discovery.kept_tag)
 
 
 class Connection:
@@ -177,6 +180,11 @@ class Peer:
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
         check_shm_settings()
+        try:
+            self.jobs = Jobs(self.scheduler, config.python, config.state_dir, lambda: self.advert,
+                             config.job_retention_days, config.job_retention_gb)
+        except (OSError, StateDirInUse) as exc:
+            raise ConfigError(f"the state folder: {exc}") from None
 
     def _memory_refusal(self, total: int) -> str | None:
         return memory_refusal(total, self._headroom)
@@ -197,6 +205,7 @@ class Peer:
         self._stopped = asyncio.Event()
         _raise_fd_limit()
         await self.scheduler.start()
+        self.jobs.recover()
         host = self.config.interfaces[0] if self.config.interfaces else ""
         self._server = listen_socket(host, self.config.port)
         self._server.setblocking(False)
@@ -210,7 +219,7 @@ class Peer:
         self.sampler.start()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
-                None, discovery.Advertiser, self.advert, self.port, self.config.interfaces, self.config.state)
+                None, discovery.Advertiser, self.advert, self.port, self.config.interfaces, self.jobs.dir)
         log.info("peer %s (%s) listening on %s with %d slot(s): %s", self.name, self.peer_id,
                  discovery.host_port((host or "*", self.port)),
                  len(self.slots), ", ".join(s.device for s in self.slots))
@@ -252,6 +261,7 @@ class Peer:
         for conn in list(self._connections):
             conn.channel.write({"t": messages.BYE})
         await asyncio.gather(*(c.channel.close_gracefully() for c in list(self._connections)))
+        await self.jobs.shutdown()
         await self.scheduler.stop()
         self.sampler.stop()
         self.quiet.flush(final=True)
@@ -273,8 +283,10 @@ class Peer:
 
     @property
     def load_total(self) -> int:
-        """Tasks running or queued (actors are not waited for: they end when the peer stops)."""
-        return self.scheduler.busy - self.scheduler.held_by_actors + self.scheduler.queued
+        """Tasks running or queued (actors are not waited for: they end when the peer stops; jobs are
+        recorded, lost if they ran, and queued ones start after a restart)."""
+        return self.scheduler.busy - self.scheduler.held_by_actors - self.scheduler.held_by_jobs + \
+            self.scheduler.queued - len(self.jobs.queued)
 
     def status(self) -> dict[str, Any]:
         return {"t": messages.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
@@ -283,7 +295,8 @@ class Peer:
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
-                "unreserved_gb": self.scheduler.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held)}
+                "unreserved_gb": self.scheduler.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held),
+                "jobs": self.jobs.summary()}
 
     # ---- connections --------------------------------------------------------------------------
 
@@ -412,6 +425,7 @@ class Peer:
         self.invites.forget(conn)
         if self._local is not None:
             self._local.forget(conn)
+        self.jobs.forget(conn)
         if conn in self._connections:
             self._connections.discard(conn)
             for task in list(conn.tasks.values()):
@@ -469,6 +483,8 @@ class Peer:
                 self.scheduler.actors.cancel(conn, msg["id"])
         elif kind == messages.STATUS:
             conn.channel.write({**self.status(), "id": msg.get("id")})
+        elif kind in messages.JOB_REQUESTS:
+            self.jobs.handle(conn, msg, buffers, self._draining)
         elif kind == messages.INVITE:
             conn.channel.write(self.invites.answer(msg))
         elif kind == messages.PEERS:

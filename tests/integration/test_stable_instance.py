@@ -1,12 +1,11 @@
 """A peer's mDNS instance name stays the same across restarts (issue 30, item 4): the peer keeps a tag
-in the folder of its key file (discovery.kept_tag), so a browser that watches through a restart, even one
-without a goodbye (kill -9), sees one service that now points at the new port, not a second one beside
-the first, which it would list for as long as its record lives. A second peer of the same name that runs
-from the same folder at the same time gets a name of its own (its peer id's)."""
+in its state folder (discovery.kept_tag), so a browser that watches through a restart, even one without
+a goodbye (kill -9), sees one service that now points at the new port, not a second one beside the
+first, which it would list for as long as its record lives. A second peer of the same name, with a
+state folder of its own, gets a name of its own."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -44,16 +43,10 @@ def port_of(zc: Zeroconf, name: str) -> int | None:
     return info.port if info is not None else None
 
 
-def test_a_peer_keeps_its_instance_name_across_a_restart_and_a_twin_running_beside_it_gets_its_own(tmp_path, browser):
+def test_a_peer_keeps_its_instance_name_across_a_restart_and_a_twin_gets_its_own(tmp_path, browser):
     zc, names = browser
-    folder = tmp_path / "config"
-    folder.mkdir(mode=0o700)
     key = new_key()
-    key_file = folder / "key"
-    key_file.write_text(key)
-    os.chmod(key_file, 0o600)
-    args = ("--key-file", str(key_file), "--concurrency", "1")
-    peers = [PeerProcess(tmp_path, key, "steady", *args)]
+    peers = [PeerProcess(tmp_path, key, "steady", "--concurrency", "1", "--state-dir", str(tmp_path / "state"))]
     try:
         first = peers[0].start()
         [instance] = wait_until(lambda: steady(names), 10)
@@ -65,11 +58,11 @@ def test_a_peer_keeps_its_instance_name_across_a_restart_and_a_twin_running_besi
         assert steady(names) == {instance}
 
         (tmp_path / "twin").mkdir()
-        peers.append(PeerProcess(tmp_path / "twin", key, "steady", *args))
+        peers.append(PeerProcess(tmp_path / "twin", key, "steady", "--concurrency", "1", "--state-dir",
+                                 str(tmp_path / "twin" / "state")))
         twin = peers[-1].start()
         assert wait_until(lambda: len(steady(names)) == 2, 10)
-        [other] = steady(names) - {instance}
-        assert twin.peer_id in other
+        assert steady(names) - {instance} == {twin.info["instance"]}
     finally:
         for peer in peers:
             peer.stop(timeout=10)
