@@ -20,14 +20,13 @@ LAYERS: list[dict[str, set[str]]] = [
                 "records", "security", "progress", "peer_table"}},
     {"transport": {"shm", "wire", "lending"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
-    {"worker": {"peer.worker", "peer.actor_worker", "peer.lease_worker", "peer.running", "peer.spawning"},
-     "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
+    {"worker": {"worker"}, "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
     {"backends": {"backends"}},
     {"surface": {"", "__main__", "runtime", "api", "actor_class", "cli", "dashboard", "demo", "benchmark"}},
 ]
 # Edges the layers would allow that stay out all the same (prefixes of module names): the Ray backend
-# runs tasks without the peer's code; the option table needs no transport.
-BREAKS = {("backends", "peer"), ("task_options", "wire"), ("task_options", "shm")}
+# runs tasks without the peer's or the worker's code; the option table needs no transport.
+BREAKS = {("backends", "peer"), ("backends", "worker"), ("task_options", "wire"), ("task_options", "shm")}
 # What a job interpreter has besides the standard library: the worker side needs nothing else (torch
 # only where a task's data holds tensors, which serialization rebuilds; no psutil, no zeroconf).
 JOB_INTERPRETER = {"msgpack", "cloudpickle", "cryptography", "torch"}

@@ -475,6 +475,6 @@ def test_a_worker_imports_nothing_of_cryptography():
     import subprocess
     import sys
 
-    code = "import sys, gpulayer.peer.worker; print('cryptography' in sys.modules or 'gpulayer.records' in sys.modules)"
+    code = "import sys, gpulayer.worker.__main__; print('cryptography' in sys.modules or 'gpulayer.records' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

@@ -1,5 +1,5 @@
-"""Running one call in a worker process, for every kind of worker (worker.py, actor_worker.py,
-lease_worker.py): the function loaded from its pickle, the arguments unpickled, the call made, and
+"""Running one call in a worker process, for every stream and runner of the receiver (receiver.py,
+actors.py): the function loaded from its pickle, the arguments unpickled, the call made, and
 the RESULT or ERROR message built. Needs only msgpack and cloudpickle, as the worker does.
 """
 
