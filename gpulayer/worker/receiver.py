@@ -77,8 +77,12 @@ class FunctionRunner:
             env = msg.get("env")
         else:  # the slot's device variables, under the task's own
             env = {**lease.env, **(msg.get("env") or {})}
-        with taskenv.task_environment(env):
+        if env:
+            os.environ.update(env)
+        try:
             return run_task(msg, buffers, self.functions)
+        finally:  # what the task changed of the worker's state is put back (taskenv.CleanRoom)
+            taskenv.restore_clean_room()
 
     def timeout_reason(self, msg: dict, timeout: float) -> str:
         return f"the task ran past its timeout of {timeout:g} s; its worker was killed and replaced"
@@ -248,7 +252,7 @@ class Receiver:
                 return "this worker is stopped"
             if self.lease is not None and stream is self.lease.stream and self.lease.ending:
                 return self.lease.ending
-            refusal = self._refusal(stream, task_id)
+            refusal = self._refusal(stream, task_id) if stream.cancelled or stream.kind == LEASE else None
             if refusal is None:
                 if stream.cancelled:
                     stream.cancelled = {i for i in stream.cancelled if i > task_id}
@@ -258,20 +262,25 @@ class Receiver:
             if stream.handed_over:
                 stream.send(refusal)
             return None
-        began = time.monotonic()
-        watched = self.watchdog.arm(stream, msg, self.runner) if stream.handed_over else None
-        try:
-            with self.output.to(stream, task_id):
-                reply, out = self.runner.run(stream, msg, buffers)
-        finally:
-            self.watchdog.disarm(watched)
-        self.output.drain()  # what it wrote to its descriptors goes before its answer
+        if not stream.handed_over:  # the peer's: it times its tasks, and their output is its pipes'
+            reply, out = self.runner.run(stream, msg, buffers)
+        else:
+            began = time.monotonic()
+            watched = self.watchdog.arm(stream, msg, self.runner)
+            try:
+                with self.output.to(stream, task_id):
+                    reply, out = self.runner.run(stream, msg, buffers)
+            finally:
+                self.watchdog.disarm(watched)
+            self.output.drain()  # what it wrote to its descriptors goes before its answer
+            if stream.kind == LEASE:  # how long it ran: the submitter paces its leases by it
+                reply["ran"] = round(time.monotonic() - began, 6)
         with self._lock:
             stream.running.discard(task_id)
             if self._stopping:  # `stop` answered it
                 return "this worker is stopped"
         del msg, buffers
-        self._answer(stream, reply, out, time.monotonic() - began)
+        self._answer(stream, reply, out)
         return None
 
     def _refusal(self, stream: Stream, task_id: Any) -> dict | None:
@@ -284,13 +293,12 @@ class Receiver:
             return wire.error("bad-request", f"task id {task_id} is not above the last one", task_id)
         return None
 
-    def _answer(self, stream: Stream, reply: dict, out: list, ran: float) -> None:
+    def _answer(self, stream: Stream, reply: dict, out: list) -> None:
         """Send a task's answer on its stream: a lease's now, before its next task starts, so that a task
         that ends this worker, or a lost connection, leaves its submitter no answered task unknown (ADR
         0013); a direct call's held back while calls that came with it run (one write for all of them)."""
         if stream.kind == LEASE:
             assert self.lease is not None
-            reply["ran"] = round(ran, 6)
             self.lease.served += 1
             stream.send(reply, out)
         elif stream.kind == DIRECT:

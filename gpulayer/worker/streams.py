@@ -24,7 +24,10 @@ class Stream:
         self.conn = conn
         self.kind = kind
         self.handed_over = kind != PEER  # a submitter's connection: its tasks' answers and output go to it
-        self.peeks = kind != PEER  # looks for messages behind the one it read (the peer's link: once an actor)
+        # Looks on the socket for messages behind those it read, so that a CANCEL that came while an earlier
+        # call ran is read before the call it names: an actor's streams (the peer's link once it is one). A
+        # lease's cancels come through the peer too (a thread reads them while a task runs): no syscall.
+        self.peeks = kind == DIRECT
         self.queue: deque[tuple[dict, list]] = deque()
         self.cancelled: set[int] = set()  # ids cancelled before they started
         self.running: set[Any] = set()  # ids of the tasks that run now
@@ -71,8 +74,9 @@ class Stream:
             pass
 
     def flush(self) -> None:
-        with self._send_lock:
-            self._flush()
+        if self._held:  # only the thread that serves the stream holds replies back
+            with self._send_lock:
+                self._flush()
 
     def _flush(self) -> None:
         if self._held:
