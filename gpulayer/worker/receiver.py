@@ -347,10 +347,14 @@ class Receiver:
 
     def _on_cancel(self, stream: Stream, msg: dict, buffers: list) -> str | None:
         """A task cancelled before it starts does not run. A leased task that runs, cancelled through its
-        peer, ends this worker (`stop`); any other that runs is the peer's to stop."""
-        task_id, lease = msg.get("id"), self.lease
-        if lease is not None and stream is self.peer:
-            stream = lease.stream
+        peer, ends this worker (`stop`); any other that runs is the peer's to stop. On a function worker's
+        link the peer cancels only a lease's tasks: one that comes after the lease is nothing (the ids of
+        the peer's own tasks are their submitters', and another's may be the same)."""
+        task_id = msg.get("id")
+        if stream is self.peer and self.actor is None:
+            if self.lease is None:
+                return None
+            stream = self.lease.stream
             if self.stop(stream, task_id, "cancelled", "cancelled by the submitter; its worker was killed and "
                                                        "replaced"):
                 return None

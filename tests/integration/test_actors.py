@@ -493,6 +493,8 @@ def test_hostile_input_on_a_direct_connection_costs_that_connection_only(peer, c
                     wire.call(4, rec.actor_id, "history", args, float("nan"))]:
             reply = answer(conn, bad)
             assert (reply["t"], reply["code"], reply["id"]) == (wire.ERROR, "bad-request", bad["id"])
+        odd = answer(conn, {**wire.call(4, rec.actor_id, "history", args, None), "id": [4]})  # not an integer
+        assert (odd["t"], odd["code"], odd["id"]) == (wire.ERROR, "bad-request", None)
         conn.send(wire.ping())
         assert conn.recv(time.monotonic() + 10)[0]["t"] == wire.PONG  # the worker answers it
         called = answer(conn, wire.call(5, rec.actor_id, "record", serialization.dumps((("raw",), {}))[0], None))
