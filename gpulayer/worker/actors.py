@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from .. import lending, serialization, wire
 from .running import invoke, run_call
@@ -29,9 +30,9 @@ class ActorRunner:
         self._reported = 0  # ... as the peer was last told
 
     @classmethod
-    def create(cls, msg: dict, buffers: list) -> tuple[ActorRunner | None, dict]:
+    def create(cls, msg: wire.Message, buffers: list[Any]) -> tuple[ActorRunner | None, wire.Message]:
         """The actor that an ACTOR message describes, and the answer to it (its ERROR: no actor)."""
-        def construct():
+        def construct() -> Any:
             made = serialization.loads(msg["cls"])
             return getattr(made, "__gpulayer_class__", made)  # an @gl.remote class pickled by reference
 
@@ -43,7 +44,7 @@ class ActorRunner:
             lending.lender.actor, lending.lender.concurrency = msg.get("actor"), conc
         return cls(instance, conc), {"t": wire.RESULT, "id": msg.get("id"), "data": serialization.dumps(None)[0]}
 
-    def check(self, stream: Stream, msg: dict) -> str | None:
+    def check(self, stream: Stream, msg: wire.Message) -> str | None:
         """What is wrong with a CALL on a direct connection (the peer checked those it sends), or None."""
         if stream.kind != DIRECT:
             return None
@@ -51,17 +52,17 @@ class ActorRunner:
             return "a CALL needs an integer 'id'"
         return wire.check_call(msg)
 
-    def run(self, stream: Stream, msg: dict, buffers: list) -> tuple[dict, list]:
-        name = msg.get("method")
+    def run(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> tuple[wire.Message, list[Any]]:
+        name: str = msg["method"]
         return run_call(msg.get("id"), lambda: self._method(name), msg["args"], buffers)
 
-    def _method(self, name: str):
+    def _method(self, name: str) -> Any:
         method = getattr(self.instance, name)
         if not callable(method):
             raise TypeError(f"{type(self.instance).__qualname__}.{name} is a {type(method).__name__}, not a method")
         return method
 
-    def timeout_reason(self, msg: dict, timeout: float) -> str:
+    def timeout_reason(self, msg: wire.Message, timeout: float) -> str:
         return (f"its call of {msg.get('method')} ran past its timeout of {timeout:g} s; its worker was killed "
                 "(a running method cannot be stopped otherwise)")
 

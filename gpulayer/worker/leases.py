@@ -15,6 +15,7 @@ import select
 import socket
 import threading
 import time
+from typing import Any
 
 from .. import wire
 from ..checks import check_timeout
@@ -28,7 +29,7 @@ DRAIN_S = 2.0  # after LEASE_END, how long the submitter is given to close its s
 class Lease:
     """One lease: the submitter's connection (a stream of the receiver), and what the peer said with it."""
 
-    def __init__(self, stream: Stream, msg: dict):
+    def __init__(self, stream: Stream, msg: wire.Message):
         self.stream = stream
         self.env = dict(msg.get("env") or {})  # the slot's device variables, under each task's own
         self.idle = float(msg.get("idle") or 1.0)
@@ -82,7 +83,7 @@ class Lease:
         conn.close()
 
 
-def check_leased_submit(msg: dict) -> str | None:
+def check_leased_submit(msg: wire.Message) -> str | None:
     """What keeps a SUBMIT from running on a lease, or None. Held results and big buffers go through
     the peer (its shared memory and its fetches), and so do variables that need a fresh worker."""
     if not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool) or msg["id"] < 1:

@@ -75,21 +75,21 @@ class RoutedOutput:
     their tasks writes goes to that task's submitter as LOG; anything else to the original stream (the
     peer's pipe)."""
 
-    def __init__(self, original, name: str):
+    def __init__(self, original: Any, name: str):
         self._original = original
         self._name = name
 
     def write(self, text: str) -> int:
         sink = getattr(_output, "sink", None)
         if sink is None:
-            return self._original.write(text)
+            return int(self._original.write(text))
         sink(self._name, text)
         return len(text)
 
     def flush(self) -> None:
         self._original.flush()
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._original, name)
 
 

@@ -44,16 +44,21 @@ KILL_WAIT_S = 10.0  # how long a function worker that asked to be killed waits f
 class Runner(Protocol):
     """What runs the tasks of a worker: a function worker's (`FunctionRunner`), or an actor's."""
 
-    turns: threading.Semaphore | None  # how many tasks may run at once over all streams (None: one stream runs them)
-    pool: Any  # an executor that runs them off their stream's thread, or None
+    @property
+    def turns(self) -> threading.Semaphore | None:
+        """How many tasks may run at once over all streams (None: one stream runs them)."""
 
-    def check(self, stream: Stream, msg: dict) -> str | None:
+    @property
+    def pool(self) -> Any:
+        """An executor that runs them off their stream's thread, or None."""
+
+    def check(self, stream: Stream, msg: wire.Message) -> str | None:
         """What keeps a task that came on `stream` from running (answered bad-request), or None."""
 
-    def run(self, stream: Stream, msg: dict, buffers: list) -> tuple[dict, list]:
+    def run(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> tuple[wire.Message, list[Any]]:
         """Run one task: its RESULT or ERROR message and the buffers that go with it."""
 
-    def timeout_reason(self, msg: dict, timeout: float) -> str:
+    def timeout_reason(self, msg: wire.Message, timeout: float) -> str:
         """Why the task ended when it ran past its timeout (what its submitter reads)."""
 
 
@@ -67,10 +72,10 @@ class FunctionRunner:
         self.functions = FunctionCache()
         self._receiver = receiver
 
-    def check(self, stream: Stream, msg: dict) -> str | None:
+    def check(self, stream: Stream, msg: wire.Message) -> str | None:
         return check_leased_submit(msg) if stream.kind == LEASE else None
 
-    def run(self, stream: Stream, msg: dict, buffers: list) -> tuple[dict, list]:
+    def run(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> tuple[wire.Message, list[Any]]:
         lease = self._receiver.lease
         if lease is None:  # the peer's: the submitter it names may be another than the last
             serve_owner(msg, self.functions)
@@ -84,7 +89,7 @@ class FunctionRunner:
         finally:  # what the task changed of the worker's state is put back (taskenv.CleanRoom)
             taskenv.restore_clean_room()
 
-    def timeout_reason(self, msg: dict, timeout: float) -> str:
+    def timeout_reason(self, msg: wire.Message, timeout: float) -> str:
         return f"the task ran past its timeout of {timeout:g} s; its worker was killed and replaced"
 
 
@@ -100,7 +105,7 @@ class Watchdog:
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def arm(self, stream: Stream, msg: dict, runner: Runner) -> int | None:
+    def arm(self, stream: Stream, msg: wire.Message, runner: Runner) -> int | None:
         """Watch the task `msg` of `stream` if it has a timeout; the key to `disarm` it with, or None."""
         timeout = msg.get("timeout")
         if timeout is None:
@@ -124,12 +129,12 @@ class Watchdog:
             with self._cond:
                 while True:
                     now = time.monotonic()
-                    key, entry = min(self._due.items(), key=lambda item: item[1][0], default=(None, None))
-                    if entry is not None and entry[0] <= now:
-                        del self._due[key]
+                    soonest = min(self._due.items(), key=lambda item: item[1][0], default=None)
+                    if soonest is not None and soonest[1][0] <= now:
+                        del self._due[soonest[0]]
                         break
-                    self._cond.wait(None if entry is None else entry[0] - now)
-            _, stream, task_id, reason = entry
+                    self._cond.wait(None if soonest is None else soonest[1][0] - now)
+            _, stream, task_id, reason = soonest[1]
             self._expire(stream, task_id, "timeout", reason)
 
 
@@ -160,7 +165,7 @@ class Receiver:
         self._lock = threading.Lock()  # guards the streams' cancelled, started and running, `direct`, `_stopping`
         self._stopping = False  # a task is being stopped (`stop`): this worker ends, no task starts any more
         self._became_actor = False
-        self._handlers: dict[str, Callable[[Stream, dict, list], str | None]] = {
+        self._handlers: dict[str, Callable[[Stream, wire.Message, list[Any]], str | None]] = {
             wire.SUBMIT: self._on_task, wire.CALL: self._on_task, wire.CANCEL: self._on_cancel,
             wire.PING: self._on_ping, wire.BYE: self._on_bye, wire.ACTOR: self._on_actor, wire.LEASE: self._on_lease,
             wire.DIRECT: self._on_direct, wire.LEASE_END: self._on_lease_end,
@@ -201,7 +206,7 @@ class Receiver:
             self._between_tasks()
         return None
 
-    def _take(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _take(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         """One message, through the dispatch table; why the stream ends, or None."""
         kind = msg["t"]
         if kind in SERVES[stream.kind]:
@@ -235,18 +240,18 @@ class Receiver:
             if turns is not None:
                 turns.release()
 
-    def _run_in_turn(self, stream: Stream, msg: dict, buffers: list) -> None:
+    def _run_in_turn(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> None:
         try:
             self._run(stream, msg, buffers)
         finally:
             assert self.runner.turns is not None
             self.runner.turns.release()
 
-    def _run(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _run(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         """Run one task of `stream` and answer it there, or answer why it may not start. When the stream
         ends before it (this worker stops; a lease's peer wants the slot back) it does not start and is
         not answered (LEASE_END tells a lease's submitter so); returns why."""
-        task_id = msg.get("id")
+        task_id: Any = msg.get("id")
         with self._lock:
             if self._stopping:
                 return "this worker is stopped"
@@ -283,7 +288,7 @@ class Receiver:
         self._answer(stream, reply, out)
         return None
 
-    def _refusal(self, stream: Stream, task_id: Any) -> dict | None:
+    def _refusal(self, stream: Stream, task_id: Any) -> wire.Outgoing | None:
         """The answer to a task that may not start (cancelled; on a lease, an id not above the last), or
         None; with the lock held."""
         if task_id in stream.cancelled:
@@ -293,7 +298,7 @@ class Receiver:
             return wire.error("bad-request", f"task id {task_id} is not above the last one", task_id)
         return None
 
-    def _answer(self, stream: Stream, reply: dict, out: list) -> None:
+    def _answer(self, stream: Stream, reply: wire.Message, out: list[Any]) -> None:
         """Send a task's answer on its stream: a lease's now, before its next task starts, so that a task
         that ends this worker, or a lost connection, leaves its submitter no answered task unknown (ADR
         0013); a direct call's held back while calls that came with it run (one write for all of them)."""
@@ -335,7 +340,7 @@ class Receiver:
 
     # ---- the dispatch table ----------------------------------------------------------------------------
 
-    def _on_task(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _on_task(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         """A SUBMIT or a CALL: queued, or answered bad-request."""
         problem = self.runner.check(stream, msg)
         if problem is None:
@@ -345,7 +350,7 @@ class Receiver:
             stream.send(wire.error("bad-request", problem, task_id if isinstance(task_id, int) else None))
         return None
 
-    def _on_cancel(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _on_cancel(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         """A task cancelled before it starts does not run. A leased task that runs, cancelled through its
         peer, ends this worker (`stop`); any other that runs is the peer's to stop. On a function worker's
         link the peer cancels only a lease's tasks: one that comes after the lease is nothing (the ids of
@@ -362,14 +367,14 @@ class Receiver:
             stream.cancel(task_id)
         return None
 
-    def _on_ping(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _on_ping(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         stream.send({"t": wire.PONG, "id": msg.get("id")})
         return None
 
-    def _on_bye(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _on_bye(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         return BYE[stream.kind]
 
-    def _on_actor(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _on_actor(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         """This worker becomes the actor (its environment was set when the peer started it for it) and
         runs no task after it: the peer starts a fresh worker for the slot when the actor ends."""
         self._became_actor = True
@@ -382,7 +387,7 @@ class Receiver:
         self.peer.peeks = True  # calls come behind calls: a CANCEL among them is read before the call it names
         return None
 
-    def _on_direct(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _on_direct(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         """An actor's: a submitter's connection that the peer handed over, read by a thread of its own."""
         conn = take_connection(self.peer.conn, msg) if self.actor is not None else None
         if conn is None:
@@ -402,7 +407,7 @@ class Receiver:
                 self.direct.remove(stream)
             stream.conn.close()
 
-    def _on_lease(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _on_lease(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         """The peer lent this function worker to a submitter's connection: serve it (on this, the main
         thread) while a thread takes the peer's messages, until the lease ends; then tell both."""
         serve_owner(msg, self.tasks.functions)
@@ -436,7 +441,7 @@ class Receiver:
             lease.bye = True
             lease.ending = lease.ending or ("the peer is stopping" if reason == BYE[PEER] else "the peer is gone")
 
-    def _on_lease_end(self, stream: Stream, msg: dict, buffers: list) -> str | None:
+    def _on_lease_end(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
         """From the peer: it wants the lent slot back (the lease ends before its next task), or it
         acknowledges the lease's end (a late one, once no lease lasts, is nothing)."""
         lease = self.lease

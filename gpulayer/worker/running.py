@@ -23,7 +23,7 @@ class FunctionCache:
     next one's. A mutable value changed in place stays changed (docs/scheduling.md, "Clean workers").
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._fns: dict[bytes, tuple[object, list[tuple[dict, dict]]]] = {}
 
     def load(self, data: bytes):

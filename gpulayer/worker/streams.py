@@ -28,16 +28,16 @@ class Stream:
         # call ran is read before the call it names: an actor's streams (the peer's link once it is one). A
         # lease's cancels come through the peer too (a thread reads them while a task runs): no syscall.
         self.peeks = kind == DIRECT
-        self.queue: deque[tuple[dict, list]] = deque()
+        self.queue: deque[tuple[wire.Message, list[Any]]] = deque()
         self.cancelled: set[int] = set()  # ids cancelled before they started
         self.running: set[Any] = set()  # ids of the tasks that run now
         self.started = 0  # the highest id started (ids rise on a stream; a lease refuses one that does not)
         self.receiving = False  # a message is being read: a big one takes long over a slow link
         self.last = time.monotonic()  # when the last message came
         self._send_lock = threading.Lock()
-        self._held: list = []  # encoded replies kept back (`send(..., hold=True)`)
+        self._held: list[Any] = []  # encoded replies kept back (`send(..., hold=True)`)
 
-    def recv(self) -> tuple[dict, list]:
+    def recv(self) -> tuple[wire.Message, list[Any]]:
         self.receiving = True
         msg, buffers = self.conn.recv()
         self.receiving = False
@@ -56,7 +56,7 @@ class Stream:
             return False
         return True
 
-    def send(self, msg: dict, buffers=(), hold: bool = False) -> None:
+    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = (), hold: bool = False) -> None:
         """Send a message. With `hold`, a reply without buffers waits for `flush` (or the next message),
         so that the replies to calls that came together go out together: one record, one write."""
         with self._send_lock:
@@ -66,7 +66,7 @@ class Stream:
             self._flush()
             self.conn.send(msg, buffers)
 
-    def tell(self, msg: dict) -> None:
+    def tell(self, msg: wire.Outgoing) -> None:
         """Send, where a connection that is gone is no matter (the worker ends at its next read)."""
         try:
             self.send(msg)
@@ -89,7 +89,7 @@ class Stream:
             self.cancelled.add(task_id)
 
 
-def take_connection(link: wire.BlockingConnection, msg: dict) -> wire.BlockingConnection | None:
+def take_connection(link: wire.BlockingConnection, msg: wire.Message) -> wire.BlockingConnection | None:
     """The submitter's connection that the peer handed over (the socket came first on the local link),
     continuing its channel with the keys and counters of `msg` (a DIRECT or a LEASE); None if it did not come."""
     try:
