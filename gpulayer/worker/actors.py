@@ -10,7 +10,6 @@ calls start in the order they arrive on it, at most `max_concurrency` at a time 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import lending, serialization, wire
@@ -24,7 +23,11 @@ class ActorRunner:
     def __init__(self, instance: object, conc: int):
         self.instance = instance
         self.turns = threading.Semaphore(conc)
-        self.pool = ThreadPoolExecutor(conc, thread_name_prefix="gpulayer-actor") if conc > 1 else None
+        self.pool = None
+        if conc > 1:  # imported here: a function worker, and an actor of one call at a time, need no pool
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(conc, thread_name_prefix="gpulayer-actor")
         self._lock = threading.Lock()
         self._served_direct = 0  # calls answered on direct connections
         self._reported = 0  # ... as the peer was last told
