@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Protocol
 
-from .. import accelerators, wire
+from .. import accelerators
 from .activity import Activity
 from ..errors import WorkerDied
 from ..matching import MEMORY_SLACK_GB, Requirements
+from ..protocol import messages
 from ..resources.model import Resources
 from ..resources.utilisation import Sample
 from .actors import Actor, Actors, CallOwner, grace_from_env, new_actor_id
@@ -48,13 +49,13 @@ class TaskOwner(Protocol):
     address: str  # the submitter's "host:port"
     client: str  # the submitter's id (its AUTH's "client"): whose data its tasks' workers hold
 
-    def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
+    def task_done(self, task: ScheduledTask, reply: messages.Outgoing, buffers: list[Any]) -> None:
         """Send the task's outcome (once)."""
 
-    def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
+    def task_output(self, task: ScheduledTask, msg: messages.LogMessage) -> None:
         """Send a piece of the task's stdout or stderr."""
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         """Send any message to the submitter."""
 
 
@@ -64,7 +65,7 @@ class ScheduledTask:
 
     owner: TaskOwner
     client_id: int
-    msg: wire.Message | None  # its SUBMIT, until it starts
+    msg: messages.Message | None  # its SUBMIT, until it starts
     buffers: list[Any] | None
     req: Requirements
     timeout: float | None
@@ -93,14 +94,14 @@ class LeaseOwner:
         self.address = address
         self.client = client
 
-    def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
+    def task_done(self, task: ScheduledTask, reply: messages.Outgoing, buffers: list[Any]) -> None:
         pass
 
-    def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
+    def task_output(self, task: ScheduledTask, msg: messages.LogMessage) -> None:
         log.info("leased worker of %s, %s: %s", self.address, msg["stream"],
                  msg["data"].decode("utf-8", "replace").rstrip())
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         pass
 
 
@@ -225,7 +226,7 @@ class Scheduler:
             return [self.busy - sum(s.lent_by is not None for s in self.borrowed), len(self._queue)]
         return [self.busy, len(self._queue)]
 
-    def report(self, msg: wire.Outgoing) -> wire.Outgoing:
+    def report(self, msg: messages.Outgoing) -> messages.Outgoing:
         """Add what a reply tells the submitter about this peer: its "load" and, on a GPU peer, its
         "free" GB (the most that one task may take now on one device, `available_memory`)."""
         msg["load"] = self.load()
@@ -257,7 +258,7 @@ class Scheduler:
         others = self._contenders() - {answered}
         if others:
             self._idle_told = now
-            news = self.report({"t": wire.PONG, "id": None})
+            news = self.report({"t": messages.PONG, "id": None})
             for owner in others:
                 owner.send(news)
 
@@ -272,7 +273,7 @@ class Scheduler:
         try:
             task.env = check_env(task.msg.get("env"))
         except (TypeError, ValueError) as exc:
-            self._answer(task, wire.error("bad-request", str(exc)))
+            self._answer(task, messages.error("bad-request", str(exc)))
             return False
         self._queue.append(task)
         self._contending[task.owner] = time.monotonic()
@@ -289,7 +290,7 @@ class Scheduler:
         elif task.slot.task is task:
             self._replace_worker(task.slot, f"its task was stopped: {message}")
         if notify:
-            self._answer(task, wire.error(code, message))
+            self._answer(task, messages.error(code, message))
         else:
             task.answered = True
 
@@ -319,17 +320,17 @@ class Scheduler:
         self.activity.started(task, "(lease)", owner.address, slot.device)
         return task
 
-    def lease_message(self, task: ScheduledTask) -> wire.Message:
+    def lease_message(self, task: ScheduledTask) -> messages.Message:
         """What the leased worker is told with the connection: its device variables and idle limit."""
         assert task.slot is not None
-        return {"t": wire.LEASE, "env": _device_env(task.req, task.slot), "idle": LEASE_IDLE_S,
+        return {"t": messages.LEASE, "env": _device_env(task.req, task.slot), "idle": LEASE_IDLE_S,
                 "owner": task.owner.client}
 
     def lease_failed(self, task: ScheduledTask) -> None:
         """The connection did not reach the leased worker: the slot is free again."""
         self._release(task)
         task.answered = True
-        self.activity.ended(task, {"t": wire.ERROR, "code": "no-lease"})
+        self.activity.ended(task, {"t": messages.ERROR, "code": "no-lease"})
         self._start_queued()
 
     def cancel_leased(self, lease_id: Any, client: str, task_id: int) -> None:
@@ -338,7 +339,7 @@ class Scheduler:
         task = self.leases.get(lease_id) if isinstance(lease_id, str) else None
         if task is not None and task.slot is not None and getattr(task.owner, "client", None) == client \
                 and task_id > 0:
-            self._worker(task.slot).send(wire.cancel(task_id))
+            self._worker(task.slot).send(messages.cancel(task_id))
 
     def end_leases(self) -> None:
         """Ask every leased worker to end its lease after the task it runs (the peer stops)."""
@@ -348,7 +349,7 @@ class Scheduler:
     def _yield(self, task: ScheduledTask) -> None:
         if not task.yielding and task.slot is not None:
             task.yielding = True
-            self._worker(task.slot).send({"t": wire.LEASE_END})
+            self._worker(task.slot).send({"t": messages.LEASE_END})
 
     def _yield_for_queue(self, ready: list[Slot], free: dict[str, float]) -> None:
         """Queued tasks cannot start: a lease whose slot would let one start ends after the task it runs.
@@ -360,21 +361,21 @@ class Scheduler:
             if any(_group(t.req, with_slot, free) for t in islice(self._queue, LOOKAHEAD)):
                 self._yield(task)
 
-    def _on_lease_message(self, task: ScheduledTask, worker: Worker, msg: wire.Message) -> None:
+    def _on_lease_message(self, task: ScheduledTask, worker: Worker, msg: messages.Message) -> None:
         """The leased worker ended the lease (a STATUS with "lease_end"), or asks to be killed (a BYE
         with "kill", after a timeout or a cancel of the task it ran)."""
         served = msg.get("served")
         if type(served) is int and served > 0:
             self.tasks_done += served
-        if msg["t"] == wire.BYE:
+        if msg["t"] == messages.BYE:
             self._replace_worker(worker.slot, f"its leased task was stopped: {worker.last_words}")
-        elif msg["t"] == wire.STATUS and "lease_end" in msg:
-            worker.send({"t": wire.LEASE_END})  # the acknowledgement: it serves this peer again
+        elif msg["t"] == messages.STATUS and "lease_end" in msg:
+            worker.send({"t": messages.LEASE_END})  # the acknowledgement: it serves this peer again
             self._release(task)
         else:
             return
         task.answered = True
-        self.activity.ended(task, {"t": wire.RESULT})
+        self.activity.ended(task, {"t": messages.RESULT})
         self._start_queued()
         self._tell_idle(task.owner)
 
@@ -436,7 +437,7 @@ class Scheduler:
         self.activity.started(task, task.msg and task.msg.get("name"), task.owner.address, lead.device)
         assert task.msg is not None
         if task.actor_class is None:
-            msg = {"t": wire.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"],
+            msg = {"t": messages.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"],
                    "owner": task.owner.client}
             if task.refs:  # after the task's own buffers: each held result's, in order
                 msg["ab"] = len(task.buffers or [])
@@ -445,7 +446,7 @@ class Scheduler:
                 task.refs = []
         else:
             task.actor_id = new_actor_id()
-            msg = {"t": wire.ACTOR, "id": task.client_id, "cls": task.msg["cls"], "args": task.msg["args"],
+            msg = {"t": messages.ACTOR, "id": task.client_id, "cls": task.msg["cls"], "args": task.msg["args"],
                    "conc": task.msg["conc"], "actor": task.actor_id}
         buffers, task.msg, task.buffers = task.buffers or [], None, None
         env = {**task.env, **_device_env(task.req, lead)}
@@ -467,14 +468,14 @@ class Scheduler:
         lead.worker = self._new_worker(lead, env, [] if fresh else None)
         self.spawn(self._start_one_off(task, old, lead.worker, msg, buffers))
 
-    async def _start_one_off(self, task: ScheduledTask, old: Worker, worker: Worker, msg: wire.Message,
+    async def _start_one_off(self, task: ScheduledTask, old: Worker, worker: Worker, msg: messages.Message,
                              buffers: list[Any]) -> None:
         await old.kill()
         try:
             await worker.start(self.worker_start_timeout)
         except (WorkerDied, OSError) as exc:
             if worker.slot.worker is worker:
-                self._answer(task, wire.error("worker-died", str(exc)))
+                self._answer(task, messages.error("worker-died", str(exc)))
                 self._replace_worker(worker.slot, "it did not start")
             return
         if worker.slot.worker is not worker or worker.slot.task is not task:  # cancelled while it started
@@ -490,7 +491,7 @@ class Scheduler:
 
     def _on_timeout(self, task: ScheduledTask) -> None:
         task.timer = None
-        self._answer(task, wire.error("timeout", f"the task ran past its timeout of {task.timeout:g} s; "
+        self._answer(task, messages.error("timeout", f"the task ran past its timeout of {task.timeout:g} s; "
                                                  "its worker was killed and replaced"))
         if task.slot is not None:
             self._replace_worker(task.slot, f"its task ran past its timeout of {task.timeout:g} s")
@@ -508,7 +509,7 @@ class Scheduler:
             task.timer.cancel()
             task.timer = None
 
-    def _answer(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any] | None = None) -> None:
+    def _answer(self, task: ScheduledTask, reply: messages.Outgoing, buffers: list[Any] | None = None) -> None:
         """Send the task's outcome, once."""
         if task.answered:
             return
@@ -533,7 +534,7 @@ class Scheduler:
                       self._on_output, self._on_worker_exit, self._on_wait, self._pythonpath, env, self.workdir,
                       keep_folders=not self._own_workdir)
 
-    def _on_reply(self, worker: Worker, reply: wire.Message, buffers: list[Any]) -> None:
+    def _on_reply(self, worker: Worker, reply: messages.Message, buffers: list[Any]) -> None:
         slot = worker.slot
         task = slot.task
         if not isinstance(task, ScheduledTask) or slot.worker is not worker:
@@ -544,9 +545,9 @@ class Scheduler:
         if task.actor is not None:
             self.actors.reply(task.actor, reply, buffers)
             return
-        if reply["t"] not in (wire.RESULT, wire.ERROR):
+        if reply["t"] not in (messages.RESULT, messages.ERROR):
             return
-        if task.actor_class is not None and reply["t"] == wire.RESULT:  # its constructor returned: it lives
+        if task.actor_class is not None and reply["t"] == messages.RESULT:  # its constructor returned: it lives
             self._go_live(task, worker, reply)
         elif task.one_off:
             self._replace_worker(slot, "its task needed a worker of its own")  # back to a warm one
@@ -633,7 +634,7 @@ class Scheduler:
             return
         self._replace_worker(slot, None)
         if isinstance(task, ScheduledTask):
-            self._answer(task, wire.error("worker-died", f"the worker process {worker.pid} died while running "
+            self._answer(task, messages.error("worker-died", f"the worker process {worker.pid} died while running "
                                                          f"the task ({describe_exit(code)})"))
 
     def _on_output(self, worker: Worker, stream: str, data: bytes) -> None:
@@ -644,9 +645,9 @@ class Scheduler:
         if not isinstance(task, ScheduledTask) or task.answered:
             log.info("worker %s %s: %s", worker.pid, stream, data.decode("utf-8", "replace").rstrip())
             return
-        task.owner.task_output(task, wire.log(task.client_id, stream, data))
+        task.owner.task_output(task, messages.log(task.client_id, stream, data))
 
-    def _go_live(self, task: ScheduledTask, worker: Worker, reply: wire.Message) -> None:
+    def _go_live(self, task: ScheduledTask, worker: Worker, reply: messages.Message) -> None:
         """The actor's constructor returned: its slot stays held, and the answer carries the actor's id."""
         if task.timer is not None:
             task.timer.cancel()

@@ -18,7 +18,9 @@ import socket
 import sys
 import time
 
-from .. import lending, shm, taskenv, wire
+from .. import lending, taskenv
+from ..protocol import framing, messages
+from ..transport import blocking, shm
 from . import spawning
 from .receiver import Receiver
 
@@ -100,12 +102,12 @@ def main(argv=None) -> None:
     parser.add_argument("--keep-task-folders", action="store_true")  # the peer was given --workdir
     args = parser.parse_args(argv)
     link = socket.socket(fileno=args.link) if args.link >= 0 and shm.enabled() else None
-    conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes(), link, populate=True)
+    conn = blocking.BlockingConnection(socket.socket(fileno=args.fd), framing.max_message_bytes(), link, populate=True)
     reaper = OrphanReaper() if become_subreaper() else None
     spawning.install()
     loaded = preload([n for n in args.preload.split(",") if n])
     taskenv.open_clean_room(os.getcwd(), keep=args.keep_task_folders)
-    conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None,
+    conn.send({"t": messages.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None,
                "direct": link is not None and importlib.util.find_spec("cryptography") is not None})
     receiver = Receiver(conn, reaper.maybe_reap if reaper is not None else None)
     lending.install(receiver.peer.send)  # a thread of a task that waits on a future tells the peer

@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .. import lending, serialization, wire
+from .. import lending, serialization
+from ..protocol import messages
 from .running import invoke, run_call
 from .streams import DIRECT, Stream
 
@@ -33,7 +34,7 @@ class ActorRunner:
         self._reported = 0  # ... as the peer was last told
 
     @classmethod
-    def create(cls, msg: wire.Message, buffers: list[Any]) -> tuple[ActorRunner | None, wire.Message]:
+    def create(cls, msg: messages.Message, buffers: list[Any]) -> tuple[ActorRunner | None, messages.Message]:
         """The actor that an ACTOR message describes, and the answer to it (its ERROR: no actor)."""
         def construct() -> Any:
             made = serialization.loads(msg["cls"])
@@ -45,17 +46,17 @@ class ActorRunner:
         conc = msg.get("conc", 1)
         if lending.lender is not None:  # a call that waits on a future lends the actor's slot (ADR 0014)
             lending.lender.actor, lending.lender.concurrency = msg.get("actor"), conc
-        return cls(instance, conc), {"t": wire.RESULT, "id": msg.get("id"), "data": serialization.dumps(None)[0]}
+        return cls(instance, conc), {"t": messages.RESULT, "id": msg.get("id"), "data": serialization.dumps(None)[0]}
 
-    def check(self, stream: Stream, msg: wire.Message) -> str | None:
+    def check(self, stream: Stream, msg: messages.Message) -> str | None:
         """What is wrong with a CALL on a direct connection (the peer checked those it sends), or None."""
         if stream.kind != DIRECT:
             return None
         if not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
             return "a CALL needs an integer 'id'"
-        return wire.check_call(msg)
+        return messages.check_call(msg)
 
-    def run(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> tuple[wire.Message, list[Any]]:
+    def run(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> tuple[messages.Message, list[Any]]:
         name: str = msg["method"]
         return run_call(msg.get("id"), lambda: self._method(name), msg["args"], buffers)
 
@@ -65,7 +66,7 @@ class ActorRunner:
             raise TypeError(f"{type(self.instance).__qualname__}.{name} is a {type(method).__name__}, not a method")
         return method
 
-    def timeout_reason(self, msg: wire.Message, timeout: float) -> str:
+    def timeout_reason(self, msg: messages.Message, timeout: float) -> str:
         return (f"its call of {msg.get('method')} ran past its timeout of {timeout:g} s; its worker was killed "
                 "(a running method cannot be stopped otherwise)")
 
@@ -82,4 +83,4 @@ class ActorRunner:
             if served == self._reported:
                 return
             self._reported = served
-        peer.send({"t": wire.STATUS, "served": served})
+        peer.send({"t": messages.STATUS, "served": served})

@@ -17,9 +17,7 @@ import threading
 import time
 from typing import Any
 
-from .. import wire
-from ..checks import check_timeout
-from ..taskenv import check_env, read_at_load
+from ..protocol import messages
 from .streams import Stream
 
 POLL_S = 0.05  # while idle, how often the lease looks whether the peer wants the slot back
@@ -29,7 +27,7 @@ DRAIN_S = 2.0  # after LEASE_END, how long the submitter is given to close its s
 class Lease:
     """One lease: the submitter's connection (a stream of the receiver), and what the peer said with it."""
 
-    def __init__(self, stream: Stream, msg: wire.Message):
+    def __init__(self, stream: Stream, msg: messages.Message):
         self.stream = stream
         self.env = dict(msg.get("env") or {})  # the slot's device variables, under each task's own
         self.idle = float(msg.get("idle") or 1.0)
@@ -61,7 +59,7 @@ class Lease:
             while not self.done.wait(self.beat):
                 if self.stream.running or self.stream.receiving:
                     try:
-                        self.stream.send({"t": wire.PONG, "id": None})
+                        self.stream.send({"t": messages.PONG, "id": None})
                     except OSError:
                         return
 
@@ -72,7 +70,7 @@ class Lease:
         places those again); bounded, so that a submitter that goes on sending does not keep the slot."""
         conn = self.stream.conn
         try:
-            self.stream.send({"t": wire.LEASE_END, "reason": reason})
+            self.stream.send({"t": messages.LEASE_END, "reason": reason})
             conn.sock.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + DRAIN_S
             while (left := deadline - time.monotonic()) > 0 and select.select([conn.sock], [], [], left)[0] and \
@@ -81,22 +79,3 @@ class Lease:
         except OSError:
             pass
         conn.close()
-
-
-def check_leased_submit(msg: wire.Message) -> str | None:
-    """What keeps a SUBMIT from running on a lease, or None. Held results and big buffers go through
-    the peer (its shared memory and its fetches), and so do variables that need a fresh worker."""
-    if not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool) or msg["id"] < 1:
-        return "a SUBMIT needs a positive integer 'id'"
-    if not isinstance(msg.get("fn"), bytes) or not isinstance(msg.get("args"), bytes):
-        return "a SUBMIT needs 'fn' and 'args' as binary pickles"
-    if msg.get("keep") is not None or msg.get("refs"):
-        return "a task that keeps its result or takes held ones goes through the peer, not on a lease"
-    try:
-        check_timeout(msg.get("timeout"))
-        env = check_env(msg.get("env"))
-    except (TypeError, ValueError) as exc:
-        return str(exc)
-    if any(read_at_load(name) for name in env):
-        return "a task whose env needs a fresh worker goes through the peer, not on a lease"
-    return None

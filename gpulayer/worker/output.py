@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import wire
+from ..protocol import messages
 from .running import flush_output
 from .streams import LEASE, Stream
 
@@ -56,7 +56,7 @@ class OutputRouter:
         def send(name: str, text: str) -> None:
             if before is not None:  # what came to the descriptors first goes first
                 before()
-            stream.send(wire.log(task_id, name, text.encode("utf-8", "replace")))
+            stream.send(messages.log(task_id, name, text.encode("utf-8", "replace")))
 
         _output.sink = send
         try:
@@ -152,7 +152,7 @@ class DescriptorOutput:
 
     def _to_submitter(self, task_id: int, name: str, data: bytes) -> bool:
         try:
-            self._stream.send(wire.log(task_id, name, data))
+            self._stream.send(messages.log(task_id, name, data))
         except OSError:
             return False
         return True

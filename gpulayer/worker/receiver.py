@@ -20,10 +20,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .. import taskenv, wire
+from .. import taskenv
 from ..errors import ProtocolError
+from ..protocol import messages
+from ..transport import blocking
 from .actors import ActorRunner
-from .leases import Lease, check_leased_submit
+from .leases import Lease
 from .output import OutputRouter
 from .running import FunctionCache, flush_output, run_task, serve_owner
 from .streams import DIRECT, LEASE, PEER, Stream, take_connection
@@ -31,10 +33,10 @@ from .streams import DIRECT, LEASE, PEER, Stream, take_connection
 # What each kind of stream serves: anything else on a submitter's connection ends it with an ERROR
 # (on the peer's link it is ignored: a late acknowledgement or cancel).
 SERVES = {
-    PEER: frozenset({wire.SUBMIT, wire.CALL, wire.CANCEL, wire.BYE, wire.ACTOR, wire.LEASE, wire.DIRECT,
-                     wire.LEASE_END}),
-    LEASE: frozenset({wire.SUBMIT, wire.CANCEL, wire.PING, wire.BYE}),
-    DIRECT: frozenset({wire.CALL, wire.CANCEL, wire.PING, wire.BYE}),
+    PEER: frozenset({messages.SUBMIT, messages.CALL, messages.CANCEL, messages.BYE, messages.ACTOR, messages.LEASE, messages.DIRECT,
+                     messages.LEASE_END}),
+    LEASE: frozenset({messages.SUBMIT, messages.CANCEL, messages.PING, messages.BYE}),
+    DIRECT: frozenset({messages.CALL, messages.CANCEL, messages.PING, messages.BYE}),
 }
 
 
@@ -52,13 +54,13 @@ class Runner(Protocol):
     def pool(self) -> Any:
         """An executor that runs them off their stream's thread, or None."""
 
-    def check(self, stream: Stream, msg: wire.Message) -> str | None:
+    def check(self, stream: Stream, msg: messages.Message) -> str | None:
         """What keeps a task that came on `stream` from running (answered bad-request), or None."""
 
-    def run(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> tuple[wire.Message, list[Any]]:
+    def run(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> tuple[messages.Message, list[Any]]:
         """Run one task: its RESULT or ERROR message and the buffers that go with it."""
 
-    def timeout_reason(self, msg: wire.Message, timeout: float) -> str:
+    def timeout_reason(self, msg: messages.Message, timeout: float) -> str:
         """Why the task ended when it ran past its timeout (what its submitter reads)."""
 
 
@@ -72,10 +74,10 @@ class FunctionRunner:
         self.functions = FunctionCache()
         self._receiver = receiver
 
-    def check(self, stream: Stream, msg: wire.Message) -> str | None:
-        return check_leased_submit(msg) if stream.kind == LEASE else None
+    def check(self, stream: Stream, msg: messages.Message) -> str | None:
+        return messages.check_submit(msg, leased=True) if stream.kind == LEASE else None
 
-    def run(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> tuple[wire.Message, list[Any]]:
+    def run(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> tuple[messages.Message, list[Any]]:
         lease = self._receiver.lease
         if lease is None:  # the peer's: the submitter it names may be another than the last
             serve_owner(msg, self.functions)
@@ -89,7 +91,7 @@ class FunctionRunner:
         finally:  # what the task changed of the worker's state is put back (taskenv.CleanRoom)
             taskenv.restore_clean_room()
 
-    def timeout_reason(self, msg: wire.Message, timeout: float) -> str:
+    def timeout_reason(self, msg: messages.Message, timeout: float) -> str:
         return f"the task ran past its timeout of {timeout:g} s; its worker was killed and replaced"
 
 
@@ -105,7 +107,7 @@ class Watchdog:
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def arm(self, stream: Stream, msg: wire.Message, runner: Runner) -> int | None:
+    def arm(self, stream: Stream, msg: messages.Message, runner: Runner) -> int | None:
         """Watch the task `msg` of `stream` if it has a timeout; the key to `disarm` it with, or None."""
         timeout = msg.get("timeout")
         if timeout is None:
@@ -152,7 +154,7 @@ class Receiver:
     worker for good (actors.py), and each DIRECT after that a stream read by a thread of its own.
     """
 
-    def __init__(self, conn: wire.BlockingConnection, between_tasks: Callable[[], None] | None = None):
+    def __init__(self, conn: blocking.BlockingConnection, between_tasks: Callable[[], None] | None = None):
         self.peer = Stream(conn, PEER)
         self.tasks = FunctionRunner(self)
         self.runner: Runner = self.tasks
@@ -165,10 +167,10 @@ class Receiver:
         self._lock = threading.Lock()  # guards the streams' cancelled, started and running, `direct`, `_stopping`
         self._stopping = False  # a task is being stopped (`stop`): this worker ends, no task starts any more
         self._became_actor = False
-        self._handlers: dict[str, Callable[[Stream, wire.Message, list[Any]], str | None]] = {
-            wire.SUBMIT: self._on_task, wire.CALL: self._on_task, wire.CANCEL: self._on_cancel,
-            wire.PING: self._on_ping, wire.BYE: self._on_bye, wire.ACTOR: self._on_actor, wire.LEASE: self._on_lease,
-            wire.DIRECT: self._on_direct, wire.LEASE_END: self._on_lease_end,
+        self._handlers: dict[str, Callable[[Stream, messages.Message, list[Any]], str | None]] = {
+            messages.SUBMIT: self._on_task, messages.CALL: self._on_task, messages.CANCEL: self._on_cancel,
+            messages.PING: self._on_ping, messages.BYE: self._on_bye, messages.ACTOR: self._on_actor, messages.LEASE: self._on_lease,
+            messages.DIRECT: self._on_direct, messages.LEASE_END: self._on_lease_end,
         }
 
     def serve_peer(self) -> None:
@@ -206,14 +208,14 @@ class Receiver:
             self._between_tasks()
         return None
 
-    def _take(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
+    def _take(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
         """One message, through the dispatch table; why the stream ends, or None."""
         kind = msg["t"]
         if kind in SERVES[stream.kind]:
             return self._handlers[kind](stream, msg, buffers)
         if not stream.handed_over:
             return None
-        stream.send(wire.error("protocol", f"unexpected message type {wire.printable(repr(kind), 40)} "
+        stream.send(messages.error("protocol", f"unexpected message type {messages.printable(repr(kind), 40)} "
                                            f"on {UNEXPECTED_ON[stream.kind]}"))
         return "the submitter sent an unexpected message"
 
@@ -240,14 +242,14 @@ class Receiver:
             if turns is not None:
                 turns.release()
 
-    def _run_in_turn(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> None:
+    def _run_in_turn(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> None:
         try:
             self._run(stream, msg, buffers)
         finally:
             assert self.runner.turns is not None
             self.runner.turns.release()
 
-    def _run(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
+    def _run(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
         """Run one task of `stream` and answer it there, or answer why it may not start. When the stream
         ends before it (this worker stops; a lease's peer wants the slot back) it does not start and is
         not answered (LEASE_END tells a lease's submitter so); returns why."""
@@ -288,17 +290,17 @@ class Receiver:
         self._answer(stream, reply, out)
         return None
 
-    def _refusal(self, stream: Stream, task_id: Any) -> wire.Outgoing | None:
+    def _refusal(self, stream: Stream, task_id: Any) -> messages.Outgoing | None:
         """The answer to a task that may not start (cancelled; on a lease, an id not above the last), or
         None; with the lock held."""
         if task_id in stream.cancelled:
             stream.cancelled.discard(task_id)
-            return wire.error("cancelled", "cancelled by the submitter before it started", task_id)
+            return messages.error("cancelled", "cancelled by the submitter before it started", task_id)
         if stream.kind == LEASE and task_id <= stream.started:
-            return wire.error("bad-request", f"task id {task_id} is not above the last one", task_id)
+            return messages.error("bad-request", f"task id {task_id} is not above the last one", task_id)
         return None
 
-    def _answer(self, stream: Stream, reply: wire.Message, out: list[Any]) -> None:
+    def _answer(self, stream: Stream, reply: messages.Message, out: list[Any]) -> None:
         """Send a task's answer on its stream: a lease's now, before its next task starts, so that a task
         that ends this worker, or a lost connection, leaves its submitter no answered task unknown (ADR
         0013); a direct call's held back while calls that came with it run (one write for all of them)."""
@@ -327,12 +329,12 @@ class Receiver:
             self._stopping = True
             others = [s for s in self.direct if s is not stream]
         self.output.drain()
-        stream.tell(wire.error(code, reason, task_id))
+        stream.tell(messages.error(code, reason, task_id))
         if self.lease is not None:
-            self.lease.stream.tell({"t": wire.LEASE_END, "reason": reason})
+            self.lease.stream.tell({"t": messages.LEASE_END, "reason": reason})
         for other in others:  # no id: the connection is about to close, and this is why
-            other.tell(wire.error("actor-died", f"the actor was stopped: {reason}"))
-        self.peer.tell({"t": wire.BYE, "reason": reason, **({} if self._became_actor else {"kill": True})})
+            other.tell(messages.error("actor-died", f"the actor was stopped: {reason}"))
+        self.peer.tell({"t": messages.BYE, "reason": reason, **({} if self._became_actor else {"kill": True})})
         flush_output()
         if not self._became_actor:
             time.sleep(KILL_WAIT_S)
@@ -340,17 +342,17 @@ class Receiver:
 
     # ---- the dispatch table ----------------------------------------------------------------------------
 
-    def _on_task(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
+    def _on_task(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
         """A SUBMIT or a CALL: queued, or answered bad-request."""
         problem = self.runner.check(stream, msg)
         if problem is None:
             stream.queue.append((msg, buffers))
         else:
             task_id = msg.get("id")
-            stream.send(wire.error("bad-request", problem, task_id if isinstance(task_id, int) else None))
+            stream.send(messages.error("bad-request", problem, task_id if isinstance(task_id, int) else None))
         return None
 
-    def _on_cancel(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
+    def _on_cancel(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
         """A task cancelled before it starts does not run. A leased task that runs, cancelled through its
         peer, ends this worker (`stop`); any other that runs is the peer's to stop. On a function worker's
         link the peer cancels only a lease's tasks: one that comes after the lease is nothing (the ids of
@@ -367,14 +369,14 @@ class Receiver:
             stream.cancel(task_id)
         return None
 
-    def _on_ping(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
-        stream.send({"t": wire.PONG, "id": msg.get("id")})
+    def _on_ping(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
+        stream.send({"t": messages.PONG, "id": msg.get("id")})
         return None
 
-    def _on_bye(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
+    def _on_bye(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
         return BYE[stream.kind]
 
-    def _on_actor(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
+    def _on_actor(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
         """This worker becomes the actor (its environment was set when the peer started it for it) and
         runs no task after it: the peer starts a fresh worker for the slot when the actor ends."""
         self._became_actor = True
@@ -387,7 +389,7 @@ class Receiver:
         self.peer.peeks = True  # calls come behind calls: a CANCEL among them is read before the call it names
         return None
 
-    def _on_direct(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
+    def _on_direct(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
         """An actor's: a submitter's connection that the peer handed over, read by a thread of its own."""
         conn = take_connection(self.peer.conn, msg) if self.actor is not None else None
         if conn is None:
@@ -407,13 +409,13 @@ class Receiver:
                 self.direct.remove(stream)
             stream.conn.close()
 
-    def _on_lease(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
+    def _on_lease(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
         """The peer lent this function worker to a submitter's connection: serve it (on this, the main
         thread) while a thread takes the peer's messages, until the lease ends; then tell both."""
         serve_owner(msg, self.tasks.functions)
         conn = take_connection(self.peer.conn, msg)
         if conn is None:
-            self.peer.tell({"t": wire.STATUS, "lease_end": "the connection did not arrive", "served": 0})
+            self.peer.tell({"t": messages.STATUS, "lease_end": "the connection did not arrive", "served": 0})
             return None
         lease = self.lease = Lease(Stream(conn, LEASE), msg)
         self.output.open(lease.stream)
@@ -428,7 +430,7 @@ class Receiver:
         lease.end(reason)
         with self._lock:
             lease.finished = True
-        self.peer.tell({"t": wire.STATUS, "lease_end": wire.printable(reason, 200), "served": lease.served})
+        self.peer.tell({"t": messages.STATUS, "lease_end": messages.printable(reason, 200), "served": lease.served})
         watcher.join()
         self.lease = None
         return BYE[PEER] if lease.bye else None
@@ -441,7 +443,7 @@ class Receiver:
             lease.bye = True
             lease.ending = lease.ending or ("the peer is stopping" if reason == BYE[PEER] else "the peer is gone")
 
-    def _on_lease_end(self, stream: Stream, msg: wire.Message, buffers: list[Any]) -> str | None:
+    def _on_lease_end(self, stream: Stream, msg: messages.Message, buffers: list[Any]) -> str | None:
         """From the peer: it wants the lent slot back (the lease ends before its next task), or it
         acknowledges the lease's end (a late one, once no lease lasts, is nothing)."""
         lease = self.lease

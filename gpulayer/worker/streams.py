@@ -12,7 +12,8 @@ import time
 from collections import deque
 from typing import Any
 
-from .. import shm, wire
+from ..protocol import framing, messages
+from ..transport import blocking, shm
 
 PEER, LEASE, DIRECT = "peer", "lease", "direct"  # the kinds of stream
 
@@ -20,7 +21,7 @@ PEER, LEASE, DIRECT = "peer", "lease", "direct"  # the kinds of stream
 class Stream:
     """One connection that tasks come on, its queue, and what it knows of their ids."""
 
-    def __init__(self, conn: wire.BlockingConnection, kind: str):
+    def __init__(self, conn: blocking.BlockingConnection, kind: str):
         self.conn = conn
         self.kind = kind
         self.handed_over = kind != PEER  # a submitter's connection: its tasks' answers and output go to it
@@ -28,7 +29,7 @@ class Stream:
         # call ran is read before the call it names: an actor's streams (the peer's link once it is one). A
         # lease's cancels come through the peer too (a thread reads them while a task runs): no syscall.
         self.peeks = kind == DIRECT
-        self.queue: deque[tuple[wire.Message, list[Any]]] = deque()
+        self.queue: deque[tuple[messages.Message, list[Any]]] = deque()
         self.cancelled: set[int] = set()  # ids cancelled before they started
         self.running: set[Any] = set()  # ids of the tasks that run now
         self.started = 0  # the highest id started (ids rise on a stream; a lease refuses one that does not)
@@ -37,7 +38,7 @@ class Stream:
         self._send_lock = threading.Lock()
         self._held: list[Any] = []  # encoded replies kept back (`send(..., hold=True)`)
 
-    def recv(self) -> tuple[wire.Message, list[Any]]:
+    def recv(self) -> tuple[messages.Message, list[Any]]:
         self.receiving = True
         msg, buffers = self.conn.recv()
         self.receiving = False
@@ -56,17 +57,17 @@ class Stream:
             return False
         return True
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = (), hold: bool = False) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = (), hold: bool = False) -> None:
         """Send a message. With `hold`, a reply without buffers waits for `flush` (or the next message),
         so that the replies to calls that came together go out together: one record, one write."""
         with self._send_lock:
             if hold and not buffers:
-                self._held += wire.encode(msg)
+                self._held += framing.encode(msg)
                 return
             self._flush()
             self.conn.send(msg, buffers)
 
-    def tell(self, msg: wire.Outgoing) -> None:
+    def tell(self, msg: messages.Outgoing) -> None:
         """Send, where a connection that is gone is no matter (the worker ends at its next read)."""
         try:
             self.send(msg)
@@ -89,7 +90,7 @@ class Stream:
             self.cancelled.add(task_id)
 
 
-def take_connection(link: wire.BlockingConnection, msg: wire.Message) -> wire.BlockingConnection | None:
+def take_connection(link: blocking.BlockingConnection, msg: messages.Message) -> blocking.BlockingConnection | None:
     """The submitter's connection that the peer handed over (the socket came first on the local link),
     continuing its channel with the keys and counters of `msg` (a DIRECT or a LEASE); None if it did not come."""
     try:
@@ -98,7 +99,7 @@ def take_connection(link: wire.BlockingConnection, msg: wire.Message) -> wire.Bl
         print(f"gpulayer worker: a handed-over connection did not arrive: {exc}", file=sys.__stderr__)
         return None
     sock.setblocking(True)  # the peer's event loop had it non-blocking (a flag of the socket, not of a descriptor)
-    conn = wire.BlockingConnection(sock, wire.max_message_bytes())
+    conn = blocking.BlockingConnection(sock, framing.max_message_bytes())
     send_key, recv_key = msg["keys"]
     conn.secure(send_key, recv_key, tuple(msg["counters"]))
     return conn
