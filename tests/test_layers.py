@@ -17,17 +17,23 @@ PACKAGE = ROOT / "gpulayer"
 # import only themselves (and the layers below). A module is placed by its longest listed prefix.
 LAYERS: list[dict[str, set[str]]] = [
     {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
-                "records", "security", "progress", "peer_table"}},
+                "distributed", "records", "security", "progress", "peer_table", "jobs", "jobs.folder"}},
     {"protocol": {"protocol"}},
-    {"transport": {"transport", "lending"}},
+    {"transport": {"transport", "lending", "invite", "jobs.transfer"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
     {"worker": {"worker"}, "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
     {"backends": {"backends"}},
-    {"surface": {"", "__main__", "runtime", "api", "actor_class", "cli", "dashboard", "demo", "benchmark"}},
+    {"surface": {"", "__main__", "runtime", "api", "actor_class", "cli", "dashboard", "demo", "benchmark",
+                 "jobs_cli"}},
 ]
 # Edges the layers would allow that stay out all the same (prefixes of module names): the Ray backend
 # runs tasks without the peer's or the worker's code; the option table needs no transport.
 BREAKS = {("backends", "peer"), ("backends", "worker"), ("task_options", "transport")}
+# Inside the client: a connection, and the pool that opens and watches them, know nothing of tasks, their
+# placement, leases, actors or the engine (they report through connection.Listener).
+BREAKS |= {(low, high) for low in ("client.connection", "client.pool")
+           for high in ("client.engine", "client.placement", "client.tasks", "client.leases", "client.actors")}
+BREAKS.add(("client.connection", "client.pool"))
 # What a job interpreter has besides the standard library: the worker side needs nothing else (torch
 # only where a task's data holds tensors, which serialization rebuilds; no psutil, no zeroconf).
 JOB_INTERPRETER = {"msgpack", "cloudpickle", "cryptography", "torch"}

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Protocol
@@ -84,6 +84,9 @@ class ScheduledTask:
     yielding: bool = False  # the lease's worker was asked to end it
     blocked: bool = False  # its worker waits on a future: its slots are lent meanwhile (ADR 0014)
     actor_id: str = ""  # the id of the actor it creates, given to its worker with the ACTOR message
+    # a job (peer/jobs.py): started by calling this with its slots and their device variables; it runs
+    # a process of its own and hands the slots back with `job_ended`
+    job: Callable[[list[Slot], dict[str, str]], None] | None = None
 
 
 class LeaseOwner:
@@ -209,6 +212,10 @@ class Scheduler:
     @property
     def held_by_actors(self) -> int:
         return sum(_actor_of(s) is not None for s in self.slots)
+
+    @property
+    def held_by_jobs(self) -> int:
+        return sum(isinstance(s.task, ScheduledTask) and s.task.job is not None for s in self.slots)
 
     def actors_hold_all(self, req: Requirements) -> bool:
         """Whether actors hold so many of the slots that fit `req` that it could never start here."""
@@ -436,6 +443,10 @@ class Scheduler:
         task.started = time.monotonic()
         self.activity.started(task, task.msg and task.msg.get("name"), task.owner.address, lead.device)
         assert task.msg is not None
+        if task.job is not None:
+            task.msg = None
+            task.job(group, {**lead.env, **_device_env(task.req, lead), **_group_env(group)})
+            return
         if task.actor_class is None:
             msg = {"t": messages.SUBMIT, "id": task.client_id, "fn": task.msg["fn"], "args": task.msg["args"],
                    "owner": task.owner.client}
@@ -461,8 +472,7 @@ class Scheduler:
         # A worker of its own, started with env, in place of the lead's warm one (which is stopped, so
         # that the task has the device and its memory to itself): for several devices it sees all of
         # them; for a variable read at load it imports nothing before the task; an actor keeps it.
-        if len(group) > 1:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)
+        env.update(_group_env(group))
         task.one_off = True
         old = self._worker(lead)
         lead.worker = self._new_worker(lead, env, [] if fresh else None)
@@ -483,6 +493,15 @@ class Scheduler:
             return
         worker.send(msg, buffers)
         self._arm_timeout(task)
+
+    def job_ended(self, task: ScheduledTask, outcome: str) -> None:
+        """A job's process ended with `outcome` ("ok" or its state): its slots are free again."""
+        self._release(task)
+        if not task.answered:
+            task.answered = True
+            self.tasks_done += 1
+            self.activity.ended(task, {"t": messages.RESULT} if outcome == "ok" else {"code": outcome})
+        self._start_queued()
 
     def _arm_timeout(self, task: ScheduledTask) -> None:
         if task.timeout:
@@ -703,6 +722,13 @@ def _device_env(req: Requirements, slot: Slot) -> dict[str, str]:
     """
     if req.accelerator == accelerators.CPU and slot.env.get(accelerators.ENV_DEVICE) != accelerators.CPU:
         return {accelerators.ENV_DEVICE: accelerators.CPU}
+    return {}
+
+
+def _group_env(group: list[Slot]) -> dict[str, str]:
+    """What a process on several devices sees: all of them (CUDA_VISIBLE_DEVICES)."""
+    if len(group) > 1:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)}
     return {}
 
 

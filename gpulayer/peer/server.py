@@ -18,13 +18,14 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
-from .. import discovery, security
+from .. import discovery, invite, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
+from ..jobs.store import RETENTION_DAYS, RETENTION_GB, StateDirInUse
 from ..matching import Requirements, match, missing_software
 from ..protocol import framing, handshake, messages
 from ..resources.model import Advert, Resources
@@ -32,11 +33,12 @@ from ..resources.utilisation import Sample, Sampler
 from ..transport import shm, sockets
 from ..transport.channel import AsyncChannel
 from .actors import Actor, grace_from_env
+from .jobs import Jobs
 from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
 from .workers import Worker
-from . import held
+from . import gossip, held
 from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, plan_slots
 
 log = logging.getLogger("gpulayer.peer")
@@ -63,6 +65,10 @@ class PeerConfig:
     worker_start_timeout: float = 120.0
     workdir: str | None = None  # where tasks start; None: a scratch folder removed at stop
     measured_from: str | None = None  # recorded readings replacing the measured utilisation (a test seam)
+    state_dir: str | None = None  # the jobs' folder (peer/jobs.py); None: the first free one of the user's
+    job_retention_days: float = RETENTION_DAYS
+    job_retention_gb: float = RETENTION_GB
+    seeds: list[tuple[str, int]] = field(default_factory=list)  # peers to gossip with at first (gossip.py)
 
 
 class Connection:
@@ -157,6 +163,8 @@ class Peer:
         self.held = held.HeldResults(held.limit_from_env(), grace_from_env())  # results kept (keep=True)
         self.sampler = Sampler(recorded=config.measured_from, on_sample=self._on_sample)
         self.reprobe = Reprobe(config.python)  # looks again for what tasks ask and the last probe missed
+        self.invites = invite.Invites(config.key, log.warning)  # open invite codes (invite.py)
+        self.gossip = gossip.Gossip(config.key, self.peer_id, [], config.seeds)  # its addresses once it listens
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
@@ -172,6 +180,11 @@ class Peer:
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
         check_shm_settings()
+        try:
+            self.jobs = Jobs(self.scheduler, config.python, config.state_dir, lambda: self.advert,
+                             config.job_retention_days, config.job_retention_gb)
+        except (OSError, StateDirInUse) as exc:
+            raise ConfigError(f"the state folder: {exc}") from None
 
     def _memory_refusal(self, total: int) -> str | None:
         return memory_refusal(total, self._headroom)
@@ -192,6 +205,7 @@ class Peer:
         self._stopped = asyncio.Event()
         _raise_fd_limit()
         await self.scheduler.start()
+        self.jobs.recover()
         host = self.config.interfaces[0] if self.config.interfaces else "0.0.0.0"
         self._server = socket.create_server((host, self.config.port), backlog=1024)
         self._server.setblocking(False)
@@ -200,6 +214,8 @@ class Peer:
         if shm.enabled():
             self._local = LocalLinks(self._loop, self.quiet)
         self.scheduler.spawn(self._watchdog())
+        self.gossip.addresses = [(a, self.port) for a in discovery.advertised_addresses(self.config.interfaces)]
+        self.scheduler.spawn(gossip.rounds(self.gossip, self.port))
         self.sampler.start()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
@@ -239,6 +255,7 @@ class Peer:
         for conn in list(self._connections):
             conn.channel.write({"t": messages.BYE})
         await asyncio.gather(*(c.channel.close_gracefully() for c in list(self._connections)))
+        await self.jobs.shutdown()
         await self.scheduler.stop()
         self.sampler.stop()
         self.quiet.flush(final=True)
@@ -260,8 +277,10 @@ class Peer:
 
     @property
     def load_total(self) -> int:
-        """Tasks running or queued (actors are not waited for: they end when the peer stops)."""
-        return self.scheduler.busy - self.scheduler.held_by_actors + self.scheduler.queued
+        """Tasks running or queued (actors are not waited for: they end when the peer stops; jobs are
+        recorded, lost if they ran, and queued ones start after a restart)."""
+        return self.scheduler.busy - self.scheduler.held_by_actors - self.scheduler.held_by_jobs + \
+            self.scheduler.queued - len(self.jobs.queued)
 
     def status(self) -> dict[str, Any]:
         return {"t": messages.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
@@ -270,7 +289,8 @@ class Peer:
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
-                "unreserved_gb": self.scheduler.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held)}
+                "unreserved_gb": self.scheduler.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held),
+                "jobs": self.jobs.summary()}
 
     # ---- connections --------------------------------------------------------------------------
 
@@ -339,6 +359,8 @@ class Peer:
 
     def authenticate(self, conn: Connection, msg: messages.Message) -> None:
         self._unauthenticated.pop(conn, None)
+        if msg["t"] in (messages.PAKE, messages.PAKE_CONFIRM):
+            return self._invite_step(conn, msg)
         checked = handshake.check_auth(msg, self.config.key, conn.hello)
         if checked is None:
             self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
@@ -352,6 +374,20 @@ class Peer:
         self._receiving(conn.channel.reader, conn.client)
         self.scheduler.actors.connected(conn)
         self.held.connected(conn.client)
+
+    def _invite_step(self, conn: Connection, msg: messages.Message) -> None:
+        """One message of an invite's exchange (invite.py): unauthenticated, it can get the cluster key
+        for the right code and nothing else; the connection closes after it."""
+        reply, more = self.invites.step(conn, conn.hello, msg)
+        if reply["t"] == messages.ERROR:
+            return self.refuse(conn, reply["code"], reply["message"])
+        conn.channel.write(reply)
+        if more:
+            self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
+            return
+        log.info("gave the cluster key to %s, which had an invite's code", conn.address)
+        self.drop(conn)
+        conn.channel.close_gracefully()
 
     def _receiving(self, reader: framing.MessageReader, client: str) -> None:
         """Receive big buffers as this peer does: within the memory headroom, into segments where it has
@@ -380,8 +416,10 @@ class Peer:
     def drop(self, conn: Connection) -> None:
         """Forget a connection and cancel its tasks: its submitter is gone."""
         self._unauthenticated.pop(conn, None)
+        self.invites.forget(conn)
         if self._local is not None:
             self._local.forget(conn)
+        self.jobs.forget(conn)
         if conn in self._connections:
             self._connections.discard(conn)
             for task in list(conn.tasks.values()):
@@ -439,6 +477,13 @@ class Peer:
                 self.scheduler.actors.cancel(conn, msg["id"])
         elif kind == messages.STATUS:
             conn.channel.write({**self.status(), "id": msg.get("id")})
+        elif kind in messages.JOB_REQUESTS:
+            self.jobs.handle(conn, msg, buffers, self._draining)
+        elif kind == messages.INVITE:
+            conn.channel.write(self.invites.answer(msg))
+        elif kind == messages.PEERS:
+            self.gossip.heard_from(conn.address.rpartition(":")[0], msg)
+            conn.channel.write({"t": messages.PEERS, "id": msg.get("id"), "peers": self.gossip.listing()})
         elif kind == messages.BYE:
             conn.channel.close()
             self.drop(conn)
