@@ -75,7 +75,7 @@ def test_an_actor_lives_in_a_job_interpreter_without_psutil(peers, gl_client):
         assert first.stdout == "added 1\n"
         calls = [counter.add.submit(n) for n in range(2, 12)]
         assert [f.result(60)[0] for f in calls] == [sum(range(1, n + 1)) for n in range(2, 12)]
-        direct = gl_client.directs.get(counter.actor_id)  # the calls after the first went straight to it
+        direct = gl_client.pool.directs.get(counter.actor_id)  # the calls after the first went straight to it
         assert direct is not None and not direct.closed
         assert [f.stdout for f in calls] == [f"added {n}\n" for n in range(2, 12)]  # on the direct connection
     finally:
