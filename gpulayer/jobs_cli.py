@@ -60,7 +60,8 @@ def _submit(args: argparse.Namespace) -> int:
             options[name] = getattr(args, name)
     if args.frameworks:
         options["frameworks"] = dict(_framework(spec) for spec in args.frameworks)
-    job = submit_job(command, args.working_dir, excludes=args.exclude, name=args.name, **options)
+    job = submit_job(command, args.working_dir, excludes=args.exclude, name=args.name, priority=args.priority,
+                     **options)
     print(job.id, flush=True)
     print(f"gpulayer: job {job.id} recorded on peer {job.peer}", file=sys.stderr)
     return _follow(job) if args.follow else 0
@@ -148,6 +149,8 @@ def add_commands(sub: Any) -> None:
                         help="a variable of the job's environment (repeatable)")
     submit.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop it after this long")
     submit.add_argument("--retries", type=int, default=0, help="run it again this often after a failure")
+    submit.add_argument("--priority", type=int, default=0, metavar="N",
+                        help="a peer starts its queued jobs highest priority first (default 0)")
     submit.add_argument("--follow", "-f", action="store_true",
                         help="stream its output until it ends, exit with its exit code (Ctrl-C detaches)")
     submit.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")

@@ -8,6 +8,7 @@ of them holds it (a job id names its holder). The Client is used for discovery a
 
 from __future__ import annotations
 
+import getpass
 import os
 import socket
 import tempfile
@@ -205,16 +206,16 @@ class Jobs:
     def submit(self, command: list[str], working_dir: str | os.PathLike[str] | None, req: Requirements, *,
                excludes: tuple[str, ...] = (), name: str = "", env: dict[str, str] | None = None,
                timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
-               function: bool = False) -> Job:
+               function: bool = False, priority: int = 0) -> Job:
         """Ship `working_dir` (none: an empty folder) and record the job on the best matching peer;
         returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent."""
         if working_dir is None:
             with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
                 return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
-                                   function=function)
+                                   function=function, priority=priority)
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
-                       retries=retries, function=function)
+                       retries=retries, function=function, priority=priority, user=_login())
         self.client.start()
         self.client.placement.wait_for_match(req, (), self.client.discovery_timeout)
         failures: dict[str, list[str]] = {}
@@ -248,6 +249,14 @@ class Jobs:
 
     def link(self, holder: Holder) -> JobLink:
         return JobLink(self.client, holder.addresses)
+
+
+def _login() -> str:
+    """This process's login name, as a job's user (its share of a peer's slots is its user@host's)."""
+    try:
+        return getpass.getuser().replace("@", "_")[:64]
+    except (KeyError, OSError):
+        return ""
 
 
 def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest) -> messages.Message:

@@ -76,6 +76,14 @@ class JobSpec:
     retries: int = 0
     submitter: str = ""  # the submitter's id (its AUTH's "client") and host, for `gpulayer jobs`
     function: bool = False  # a function job (gl.submit(..., detach=True)): its result is a file of its folder
+    priority: int = 0  # higher starts first (docs/jobs.md, "The queue")
+    user: str = ""  # the submitter's login name, as it says: its share of the slots is its user@host's
+
+    @property
+    def share(self) -> str:
+        """Whose share of the slots the job counts in: its user at its submitter's host."""
+        host = self.submitter.rsplit("@", 1)[-1]
+        return f"{self.user}@{host}" if self.user else self.submitter
 
 
 @dataclass
@@ -99,6 +107,7 @@ class JobRow:
         """What a JOB_INFO reply carries for this job (no pid)."""
         return {"id": self.id, "name": self.spec.name, "state": self.state, "reason": self.reason,
                 "command": self.spec.command, "submitter": self.spec.submitter, "function": self.spec.function,
+                "priority": self.spec.priority, "user": self.spec.user,
                 "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes}
 

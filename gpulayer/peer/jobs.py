@@ -334,7 +334,8 @@ class Jobs:
         if not work.is_dir():
             return self._end(row.id, FAILED, "its folder on the peer is gone", None)
         task = ScheduledTask(JobOwner(row.id), 0, {"name": row.spec.name or row.spec.command[0]}, None,
-                             Requirements.from_wire(row.spec.req), None)
+                             Requirements.from_wire(row.spec.req), None, priority=row.spec.priority,
+                             share=row.spec.share)
         task.job = lambda group, env: self._start(row.id, task, env)
         self.queued[row.id] = task
         self.scheduler.enqueue(task)

@@ -20,6 +20,7 @@ from . import messages
 
 MAX_COMMAND_ARGS = 4096
 MAX_RETRIES = 100
+MAX_PRIORITY = 1_000_000
 MAX_GRACE_S = 3600.0
 MAX_FILES = 200_000
 MAX_TAIL = 1_000_000
@@ -30,7 +31,8 @@ def submit(request_id: int, spec: JobSpec, files: list[list[Any]]) -> messages.M
     """Ask to record a job: `spec` (JobSpec, the submitter set by the peer) and its folder's manifest
     (`Manifest.to_wire`)."""
     fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
-              "timeout": spec.timeout, "retries": spec.retries, "function": spec.function}
+              "timeout": spec.timeout, "retries": spec.retries, "function": spec.function,
+              "priority": spec.priority, "user": spec.user}
     return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files}
 
 
@@ -63,6 +65,11 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
     retries = fields.get("retries", 0)
     if not _count(retries, MAX_RETRIES):
         return f"retries is a whole number from 0 to {MAX_RETRIES}"
+    priority, user = fields.get("priority", 0), fields.get("user", "")
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+        return f"a job's priority is a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}"
+    if not isinstance(user, str) or len(user) > 64 or not user.isprintable() or "@" in user:
+        return "a job's user is printable text of at most 64 characters, without @"
     if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool):
         return "a JOB_SUBMIT's 'req' is a map and 'function' a boolean"
     try:
@@ -71,7 +78,8 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
     except (TypeError, ValueError) as exc:
         return str(exc)
     return JobSpec(command=command, name=name, env=env, req=fields.get("req", {}), timeout=timeout,
-                   retries=retries, submitter=submitter, function=fields.get("function", False))
+                   retries=retries, submitter=submitter, function=fields.get("function", False),
+                   priority=priority, user=user)
 
 
 def check_request(msg: Mapping[str, Any]) -> str | None:

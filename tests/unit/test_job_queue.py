@@ -1,0 +1,45 @@
+"""The peer's queue order (jobs/queue.py) and a state folder recorded before priorities (jobs/store.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from gpulayer.jobs.queue import FairQueue
+from gpulayer.jobs.store import QUEUED, JobStore
+
+
+@dataclass(eq=False)
+class Work:
+    name: str
+    share: str
+    priority: int = 0
+
+
+def test_priority_first_then_submitters_in_turn_then_first_come_first_served():
+    queue: FairQueue[Work] = FairQueue()
+    items = [Work("a1", "a"), Work("a2", "a"), Work("b1", "b"), Work("hi", "c", 3), Work("lo", "b", -1)]
+    for item in items:
+        queue.append(item)
+    assert [w.name for w in queue] == ["hi", "a1", "b1", "a2", "lo"]
+    queue.remove(items[3])  # "hi" started
+    queue.remove(items[0])  # "a1" started: b's turn comes before a's next
+    assert [w.name for w in queue] == ["b1", "a2", "lo"] and len(queue) == 3
+    assert items[0] not in queue and items[1] in queue
+    with pytest.raises(ValueError):
+        queue.remove(items[0])
+
+
+def test_a_state_folder_of_jobs_recorded_before_priorities_opens(tmp_path):
+    store = JobStore(tmp_path / "state")
+    old_spec = {"command": ["true"], "name": "old", "env": {}, "req": {}, "timeout": None, "retries": 0,
+                "submitter": "c1@10.0.0.1", "function": False}  # what issue 27's peers recorded
+    with store.db:
+        store.db.execute("INSERT INTO jobs (id, spec, state, submitted) VALUES ('x-1', ?, ?, 0)",
+                         (json.dumps(old_spec), QUEUED))
+    store.close()
+    row = JobStore(tmp_path / "state").get("x-1")
+    assert row is not None and row.spec.priority == 0 and row.spec.share == "c1@10.0.0.1"
+    assert row.public()["priority"] == 0
