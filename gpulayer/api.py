@@ -194,14 +194,17 @@ def _jobs() -> JobsApi:
 
 
 def submit_job(command: list[str] | str, working_dir: str | None = ".", *, excludes: Iterable[str] = (),
-               name: str = "", limit_mb: int | None = None, priority: int = 0, **options: Any) -> Job:
+               name: str = "", limit_mb: int | None = None, priority: int = 0,
+               array: tuple[int, int, int] | None = None, **options: Any) -> Job:
     """Run `command` (a list of arguments, or one string split as a shell would) as a job on a matching
     peer, in a copy of `working_dir` (honouring .gitignore and `excludes`); returns its `Job` once a peer
     has recorded it. The job goes on when this process ends (docs/jobs.md).
 
     Options as for tasks: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
     (what the peer must offer), timeout, retries, env. A peer starts its queued jobs highest `priority`
-    first (docs/jobs.md, "The queue").
+    first (docs/jobs.md, "The queue"). With `array=(first, last, limit)` the peer records one job per index
+    (each sees GPULAYER_ARRAY_INDEX), at most `limit` of them running at once (0: no limit); the first
+    job is returned, and its id names the array (stop and wait act on all of its jobs).
     """
     import shlex
 
@@ -211,7 +214,7 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     if not argv:
         raise ValueError("a job needs a command")
     return _jobs().submit(argv, working_dir, parsed.requirements, excludes=tuple(excludes), name=name,
-                          env=parsed.env, timeout=parsed.timeout, retries=parsed.retries, priority=priority,
+                          env=parsed.env, timeout=parsed.timeout, retries=parsed.retries, priority=priority, array=array,
                           limit_bytes=(limit_mb << 20) if limit_mb is not None else None)
 
 

@@ -206,13 +206,15 @@ class Jobs:
     def submit(self, command: list[str], working_dir: str | os.PathLike[str] | None, req: Requirements, *,
                excludes: tuple[str, ...] = (), name: str = "", env: dict[str, str] | None = None,
                timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
-               function: bool = False, priority: int = 0) -> Job:
+               function: bool = False, priority: int = 0, array: tuple[int, int, int] | None = None) -> Job:
         """Ship `working_dir` (none: an empty folder) and record the job on the best matching peer;
-        returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent."""
+        returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent.
+        With `array` (first, last, limit): one job per index on that peer, the first one returned (its id
+        names the array)."""
         if working_dir is None:
             with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
                 return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
-                                   function=function, priority=priority)
+                                   function=function, priority=priority, array=array)
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
                        retries=retries, function=function, priority=priority, user=_login())
@@ -222,7 +224,7 @@ class Jobs:
         for record in self.client.placement.ranked(req):
             try:
                 with JobLink(self.client, record.addresses) as link:
-                    info = _submit_over(link, spec, manifest)
+                    info = _submit_over(link, spec, manifest, array)
             except (PeerLost, JobError) as exc:
                 if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
                     raise
@@ -259,9 +261,10 @@ def _login() -> str:
         return ""
 
 
-def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest) -> messages.Message:
+def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest,
+                 array: tuple[int, int, int] | None) -> messages.Message:
     """JOB_SUBMIT, then the blobs the peer lacks; the peer's JOB_INFO once it recorded the job."""
-    request_id = link.send(job_protocol.submit(0, spec, manifest.to_wire()))
+    request_id = link.send(job_protocol.submit(0, spec, manifest.to_wire(), array))
     need = link.answer(request_id, timeout=60.0).get("need") or []
     transfer.push_blobs(link.conn, manifest, need, request_id)
     return link.answer(request_id, timeout=None if need else 60.0)

@@ -19,7 +19,7 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,9 @@ class JobSpec:
     function: bool = False  # a function job (gl.submit(..., detach=True)): its result is a file of its folder
     priority: int = 0  # higher starts first (docs/jobs.md, "The queue")
     user: str = ""  # the submitter's login name, as it says: its share of the slots is its user@host's
+    array: str = ""  # the id of its array's first job (`--array`), which names the array
+    index: int | None = None  # its index in that array (GPULAYER_ARRAY_INDEX)
+    limit: int = 0  # at most this many of its array run (or wait for a slot) at once; 0: no limit
 
     @property
     def share(self) -> str:
@@ -107,7 +110,8 @@ class JobRow:
         """What a JOB_INFO reply carries for this job (no pid)."""
         return {"id": self.id, "name": self.spec.name, "state": self.state, "reason": self.reason,
                 "command": self.spec.command, "submitter": self.spec.submitter, "function": self.spec.function,
-                "priority": self.spec.priority, "user": self.spec.user,
+                "priority": self.spec.priority, "user": self.spec.user, "array": self.spec.array,
+                "index": self.spec.index,
                 "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes}
 
@@ -169,6 +173,21 @@ class JobStore:
         row = self.get(job_id)
         assert row is not None
         return row
+
+    def add_array(self, spec: JobSpec, folder_bytes: int, indices: range, limit: int) -> list[JobRow]:
+        """Record one queued job per index, in one transaction (all or none); the first one's id names
+        the array."""
+        now = time.time()
+        ids: list[str] = []
+        with self.db:
+            for index in indices:
+                cursor = self.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes) "
+                                         "VALUES ('', '', ?, ?, ?)", (QUEUED, now, folder_bytes))
+                ids.append(f"{self.holder}-{cursor.lastrowid}")
+                member = replace(spec, array=ids[0], index=index, limit=limit)
+                self.db.execute("UPDATE jobs SET id = ?, spec = ? WHERE n = ?",
+                                (ids[-1], json.dumps(asdict(member)), cursor.lastrowid))
+        return [row for row in map(self.get, ids) if row is not None]
 
     def reserve(self) -> str:
         """A fresh private folder for a job being received (renamed to the job's once it is recorded)."""

@@ -95,6 +95,7 @@ class Upload:
     spec: JobSpec
     manifest: folder.Manifest
     receiver: transfer.BlobReceiver
+    array: tuple[range, int] | None = None  # an array's indices and limit (`--array 0-99%8`)
 
 
 @dataclass
@@ -124,6 +125,8 @@ class Jobs:
         self._pythonpath = job_pythonpath(python)
         self.runs: dict[str, Run] = {}
         self.queued: dict[str, ScheduledTask] = {}
+        self._limited: dict[str, str] = {}  # the queued or running jobs of arrays with a limit: id -> array
+        self._parked: dict[str, list[str]] = {}  # array -> its jobs held back by its limit, in order
         self._uploads: dict[tuple[object, int], Upload] = {}
         self._ended: dict[str, list[asyncio.Future[None]]] = {}
         for leftover in self.store.jobs_dir.glob("incoming-*"):  # a receipt cut by a crash: never recorded
@@ -195,10 +198,12 @@ class Jobs:
         if row is None:
             return
         if kind == messages.JOB_STOP:
-            self.stop(row, msg.get("grace", job_protocol.DEFAULT_GRACE_S))
-            return self._answer_when(conn, msg, lambda: self._row_ended(row.id))
+            members = self._members(row)
+            for member in members:
+                self.stop(member, msg.get("grace", job_protocol.DEFAULT_GRACE_S))
+            return self._answer_when(conn, msg, [m.id for m in members])
         if kind == messages.JOB_WAIT:
-            return self._answer_when(conn, msg, lambda: self._row_ended(row.id), msg.get("timeout"))
+            return self._answer_when(conn, msg, [m.id for m in self._members(row)], msg.get("timeout"))
         if kind == messages.JOB_RM:
             return self._remove(conn, msg, row)
         if kind == messages.JOB_LOGS:
@@ -241,21 +246,39 @@ class Jobs:
         row = self.store.get(job_id)
         return row is None or row.state in ENDED
 
-    def _answer_when(self, conn: JobConnection, msg: messages.Message, done: Callable[[], bool],
+    def _members(self, row: JobRow) -> list[JobRow]:
+        """The jobs a request for `row` acts on: the whole array when `row` names one (its first job),
+        those its limit holds back first (so that stopping the others starts none of them); else `row`."""
+        if row.spec.array != row.id:
+            return [row]
+        parked = set(self._parked.get(row.id, ()))
+        members = [r for r in self.store.rows() if r.spec.array == row.id]
+        return sorted(members, key=lambda r: r.id not in parked)
+
+    def _answer_when(self, conn: JobConnection, msg: messages.Message, job_ids: list[str],
                      timeout: float | None = None) -> None:
-        """Answer with the job's JOB_INFO once `done()` (or after `timeout` seconds)."""
+        """Answer with the JOB_INFO of the request's job once all of `job_ids` ended (or after `timeout` s)."""
         async def answer() -> None:
-            if not done():
-                waiter = self._loop().create_future()
-                waiting = self._ended.setdefault(msg["job"], [])
-                waiting.append(waiter)
-                try:
-                    await asyncio.wait_for(waiter, timeout)
-                except asyncio.TimeoutError:
-                    waiting.remove(waiter)
+            try:
+                await asyncio.wait_for(self._all_ended(job_ids), timeout)
+            except asyncio.TimeoutError:
+                pass
             self._info(conn, msg)
 
         self.scheduler.spawn(answer())
+
+    async def _all_ended(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            if self._row_ended(job_id):
+                continue
+            waiter = self._loop().create_future()
+            waiting = self._ended.setdefault(job_id, [])
+            waiting.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in waiting:
+                    waiting.remove(waiter)
 
     def _info(self, conn: JobConnection, msg: messages.Message, **extra: Any) -> None:
         row = self.store.get(msg["job"])
@@ -270,8 +293,11 @@ class Jobs:
     def _submit(self, conn: JobConnection, msg: messages.Message, draining: bool) -> None:
         request_id = msg.get("id")
         spec = job_protocol.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
-        if isinstance(spec, str) or not isinstance(request_id, int) or (conn, request_id) in self._uploads:
-            problem = spec if isinstance(spec, str) else "a JOB_SUBMIT needs an integer 'id' not in use on this connection"
+        array = job_protocol.check_array(msg.get("array"))
+        if isinstance(spec, str) or isinstance(array, str) or not isinstance(request_id, int) \
+                or (conn, request_id) in self._uploads:
+            problem = spec if isinstance(spec, str) else array if isinstance(array, str) else \
+                "a JOB_SUBMIT needs an integer 'id' not in use on this connection"
             return conn.channel.write(messages.error("bad-request", problem, request_id))
         try:
             req = Requirements.from_wire(spec.req)
@@ -285,7 +311,7 @@ class Jobs:
             return conn.channel.write(messages.error("busy", "the peer is shutting down", request_id))
         need = self.blobs.missing(manifest.blobs())
         receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need})
-        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver)
+        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, array)
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
         if not need:
             self._record(conn, request_id)
@@ -311,21 +337,29 @@ class Jobs:
             upload.receiver.abort()
 
     def _record(self, conn: JobConnection, request_id: int) -> None:
-        """Build the job's folder from the blobs, record the job (durably), then acknowledge it."""
+        """Build the job's folder from the blobs (one per job of an array), record the job or the array's
+        jobs (durably, in one transaction), then acknowledge it with the (first) job."""
         upload = self._uploads.pop((conn, request_id))
-        incoming = Path(self.store.reserve())
+        incoming = [Path(self.store.reserve()) for _ in (upload.array[0] if upload.array else [None])]
         try:
-            folder.materialise(upload.manifest, self.blobs, incoming / WORK_DIR)
+            for path in incoming:
+                folder.materialise(upload.manifest, self.blobs, path / WORK_DIR)
+                _write_private(path / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
         except (OSError, folder.FolderError) as exc:
-            shutil.rmtree(incoming, ignore_errors=True)
+            for path in incoming:
+                shutil.rmtree(path, ignore_errors=True)
             return conn.channel.write(messages.error("bad-request", f"the job's folder cannot be built: {exc}",
                                                  request_id))
-        _write_private(incoming / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
-        row = self.store.add(upload.spec, upload.manifest.total_bytes)
-        os.replace(incoming, self.store.folder(row.id))
-        log.info("job %s recorded from %s: %s", row.id, conn.address, shlex.join(row.spec.command))
-        conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": row.public()})
-        self._enqueue(row)
+        size = upload.manifest.total_bytes
+        rows = self.store.add_array(upload.spec, size, *upload.array) if upload.array \
+            else [self.store.add(upload.spec, size)]
+        for path, row in zip(incoming, rows):
+            os.replace(path, self.store.folder(row.id))
+        log.info("job %s%s recorded from %s: %s", rows[0].id, f" (an array of {len(rows)})" if upload.array else "",
+                 conn.address, shlex.join(upload.spec.command))
+        conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
+        for row in rows:
+            self._enqueue(row)
 
     # ---- running ----------------------------------------------------------------------------
 
@@ -333,6 +367,11 @@ class Jobs:
         work = self.store.folder(row.id) / WORK_DIR
         if not work.is_dir():
             return self._end(row.id, FAILED, "its folder on the peer is gone", None)
+        if row.spec.limit:
+            if sum(array == row.spec.array for array in self._limited.values()) >= row.spec.limit:
+                self._parked.setdefault(row.spec.array, []).append(row.id)
+                return
+            self._limited[row.id] = row.spec.array
         task = ScheduledTask(JobOwner(row.id), 0, {"name": row.spec.name or row.spec.command[0]}, None,
                              Requirements.from_wire(row.spec.req), None, priority=row.spec.priority,
                              share=row.spec.share)
@@ -347,7 +386,9 @@ class Jobs:
         run.runner = self.scheduler.spawn(self._run(job_id, run, slot_env))
 
     def _environment(self, row: JobRow, slot_env: dict[str, str]) -> dict[str, str]:
-        env = worker_env({**os.environ, **slot_env, **row.spec.env, "GPULAYER_JOB_ID": row.id,
+        array = {"GPULAYER_ARRAY_ID": row.spec.array, "GPULAYER_ARRAY_INDEX": str(row.spec.index)} \
+            if row.spec.array else {}
+        env = worker_env({**os.environ, **slot_env, **row.spec.env, "GPULAYER_JOB_ID": row.id, **array,
                           "PYTHONUNBUFFERED": "1"})
         env["PATH"] = os.pathsep.join(p for p in (str(self.bin), env.get("PATH")) if p)
         if self._pythonpath:
@@ -401,7 +442,7 @@ class Jobs:
     def stop(self, row: JobRow, grace: float) -> None:
         """SIGTERM to the job's process tree, SIGKILL after `grace` s; a queued job just ends, stopped."""
         task = self.queued.pop(row.id, None)
-        if task is not None and self.scheduler.withdraw(task):
+        if self._unpark(row) or (task is not None and self.scheduler.withdraw(task)):
             return self._end(row.id, STOPPED, "stopped before it started", None)
         run = self.runs.get(row.id)
         if run is None or run.stopping:
@@ -416,7 +457,30 @@ class Jobs:
         for waiter in self._ended.pop(job_id, []):
             if not waiter.done():
                 waiter.set_result(None)
+        array = self._limited.pop(job_id, None)
+        if array is not None:  # a place of its array's limit is free: the next of its jobs held back goes
+            self._release_parked(array)
         self._retain()
+
+    def _unpark(self, row: JobRow) -> bool:
+        """Take a job that its array's limit holds back out of the waiting line; False if it is not there."""
+        parked = self._parked.get(row.spec.array)
+        if not parked or row.id not in parked:
+            return False
+        parked.remove(row.id)
+        if not parked:
+            del self._parked[row.spec.array]
+        return True
+
+    def _release_parked(self, array: str) -> None:
+        parked = self._parked.get(array)
+        if not parked:
+            return
+        row = self.store.get(parked.pop(0))
+        if not parked:
+            del self._parked[array]
+        if row is not None and row.state == QUEUED:
+            self._enqueue(row)
 
     def _retain(self) -> None:
         """Apply the retention limits; when jobs went, so does the content that only they held."""

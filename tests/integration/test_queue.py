@@ -51,3 +51,54 @@ def test_a_bad_priority_is_refused_and_records_nothing(jobs_peer):
         else:
             raise AssertionError(f"priority={bad!r} was accepted")
     assert jobs.rows() == []
+
+
+def test_an_array_runs_each_index_once_within_its_limit_and_is_listed_as_one(jobs_peer, tmp_path):
+    from test_jobs import gpulayer
+
+    peer, _, key, jobs = jobs_peer("array", "--concurrency", "4")
+    out, running = tmp_path / "out", tmp_path / "running"
+    out.mkdir(), running.mkdir()
+    script = ("import os, time\n"
+              f"i, running = os.environ['GPULAYER_ARRAY_INDEX'], {str(running)!r}\n"
+              "open(os.path.join(running, i), 'w').close()\n"
+              "seen = len(os.listdir(running))\n"
+              "time.sleep(0.3)\n"  # the job's own work: long enough for its siblings to overlap it
+              "os.remove(os.path.join(running, i))\n"
+              f"open(os.path.join({str(out)!r}, i), 'w').write(f\"{{seen}} {{os.environ['GPULAYER_ARRAY_ID']}}\")\n")
+    submitted = gpulayer("submit", "--accelerator", "cpu", "--array", "0-9%2", "--", "python", "-c", script,
+                         key=key, cwd=tmp_path)
+    assert submitted.returncode == 0, submitted.stderr
+    array_id = submitted.stdout.strip()
+    assert "array" in submitted.stderr and "of 10 jobs" in submitted.stderr
+    waited = gpulayer("wait", array_id, key=key)  # the array's id: until all of its jobs ended
+    assert waited.returncode == 0, waited.stderr
+    rows = [r for r in jobs.rows() if r.get("array") == array_id]
+    assert sorted(r["index"] for r in rows) == list(range(10)) and {r["state"] for r in rows} == {"succeeded"}
+    written = {p.name: p.read_text().split() for p in out.iterdir()}
+    assert sorted(written, key=int) == [str(i) for i in range(10)]
+    assert {ident for _, ident in written.values()} == {array_id}
+    assert max(int(seen) for seen, _ in written.values()) == 2  # they overlapped, two at most
+    listed = gpulayer("jobs", key=key)
+    assert listed.returncode == 0, listed.stderr
+    line = next(line for line in listed.stdout.splitlines() if line.startswith(array_id))
+    assert line.startswith(f"{array_id}[0-9]") and "10 succeeded" in line
+    assert not any(line.startswith(r["id"] + " ") for r in rows for line in listed.stdout.splitlines())
+
+
+def test_stop_of_an_array_stops_all_of_its_jobs_and_starts_none_held_back(jobs_peer, tmp_path):
+    from test_jobs import gpulayer
+
+    _, _, key, jobs = jobs_peer("array-stop", "--concurrency", "4")
+    started = tmp_path / "started"
+    started.mkdir()
+    script = ("import os, time\n"
+              f"open(os.path.join({str(started)!r}, os.environ['GPULAYER_ARRAY_INDEX']), 'w').close()\n"
+              "while True:\n    time.sleep(1)\n")
+    array = jobs.submit(["python", "-c", script], None, _cpu(), array=(0, 19, 2))
+    wait_until(lambda: len(list(started.iterdir())) == 2, 60)
+    stopped = gpulayer("stop", array.id, "--grace", "1", key=key)
+    assert stopped.returncode == 0, stopped.stderr
+    rows = [r for r in jobs.rows() if r.get("array") == array.id]
+    assert len(rows) == 20 and {r["state"] for r in rows} == {"stopped"}
+    assert len(list(started.iterdir())) == 2  # those its limit held back never started
