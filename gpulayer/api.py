@@ -214,7 +214,8 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     if not argv:
         raise ValueError("a job needs a command")
     return _jobs().submit(argv, working_dir, parsed.requirements, excludes=tuple(excludes), name=name,
-                          env=parsed.env, timeout=parsed.timeout, retries=parsed.retries, priority=priority, array=array,
+                          env=parsed.env, timeout=parsed.timeout, retries=parsed.retries, priority=priority,
+                          array=array,
                           limit_bytes=(limit_mb << 20) if limit_mb is not None else None)
 
 

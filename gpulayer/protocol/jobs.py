@@ -91,9 +91,9 @@ def check_array(value: Any) -> tuple[range, int] | str | None:
     if value is None:
         return None
     if not (isinstance(value, list) and len(value) == 3 and all(_count(v, MAX_ARRAY_INDEX) for v in value)
-            and value[0] <= value[1] and value[1] - value[0] < MAX_ARRAY_JOBS and value[2] <= value[1] - value[0] + 1):
+            and value[0] <= value[1] and value[1] - value[0] < MAX_ARRAY_JOBS and value[2] <= MAX_ARRAY_JOBS):
         return (f"an array is [first, last, limit]: indices from 0 to {MAX_ARRAY_INDEX}, first <= last, at most "
-                f"{MAX_ARRAY_JOBS} jobs, a limit from 0 (none) to their number")
+                f"{MAX_ARRAY_JOBS} jobs, a limit from 0 (none) to {MAX_ARRAY_JOBS}")
     return range(value[0], value[1] + 1), value[2]
 
 

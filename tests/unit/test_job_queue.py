@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from gpulayer.jobs.queue import FairQueue
-from gpulayer.jobs.store import QUEUED, JobStore
+from gpulayer.jobs.store import QUEUED, JobSpec, JobStore
+from gpulayer.protocol import jobs as job_protocol
 
 
 @dataclass(eq=False)
@@ -43,3 +44,22 @@ def test_a_state_folder_of_jobs_recorded_before_priorities_opens(tmp_path):
     row = JobStore(tmp_path / "state").get("x-1")
     assert row is not None and row.spec.priority == 0 and row.spec.share == "c1@10.0.0.1"
     assert row.public()["priority"] == 0
+
+
+@pytest.mark.parametrize("array", [[5, 4, 0], [0, 10_000, 0], [0, 9, 10_001], [-1, 3, 0], [0, 3], "0-3", [0, 3, True]])
+def test_a_malformed_array_is_refused_with_a_reason(array):
+    assert isinstance(job_protocol.check_array(array), str)
+
+
+def test_an_array_is_its_indices_and_its_limit_and_is_recorded_whole(tmp_path):
+    indices, limit = job_protocol.check_array([3, 7, 2])  # type: ignore[misc]
+    assert list(indices) == [3, 4, 5, 6, 7] and limit == 2 and job_protocol.check_array(None) is None
+    store = JobStore(tmp_path / "state")
+    rows = store.add_array(JobSpec(["sweep"]), 0, indices, limit)
+    assert [(r.spec.array, r.spec.index, r.spec.limit) for r in rows] == [(rows[0].id, i, 2) for i in range(3, 8)]
+
+
+@pytest.mark.parametrize("fields", [{"priority": 10 ** 7}, {"priority": 1.5}, {"priority": False},
+                                    {"user": "a@b"}, {"user": "x" * 65}, {"user": "\n"}])
+def test_a_bad_priority_or_user_is_refused(fields):
+    assert isinstance(job_protocol.check_spec({"command": ["true"], **fields}, "c@h"), str)
