@@ -195,7 +195,8 @@ def _jobs() -> JobsApi:
 
 def submit_job(command: list[str] | str, working_dir: str | None = ".", *, excludes: Iterable[str] = (),
                name: str = "", limit_mb: int | None = None, priority: int = 0,
-               array: tuple[int, int, int] | None = None, **options: Any) -> Job:
+               array: tuple[int, int, int] | None = None, preemptible: bool = False, grace: float | None = None,
+               **options: Any) -> Job:
     """Run `command` (a list of arguments, or one string split as a shell would) as a job on a matching
     peer, in a copy of `working_dir` (honouring .gitignore and `excludes`); returns its `Job` once a peer
     has recorded it. The job goes on when this process ends (docs/jobs.md).
@@ -204,9 +205,13 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     (what the peer must offer), timeout, retries, env. A peer starts its queued jobs highest `priority`
     first (docs/jobs.md, "The queue"). With `array=(first, last, limit)` the peer records one job per index
     (each sees GPULAYER_ARRAY_INDEX), at most `limit` of them running at once (0: no limit); the first
-    job is returned, and its id names the array (stop and wait act on all of its jobs).
+    job is returned, and its id names the array (stop and wait act on all of its jobs). A `preemptible`
+    job may be stopped for one of higher priority (SIGTERM, SIGKILL after `grace` s, default 30) and is
+    then queued again (GPULAYER_RESTARTS counts it).
     """
     import shlex
+
+    from .jobs.store import PREEMPT_GRACE_S
 
     parsed = TaskOptions.parse(options)
     no_keep(parsed, "gl.submit_job()")
@@ -215,7 +220,7 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
         raise ValueError("a job needs a command")
     return _jobs().submit(argv, working_dir, parsed.requirements, excludes=tuple(excludes), name=name,
                           env=parsed.env, timeout=parsed.timeout, retries=parsed.retries, priority=priority,
-                          array=array,
+                          array=array, preemptible=preemptible, grace=PREEMPT_GRACE_S if grace is None else grace,
                           limit_bytes=(limit_mb << 20) if limit_mb is not None else None)
 
 

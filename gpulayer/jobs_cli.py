@@ -74,7 +74,8 @@ def _submit(args: argparse.Namespace) -> int:
     if args.frameworks:
         options["frameworks"] = dict(_framework(spec) for spec in args.frameworks)
     job = submit_job(command, args.working_dir, excludes=args.exclude, name=args.name, priority=args.priority,
-                     array=args.array, **options)
+                     array=args.array, preemptible=args.preemptible, grace=args.grace,
+                     **options)
     print(job.id, flush=True)
     what = f"array {job.id} of {args.array[1] - args.array[0] + 1} jobs" if args.array else f"job {job.id}"
     print(f"gpulayer: {what} recorded on peer {job.peer}", file=sys.stderr)
@@ -193,6 +194,10 @@ def add_commands(sub: Any) -> None:
     submit.add_argument("--array", type=_array, default=None, metavar="FIRST-LAST[%LIMIT]",
                         help="one job per index (GPULAYER_ARRAY_INDEX), at most LIMIT running at once; "
                              "the id printed names the array")
+    submit.add_argument("--preemptible", action="store_true",
+                        help="it may be stopped for a job of higher priority, and is then queued again")
+    submit.add_argument("--grace", type=float, default=None, metavar="S",
+                        help="seconds from SIGTERM to SIGKILL when it is preempted (default 30)")
     submit.add_argument("--follow", "-f", action="store_true",
                         help="stream its output until it ends, exit with its exit code (Ctrl-C detaches)")
     submit.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")

@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, transfer
-from ..jobs.store import ENDED, JobSpec, check_job_id, holder_of
+from ..jobs.store import ENDED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
 from ..protocol import handshake, jobs as job_protocol, messages
 from ..transport import blocking, sockets
@@ -206,7 +206,8 @@ class Jobs:
     def submit(self, command: list[str], working_dir: str | os.PathLike[str] | None, req: Requirements, *,
                excludes: tuple[str, ...] = (), name: str = "", env: dict[str, str] | None = None,
                timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
-               function: bool = False, priority: int = 0, array: tuple[int, int, int] | None = None) -> Job:
+               function: bool = False, priority: int = 0, array: tuple[int, int, int] | None = None,
+               preemptible: bool = False, grace: float = PREEMPT_GRACE_S) -> Job:
         """Ship `working_dir` (none: an empty folder) and record the job on the best matching peer;
         returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent.
         With `array` (first, last, limit): one job per index on that peer, the first one returned (its id
@@ -214,10 +215,12 @@ class Jobs:
         if working_dir is None:
             with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
                 return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
-                                   function=function, priority=priority, array=array)
+                                   function=function, priority=priority, array=array, preemptible=preemptible,
+                                   grace=grace)
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
-                       retries=retries, function=function, priority=priority, user=_login())
+                       retries=retries, function=function, priority=priority, user=_login(), preemptible=preemptible,
+                       grace=grace)
         self.client.start()
         self.client.placement.wait_for_match(req, (), self.client.discovery_timeout)
         failures: dict[str, list[str]] = {}

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST = "queued", "running", "succeeded", "failed", "stopped", "lost"
-STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST)
+PREEMPTED = "preempted"  # being stopped for a job of higher priority; queued again once it stopped
+STATES = (QUEUED, RUNNING, PREEMPTED, SUCCEEDED, FAILED, STOPPED, LOST)
+PREEMPT_GRACE_S = 30.0  # the default of --grace: from SIGTERM to SIGKILL when a job is preempted
 ENDED = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
 
 RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of the peer's --job-retention-days and --job-retention-gb
@@ -81,6 +83,8 @@ class JobSpec:
     array: str = ""  # the id of its array's first job (`--array`), which names the array
     index: int | None = None  # its index in that array (GPULAYER_ARRAY_INDEX)
     limit: int = 0  # at most this many of its array run (or wait for a slot) at once; 0: no limit
+    preemptible: bool = False  # it may be stopped for a job of higher priority, and queued again
+    grace: float = PREEMPT_GRACE_S  # seconds from SIGTERM to SIGKILL when it is preempted
 
     @property
     def share(self) -> str:
@@ -105,13 +109,14 @@ class JobRow:
     pid: int | None = None
     pid_started: float | None = None
     folder_bytes: int = 0
+    restarts: int = 0  # how often it was preempted and queued again (GPULAYER_RESTARTS)
 
     def public(self) -> dict[str, Any]:
         """What a JOB_INFO reply carries for this job (no pid)."""
         return {"id": self.id, "name": self.spec.name, "state": self.state, "reason": self.reason,
                 "command": self.spec.command, "submitter": self.spec.submitter, "function": self.spec.function,
                 "priority": self.spec.priority, "user": self.spec.user, "array": self.spec.array,
-                "index": self.spec.index,
+                "index": self.spec.index, "preemptible": self.spec.preemptible, "restarts": self.restarts,
                 "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes}
 
@@ -141,6 +146,10 @@ class JobStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(_SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}
+        if "restarts" not in columns:  # a state folder of the jobs of issue 27
+            with self.db:
+                self.db.execute("ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0")
         self.holder = self._holder()
 
     def _holder(self) -> str:
@@ -207,7 +216,7 @@ class JobStore:
         return [_row(r) for r in self.db.execute(query, wanted)]
 
     def update(self, job_id: str, **values: Any) -> None:
-        """Change a job's columns (state, reason, started, ended, exit_code, attempts, pid, pid_started)."""
+        """Change a job's columns (state, reason, started, ended, exit_code, attempts, pid, pid_started, restarts)."""
         names = ", ".join(f"{name} = ?" for name in values)
         with self.db:
             self.db.execute(f"UPDATE jobs SET {names} WHERE id = ?", (*values.values(), job_id))
@@ -233,7 +242,7 @@ class JobStore:
         return removed
 
 
-_COLUMNS = "id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes"
+_COLUMNS = "id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes, restarts"
 
 
 def _row(values: tuple[Any, ...]) -> JobRow:

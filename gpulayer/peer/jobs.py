@@ -28,8 +28,8 @@ from typing import Any, Protocol
 import psutil
 
 from ..jobs import folder, shim, transfer
-from ..jobs.store import (ENDED, FAILED, LOST, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING, STOPPED, SUCCEEDED,
-                          JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of)
+from ..jobs.store import (ENDED, FAILED, LOST, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING, STOPPED,
+                          SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of)
 from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
@@ -104,7 +104,7 @@ class Run:
 
     task: ScheduledTask
     proc: asyncio.subprocess.Process | None = None
-    stopping: str = ""  # "stopped", "timeout", or "lost" (the peer stops)
+    stopping: str = ""  # "stopped", "timeout", "preempted", or "lost" (the peer stops)
     timer: asyncio.TimerHandle | None = None
     runner: asyncio.Task[None] | None = None  # `Jobs._run`, which records how it ended
 
@@ -157,6 +157,9 @@ class Jobs:
             self._append_log(row.id, "gpulayer: the peer stopped or died while this job ran: it is lost\n")
             self.store.update(row.id, state=LOST, ended=now, pid=None,
                               reason="its peer stopped or died while it ran (the log holds its output until then)")
+        for row in self.store.rows([PREEMPTED]):  # it was being preempted: it asked for that, so queue it again
+            _stop_leftover(row)
+            self.store.update(row.id, state=QUEUED, restarts=row.restarts + 1, pid=None)
         for row in self.store.rows([QUEUED]):
             self._enqueue(row)
         self._retain()
@@ -377,7 +380,29 @@ class Jobs:
                              share=row.spec.share)
         task.job = lambda group, env: self._start(row.id, task, env)
         self.queued[row.id] = task
-        self.scheduler.enqueue(task)
+        if not self.scheduler.enqueue(task):
+            self._preempt_for(row, task)
+
+    def _preempt_for(self, row: JobRow, task: ScheduledTask) -> None:
+        """`row` waits: stop one running preemptible job of lower priority whose slots it could start on
+        (the lowest priority, then the last started) for its grace, to queue it again once it stopped.
+        The waiting job, first in the queue's order, then takes the slots."""
+        victims = []
+        for job_id, run in self.runs.items():
+            held = self.store.get(job_id)
+            if held is not None and not run.stopping and held.spec.preemptible \
+                    and held.spec.priority < row.spec.priority and _could_start(task.req, run.task.group):
+                victims.append((held.spec.priority, -(held.started or 0.0), held, run))
+        if not victims:
+            return
+        _, _, victim, run = min(victims, key=lambda v: v[:2])
+        run.stopping = PREEMPTED
+        self.store.update(victim.id, state=PREEMPTED)
+        self._append_log(victim.id, f"gpulayer: preempted for job {row.id} (priority {row.spec.priority}); "
+                                    f"SIGTERM, SIGKILL after {victim.spec.grace:g} s, then queued again\n")
+        log.info("job %s preempted for job %s", victim.id, row.id)
+        _write_private(self.store.folder(victim.id) / GRACE_FILE, str(victim.spec.grace).encode())
+        _signal(run, signal.SIGTERM)
 
     def _start(self, job_id: str, task: ScheduledTask, slot_env: dict[str, str]) -> None:
         """The scheduler gave the job its slots: run it."""
@@ -389,6 +414,7 @@ class Jobs:
         array = {"GPULAYER_ARRAY_ID": row.spec.array, "GPULAYER_ARRAY_INDEX": str(row.spec.index)} \
             if row.spec.array else {}
         env = worker_env({**os.environ, **slot_env, **row.spec.env, "GPULAYER_JOB_ID": row.id, **array,
+                          "GPULAYER_RESTARTS": str(row.restarts),
                           "PYTHONUNBUFFERED": "1"})
         env["PATH"] = os.pathsep.join(p for p in (str(self.bin), env.get("PATH")) if p)
         if self._pythonpath:
@@ -423,15 +449,25 @@ class Jobs:
             if run.timer is not None:
                 run.timer.cancel()
             state, reason, code = _outcome(_read_status(home / STATUS_FILE), run.stopping, row.spec.timeout)
-            if state != FAILED or run.stopping == LOST or attempt > row.attempts + row.spec.retries:
+            if state != FAILED or run.stopping in (LOST, PREEMPTED) or attempt > row.attempts + row.spec.retries:
                 break
             self._append_log(job_id, f"gpulayer: attempt {attempt} {reason}; trying again\n")
             run.stopping = ""  # a timeout: the next run has its own
         self.runs.pop(job_id, None)
+        if run.stopping == PREEMPTED:  # its slots go to the job it made way for; it waits again
+            self.store.update(job_id, state=QUEUED, restarts=row.restarts + 1, pid=None)
+            self.scheduler.job_ended(run.task, PREEMPTED)
+            self._limited.pop(job_id, None)  # its array's place is taken again when it is queued again
+            return self._requeue(job_id)
         if run.stopping == LOST:  # the peer stops: recorded as lost, as after a crash
             state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
         self._end(job_id, state, reason, code)
         self.scheduler.job_ended(run.task, "ok" if state == SUCCEEDED else state)
+
+    def _requeue(self, job_id: str) -> None:
+        row = self.store.get(job_id)
+        if row is not None:
+            self._enqueue(row)
 
     def _time_out(self, job_id: str) -> None:
         run = self.runs.get(job_id)
@@ -445,7 +481,7 @@ class Jobs:
         if self._unpark(row) or (task is not None and self.scheduler.withdraw(task)):
             return self._end(row.id, STOPPED, "stopped before it started", None)
         run = self.runs.get(row.id)
-        if run is None or run.stopping:
+        if run is None or run.stopping not in ("", PREEMPTED):  # a stop ends a preempted job: not queued again
             return
         run.stopping = STOPPED
         _write_private(self.store.folder(row.id) / GRACE_FILE, str(grace).encode())
@@ -562,6 +598,12 @@ class Jobs:
                 "bad-request", f"job {row.id} is {row.state}: stop it first (`gpulayer stop {row.id}`)", msg["id"]))
         self.store.remove(row.id)
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
+
+
+def _could_start(req: Requirements, group: list[Slot]) -> bool:
+    """Whether a job of `req` could start on the slots of `group` once they are free."""
+    return len({s.device for s in group}) >= req.devices and all(
+        req.gpu_memory_gb is None or s.memory_gb is None or s.memory_gb >= req.gpu_memory_gb for s in group)
 
 
 def _outcome(status: dict[str, int] | None, stopping: str, timeout: float | None) -> tuple[str, str, int | None]:

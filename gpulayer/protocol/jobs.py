@@ -15,7 +15,7 @@ from typing import Any
 
 from ..checks import check_timeout
 from ..taskenv import check_env
-from ..jobs.store import JobSpec, check_job_id
+from ..jobs.store import PREEMPT_GRACE_S, JobSpec, check_job_id
 from . import messages
 
 MAX_COMMAND_ARGS = 4096
@@ -34,7 +34,7 @@ def submit(request_id: int, spec: JobSpec, files: list[list[Any]],
     (`Manifest.to_wire`); with `array` (first, last, limit), one job per index of first..last."""
     fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
               "timeout": spec.timeout, "retries": spec.retries, "function": spec.function,
-              "priority": spec.priority, "user": spec.user}
+              "priority": spec.priority, "user": spec.user, "preemptible": spec.preemptible, "grace": spec.grace}
     return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files,
             **({"array": list(array)} if array is not None else {})}
 
@@ -68,6 +68,9 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
     retries = fields.get("retries", 0)
     if not _count(retries, MAX_RETRIES):
         return f"retries is a whole number from 0 to {MAX_RETRIES}"
+    preemptible, grace = fields.get("preemptible", False), fields.get("grace", PREEMPT_GRACE_S)
+    if not isinstance(preemptible, bool) or not _number(grace, 0, MAX_GRACE_S):
+        return f"a job's 'preemptible' is a boolean and its 'grace' seconds from 0 to {MAX_GRACE_S:g}"
     priority, user = fields.get("priority", 0), fields.get("user", "")
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
         return f"a job's priority is a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}"
@@ -82,7 +85,7 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
         return str(exc)
     return JobSpec(command=command, name=name, env=env, req=fields.get("req", {}), timeout=timeout,
                    retries=retries, submitter=submitter, function=fields.get("function", False),
-                   priority=priority, user=user)
+                   priority=priority, user=user, preemptible=preemptible, grace=float(grace))
 
 
 def check_array(value: Any) -> tuple[range, int] | str | None:

@@ -102,3 +102,47 @@ def test_stop_of_an_array_stops_all_of_its_jobs_and_starts_none_held_back(jobs_p
     rows = [r for r in jobs.rows() if r.get("array") == array.id]
     assert len(rows) == 20 and {r["state"] for r in rows} == {"stopped"}
     assert len(list(started.iterdir())) == 2  # those its limit held back never started
+
+
+def _until_term(events: Path, name: str) -> str:
+    """A job that writes "<name> start <restarts>" and, on SIGTERM, "<name> term"; in its first run it
+    works until stopped, when restarted it ends."""
+    return ("import os, signal, sys, time\n"
+            f"events, name, restarts = {str(events)!r}, {name!r}, os.environ['GPULAYER_RESTARTS']\n"
+            "def write(line):\n    with open(events, 'a') as f:\n        f.write(line + '\\n')\n"
+            "def term(*_):\n    write(name + ' term')\n    sys.exit(143)\n"
+            "signal.signal(signal.SIGTERM, term)\n"
+            "write(f'{name} start {restarts}')\n"
+            "while restarts == '0':\n    time.sleep(0.05)\n")
+
+
+def test_a_preemptible_job_makes_way_for_a_higher_priority_and_runs_again(jobs_peer, tmp_path):
+    _, _, _, jobs = jobs_peer()
+    events = tmp_path / "events"
+    low = jobs.submit(["python", "-c", _until_term(events, "low")], None, _cpu(), preemptible=True, grace=20)
+    wait_until(lambda: events.exists() and events.read_text() == "low start 0\n", 60)
+    high = jobs.submit(_marker(events, "high"), None, _cpu(), priority=1)
+    assert high.wait(60) == "succeeded" and low.wait(60) == "succeeded"
+    assert events.read_text().splitlines() == ["low start 0", "low term", "high", "low start 1"]
+    assert low.info["restarts"] == 1 and high.info["restarts"] == 0
+    assert f"preempted for job {high.id}" in low.logs()
+
+
+def test_never_a_job_that_did_not_ask_nor_for_an_equal_priority(jobs_peer, tmp_path):
+    _, _, _, jobs = jobs_peer()
+    events = tmp_path / "events"
+    willing = jobs.submit(["python", "-c", _until_term(events, "willing")], None, _cpu(), preemptible=True,
+                          priority=3)
+    wait_until(lambda: events.exists() and "willing start 0" in events.read_text(), 60)
+    equal = jobs.submit(["python", "-c", _until_term(events, "unwilling")], None, _cpu(), priority=3)
+    # the peer decides as it queues a job, before it reads the next request: no preemption was begun
+    assert (willing.refresh().state, equal.refresh().state) == ("running", "queued")
+    assert willing.stop(grace=5) == "stopped"
+    wait_until(lambda: "unwilling start 0" in events.read_text(), 60)
+    urgent = jobs.submit(_marker(events, "urgent"), None, _cpu(), priority=9)
+    assert (equal.refresh().state, urgent.refresh().state) == ("running", "queued")
+    assert equal.stop(grace=5) == "stopped", (equal.info, equal.logs())
+    assert urgent.wait(60) == "succeeded"
+    assert events.read_text().splitlines() == ["willing start 0", "willing term", "unwilling start 0",
+                                               "unwilling term", "urgent"]
+    assert willing.refresh().info["restarts"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from dataclasses import dataclass
 
 import pytest
@@ -34,16 +35,26 @@ def test_priority_first_then_submitters_in_turn_then_first_come_first_served():
 
 
 def test_a_state_folder_of_jobs_recorded_before_priorities_opens(tmp_path):
-    store = JobStore(tmp_path / "state")
+    (tmp_path / "state").mkdir()
+    old = sqlite3.connect(tmp_path / "state" / "jobs.sqlite3")  # the table and the spec of issue 27's peers
+    old.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE jobs (n INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, spec TEXT NOT NULL,
+            state TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '', submitted REAL NOT NULL, started REAL,
+            ended REAL, exit_code INTEGER, attempts INTEGER NOT NULL DEFAULT 0, pid INTEGER, pid_started REAL,
+            folder_bytes INTEGER NOT NULL DEFAULT 0);""")
     old_spec = {"command": ["true"], "name": "old", "env": {}, "req": {}, "timeout": None, "retries": 0,
-                "submitter": "c1@10.0.0.1", "function": False}  # what issue 27's peers recorded
-    with store.db:
-        store.db.execute("INSERT INTO jobs (id, spec, state, submitted) VALUES ('x-1', ?, ?, 0)",
-                         (json.dumps(old_spec), QUEUED))
-    store.close()
-    row = JobStore(tmp_path / "state").get("x-1")
+                "submitter": "c1@10.0.0.1", "function": False}
+    with old:
+        old.execute("INSERT INTO jobs (id, spec, state, submitted) VALUES ('x-1', ?, ?, 0)",
+                    (json.dumps(old_spec), QUEUED))
+    old.close()
+    store = JobStore(tmp_path / "state")
+    row = store.get("x-1")
     assert row is not None and row.spec.priority == 0 and row.spec.share == "c1@10.0.0.1"
-    assert row.public()["priority"] == 0
+    assert row.restarts == 0 and not row.spec.preemptible and row.public()["priority"] == 0
+    store.update("x-1", restarts=1)
+    assert store.get("x-1").restarts == 1  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("array", [[5, 4, 0], [0, 10_000, 0], [0, 9, 10_001], [-1, 3, 0], [0, 3], "0-3", [0, 3, True]])
