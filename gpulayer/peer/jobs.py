@@ -433,7 +433,7 @@ class Jobs:
             self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
             try:
                 run.proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-I", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
+                    sys.executable, "-I", "-S", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
                     str(home / GRACE_FILE), "--", *row.spec.command, cwd=home / WORK_DIR, env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     start_new_session=True)
