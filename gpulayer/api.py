@@ -70,14 +70,16 @@ def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any] | J
     every keyword goes to fn.
 
     With detach=True the call runs as a job (docs/jobs.md): it goes on when this process ends, and
-    the `Job` returned gives its result later, from any process (`gl.job(job.id).result()`).
+    the `Job` returned gives its result later, from any process (`gl.job(job.id).result()`); with it,
+    priority=N orders it in its peer's queue (docs/jobs.md, "The queue").
     """
     detach = kwargs.pop("detach", False)
+    priority = kwargs.pop("priority", 0) if detach else 0
     options, kwargs = split_call(fn, args, kwargs)
     if detach:
         no_keep(options, "gl.submit(..., detach=True)")
         return _jobs().submit_function(fn, args, kwargs, options.requirements, timeout=options.timeout,
-                                       retries=options.retries, env=options.env)
+                                       retries=options.retries, env=options.env, priority=priority)
     return _submit(fn, args, kwargs, options)
 
 
@@ -192,15 +194,24 @@ def _jobs() -> JobsApi:
 
 
 def submit_job(command: list[str] | str, working_dir: str | None = ".", *, excludes: Iterable[str] = (),
-               name: str = "", limit_mb: int | None = None, **options: Any) -> Job:
+               name: str = "", limit_mb: int | None = None, priority: int = 0,
+               array: tuple[int, int, int] | None = None, preemptible: bool = False, grace: float | None = None,
+               **options: Any) -> Job:
     """Run `command` (a list of arguments, or one string split as a shell would) as a job on a matching
     peer, in a copy of `working_dir` (honouring .gitignore and `excludes`); returns its `Job` once a peer
     has recorded it. The job goes on when this process ends (docs/jobs.md).
 
     Options as for tasks: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
-    (what the peer must offer), timeout, retries, env.
+    (what the peer must offer), timeout, retries, env. A peer starts its queued jobs highest `priority`
+    first (docs/jobs.md, "The queue"). With `array=(first, last, limit)` the peer records one job per index
+    (each sees GPULAYER_ARRAY_INDEX), at most `limit` of them running at once (0: no limit); the first
+    job is returned, and its id names the array (stop and wait act on all of its jobs). A `preemptible`
+    job may be stopped for one of higher priority (SIGTERM, SIGKILL after `grace` s, default 30) and is
+    then queued again (GPULAYER_RESTARTS counts it).
     """
     import shlex
+
+    from .jobs.store import PREEMPT_GRACE_S
 
     parsed = TaskOptions.parse(options)
     no_keep(parsed, "gl.submit_job()")
@@ -208,7 +219,8 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     if not argv:
         raise ValueError("a job needs a command")
     return _jobs().submit(argv, working_dir, parsed.requirements, excludes=tuple(excludes), name=name,
-                          env=parsed.env, timeout=parsed.timeout, retries=parsed.retries,
+                          env=parsed.env, timeout=parsed.timeout, retries=parsed.retries, priority=priority,
+                          array=array, preemptible=preemptible, grace=PREEMPT_GRACE_S if grace is None else grace,
                           limit_bytes=(limit_mb << 20) if limit_mb is not None else None)
 
 

@@ -14,11 +14,8 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
-import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from .accelerators import CPU, CUDA, MPS
@@ -121,7 +118,7 @@ def _latency(run, n: int) -> dict:
         times.append(time.perf_counter() - started)
     times.sort()
     return {"n": n, "p50_ms": 1e3 * times[n // 2], "p99_ms": 1e3 * times[int(n * 0.99)],
-            "mean_ms": 1e3 * statistics.fmean(times)}
+            "mean_ms": 1e3 * sum(times) / n}
 
 
 def _bandwidth(run, nbytes: int) -> dict:
@@ -227,6 +224,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import platform
+    from datetime import datetime, timezone  # here: every gpulayer command builds this parser
+
     import gpulayer as gl
 
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so before measuring, not after

@@ -26,6 +26,19 @@ def _env(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _array(text: str) -> tuple[int, int, int]:
+    """'0-99%8' as (0, 99, 8): indices 0 to 99, at most 8 running at once; '5' is one index, no % no limit."""
+    span, _, limit = text.partition("%")
+    first, _, last = span.partition("-")
+    try:
+        values = int(first), int(last or first), int(limit or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIRST-LAST or FIRST-LAST%LIMIT (e.g. 0-99%8)") from None
+    if min(values) < 0 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: the indices are 0 or more and FIRST is at most LAST")
+    return values
+
+
 def _framework(text: str) -> tuple[str, str]:
     """'torch>=2.4' as ("torch", ">=2.4"); a bare name asks for any version."""
     cut = next((i for i, ch in enumerate(text) if ch in "<>=!~"), len(text))
@@ -60,9 +73,12 @@ def _submit(args: argparse.Namespace) -> int:
             options[name] = getattr(args, name)
     if args.frameworks:
         options["frameworks"] = dict(_framework(spec) for spec in args.frameworks)
-    job = submit_job(command, args.working_dir, excludes=args.exclude, name=args.name, **options)
+    job = submit_job(command, args.working_dir, excludes=args.exclude, name=args.name, priority=args.priority,
+                     array=args.array, preemptible=args.preemptible, grace=args.grace,
+                     **options)
     print(job.id, flush=True)
-    print(f"gpulayer: job {job.id} recorded on peer {job.peer}", file=sys.stderr)
+    what = f"array {job.id} of {args.array[1] - args.array[0] + 1} jobs" if args.array else f"job {job.id}"
+    print(f"gpulayer: {what} recorded on peer {job.peer}", file=sys.stderr)
     return _follow(job) if args.follow else 0
 
 
@@ -78,15 +94,40 @@ def _list(args: argparse.Namespace) -> int:
     if not rows:
         print("no jobs")
         return 0
-    header = ("ID", "NAME", "STATE", "PEER", "SUBMITTER", "SUBMITTED", "STARTED", "ENDED", "EXIT")
+    header = ("ID", "NAME", "STATE", "PRI", "PEER", "SUBMITTER", "SUBMITTED", "STARTED", "ENDED", "EXIT")
     table = [header] + [(str(r.get("id")), str(r.get("name") or "")[:24], str(r.get("state")),
-                         str(r.get("peer")), str(r.get("submitter") or "")[:24], _when(r.get("submitted")),
-                         _when(r.get("started")), _when(r.get("ended")),
-                         "" if r.get("exit_code") is None else str(r.get("exit_code"))) for r in rows]
+                         str(r.get("priority") or 0), str(r.get("peer")), str(r.get("submitter") or "")[:24],
+                         _when(r.get("submitted")), _when(r.get("started")), _when(r.get("ended")),
+                         "" if r.get("exit_code") is None else str(r.get("exit_code"))) for r in _grouped(rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return 0
+
+
+def _grouped(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with each array's jobs as one row: its id with its indices, its jobs counted by state."""
+    arrays: dict[str, list[dict[str, Any]]] = {}
+    shown: list[dict[str, Any]] = []
+    for row in rows:
+        if not row.get("array"):
+            shown.append(row)
+        elif row["array"] not in arrays:
+            arrays[row["array"]] = [row]
+            shown.append({**row, "members": arrays[row["array"]]})
+        else:
+            arrays[row["array"]].append(row)
+    for row in shown:
+        members = row.pop("members", None)
+        if members:
+            indices = sorted(m.get("index") or 0 for m in members)
+            states = [str(m.get("state")) for m in members]
+            ended = [m.get("ended") for m in members]
+            row.update(id=f"{row['array']}[{indices[0]}-{indices[-1]}]",
+                       state=", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states)),
+                       started=min((m["started"] for m in members if m.get("started")), default=None),
+                       ended=None if None in ended else max(ended), exit_code=None)
+    return shown
 
 
 def _logs(args: argparse.Namespace) -> int:
@@ -148,6 +189,15 @@ def add_commands(sub: Any) -> None:
                         help="a variable of the job's environment (repeatable)")
     submit.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop it after this long")
     submit.add_argument("--retries", type=int, default=0, help="run it again this often after a failure")
+    submit.add_argument("--priority", type=int, default=0, metavar="N",
+                        help="a peer starts its queued jobs highest priority first (default 0)")
+    submit.add_argument("--array", type=_array, default=None, metavar="FIRST-LAST[%LIMIT]",
+                        help="one job per index (GPULAYER_ARRAY_INDEX), at most LIMIT running at once; "
+                             "the id printed names the array")
+    submit.add_argument("--preemptible", action="store_true",
+                        help="it may be stopped for a job of higher priority, and is then queued again")
+    submit.add_argument("--grace", type=float, default=None, metavar="S",
+                        help="seconds from SIGTERM to SIGKILL when it is preempted (default 30)")
     submit.add_argument("--follow", "-f", action="store_true",
                         help="stream its output until it ends, exit with its exit code (Ctrl-C detaches)")
     submit.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")

@@ -17,7 +17,6 @@ moved to the CPU: a result that holds a CUDA or MPS tensor arrives as a CPU tens
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import io
 import os
 import pickle
@@ -88,6 +87,8 @@ def _provided(top: str) -> bool:
 def _tops_in(folder: str) -> frozenset[str]:
     """The top-level modules of the distributions installed in `folder` (pip's `.dist-info`; a project's
     own `.egg-info`, which `pip install -e` leaves in its source folder, does not count)."""
+    import importlib.metadata  # here: the job commands import this module but never pickle a local module
+
     try:
         entries = [entry for entry in os.listdir(folder) if entry.endswith(".dist-info")]
     except OSError:

@@ -8,6 +8,7 @@ of them holds it (a job id names its holder). The Client is used for discovery a
 
 from __future__ import annotations
 
+import getpass
 import os
 import socket
 import tempfile
@@ -20,7 +21,7 @@ from typing import IO, Any
 
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, transfer
-from ..jobs.store import ENDED, JobSpec, check_job_id, holder_of
+from ..jobs.store import ENDED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
 from ..protocol import handshake, jobs as job_protocol, messages
 from ..transport import blocking, sockets
@@ -205,23 +206,28 @@ class Jobs:
     def submit(self, command: list[str], working_dir: str | os.PathLike[str] | None, req: Requirements, *,
                excludes: tuple[str, ...] = (), name: str = "", env: dict[str, str] | None = None,
                timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
-               function: bool = False) -> Job:
+               function: bool = False, priority: int = 0, array: tuple[int, int, int] | None = None,
+               preemptible: bool = False, grace: float = PREEMPT_GRACE_S) -> Job:
         """Ship `working_dir` (none: an empty folder) and record the job on the best matching peer;
-        returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent."""
+        returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent.
+        With `array` (first, last, limit): one job per index on that peer, the first one returned (its id
+        names the array)."""
         if working_dir is None:
             with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
                 return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
-                                   function=function)
+                                   function=function, priority=priority, array=array, preemptible=preemptible,
+                                   grace=grace)
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
-                       retries=retries, function=function)
+                       retries=retries, function=function, priority=priority, user=_login(), preemptible=preemptible,
+                       grace=grace)
         self.client.start()
         self.client.placement.wait_for_match(req, (), self.client.discovery_timeout)
         failures: dict[str, list[str]] = {}
         for record in self.client.placement.ranked(req):
             try:
                 with JobLink(self.client, record.addresses) as link:
-                    info = _submit_over(link, spec, manifest)
+                    info = _submit_over(link, spec, manifest, array)
             except (PeerLost, JobError) as exc:
                 if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
                     raise
@@ -250,9 +256,18 @@ class Jobs:
         return JobLink(self.client, holder.addresses)
 
 
-def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest) -> messages.Message:
+def _login() -> str:
+    """This process's login name, as a job's user (its share of a peer's slots is its user@host's)."""
+    try:
+        return getpass.getuser().replace("@", "_")[:64]
+    except (KeyError, OSError):
+        return ""
+
+
+def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest,
+                 array: tuple[int, int, int] | None) -> messages.Message:
     """JOB_SUBMIT, then the blobs the peer lacks; the peer's JOB_INFO once it recorded the job."""
-    request_id = link.send(job_protocol.submit(0, spec, manifest.to_wire()))
+    request_id = link.send(job_protocol.submit(0, spec, manifest.to_wire(), array))
     need = link.answer(request_id, timeout=60.0).get("need") or []
     transfer.push_blobs(link.conn, manifest, need, request_id)
     return link.answer(request_id, timeout=None if need else 60.0)

@@ -1,4 +1,4 @@
-"""A job's supervisor: `python -I shim.py LOG STATUS GRACE_FILE -- COMMAND...`, started by the peer in a
+"""A job's supervisor: `python -I -S shim.py LOG STATUS GRACE_FILE -- COMMAND...`, started by the peer in a
 session of its own, in the job's folder, with the job's environment.
 
 It runs COMMAND with stdout and stderr both on the log (in the order written), and stays the parent
@@ -8,8 +8,8 @@ COMMAND ends, or on SIGTERM (the peer's stop or timeout), every descendant gets 
 SIGKILL after the seconds that GRACE_FILE holds (DEFAULT_GRACE_S when it holds none: the peer writes
 it before a stop); then it writes {"code": N} or {"signal": N} to STATUS and exits.
 
-It runs with the peer's interpreter (psutil, imported when the tree is signalled, and the standard
-library; no gpulayer import), so
+It runs with the peer's interpreter, isolated and without site (its start costs no site-packages;
+psutil, with site, is imported when a tree is signalled; no gpulayer import), so
 that a peer killed with -9 leaves a supervisor that the restarted peer can still stop by its pid.
 """
 
@@ -35,7 +35,11 @@ def become_subreaper() -> None:
 
 def signal_tree(sig: int) -> None:
     """Send `sig` to every descendant of this process (again for what forked meanwhile, with SIGKILL)."""
-    import psutil  # here: a job whose tree ends by itself never pays for it at start
+    if "psutil" not in sys.modules and sys.flags.no_site:
+        import site
+
+        site.main()  # started with -S: the site-packages (psutil's) are added only when a tree is signalled
+    import psutil  # here: a job whose tree ends by itself never pays for it (nor for site) at start
 
     for _ in range(5):  # again, for what forked meanwhile
         try:

@@ -19,12 +19,14 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST = "queued", "running", "succeeded", "failed", "stopped", "lost"
-STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST)
+PREEMPTED = "preempted"  # being stopped for a job of higher priority; queued again once it stopped
+STATES = (QUEUED, RUNNING, PREEMPTED, SUCCEEDED, FAILED, STOPPED, LOST)
+PREEMPT_GRACE_S = 30.0  # the default of --grace: from SIGTERM to SIGKILL when a job is preempted
 ENDED = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
 
 RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of the peer's --job-retention-days and --job-retention-gb
@@ -76,6 +78,19 @@ class JobSpec:
     retries: int = 0
     submitter: str = ""  # the submitter's id (its AUTH's "client") and host, for `gpulayer jobs`
     function: bool = False  # a function job (gl.submit(..., detach=True)): its result is a file of its folder
+    priority: int = 0  # higher starts first (docs/jobs.md, "The queue")
+    user: str = ""  # the submitter's login name, as it says: its share of the slots is its user@host's
+    array: str = ""  # the id of its array's first job (`--array`), which names the array
+    index: int | None = None  # its index in that array (GPULAYER_ARRAY_INDEX)
+    limit: int = 0  # at most this many of its array run (or wait for a slot) at once; 0: no limit
+    preemptible: bool = False  # it may be stopped for a job of higher priority, and queued again
+    grace: float = PREEMPT_GRACE_S  # seconds from SIGTERM to SIGKILL when it is preempted
+
+    @property
+    def share(self) -> str:
+        """Whose share of the slots the job counts in: its user at its submitter's host."""
+        host = self.submitter.rsplit("@", 1)[-1]
+        return f"{self.user}@{host}" if self.user else self.submitter
 
 
 @dataclass
@@ -94,11 +109,14 @@ class JobRow:
     pid: int | None = None
     pid_started: float | None = None
     folder_bytes: int = 0
+    restarts: int = 0  # how often it was preempted and queued again (GPULAYER_RESTARTS)
 
     def public(self) -> dict[str, Any]:
         """What a JOB_INFO reply carries for this job (no pid)."""
         return {"id": self.id, "name": self.spec.name, "state": self.state, "reason": self.reason,
                 "command": self.spec.command, "submitter": self.spec.submitter, "function": self.spec.function,
+                "priority": self.spec.priority, "user": self.spec.user, "array": self.spec.array,
+                "index": self.spec.index, "preemptible": self.spec.preemptible, "restarts": self.restarts,
                 "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes}
 
@@ -128,6 +146,10 @@ class JobStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(_SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}
+        if "restarts" not in columns:  # a state folder of the jobs of issue 27
+            with self.db:
+                self.db.execute("ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0")
         self.holder = self._holder()
 
     def _holder(self) -> str:
@@ -161,6 +183,21 @@ class JobStore:
         assert row is not None
         return row
 
+    def add_array(self, spec: JobSpec, folder_bytes: int, indices: range, limit: int) -> list[JobRow]:
+        """Record one queued job per index, in one transaction (all or none); the first one's id names
+        the array."""
+        now = time.time()
+        ids: list[str] = []
+        with self.db:
+            for index in indices:
+                cursor = self.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes) "
+                                         "VALUES ('', '', ?, ?, ?)", (QUEUED, now, folder_bytes))
+                ids.append(f"{self.holder}-{cursor.lastrowid}")
+                member = replace(spec, array=ids[0], index=index, limit=limit)
+                self.db.execute("UPDATE jobs SET id = ?, spec = ? WHERE n = ?",
+                                (ids[-1], json.dumps(asdict(member)), cursor.lastrowid))
+        return [row for row in map(self.get, ids) if row is not None]
+
     def reserve(self) -> str:
         """A fresh private folder for a job being received (renamed to the job's once it is recorded)."""
         path = self.jobs_dir / f"incoming-{secrets.token_hex(8)}"
@@ -179,7 +216,7 @@ class JobStore:
         return [_row(r) for r in self.db.execute(query, wanted)]
 
     def update(self, job_id: str, **values: Any) -> None:
-        """Change a job's columns (state, reason, started, ended, exit_code, attempts, pid, pid_started)."""
+        """Change a job's columns (state, reason, started, ended, exit_code, attempts, pid, pid_started, restarts)."""
         names = ", ".join(f"{name} = ?" for name in values)
         with self.db:
             self.db.execute(f"UPDATE jobs SET {names} WHERE id = ?", (*values.values(), job_id))
@@ -205,7 +242,7 @@ class JobStore:
         return removed
 
 
-_COLUMNS = "id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes"
+_COLUMNS = "id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes, restarts"
 
 
 def _row(values: tuple[Any, ...]) -> JobRow:

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import security
 from ..errors import GPULayerError
-from ..protocol import framing
-from ..resources import detect, override
 from ..taskenv import SLOT_ENV_PREFIX
 from ..jobs.store import RETENTION_DAYS, RETENTION_GB
 
@@ -64,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
-    parser.add_argument("--ready-file", default=None, help="write {port, peer_id, name} as JSON here once serving")
+    parser.add_argument("--ready-file", default=None, help="write {port, peer_id, name, instance} as JSON here once serving")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -93,7 +89,7 @@ def key_from_invite(args: argparse.Namespace) -> None:
     """Run an invite's exchange for `args.invite` with the peer at a --seed, else with the peers heard
     over mDNS; write the key 0600 to --key-file (default ~/.config/gpulayer/key), which must not exist
     yet, and point `args.key_file` at it."""
-    from .. import invite
+    from .. import invite, security
     from ..discovery import configured_interfaces, every_peer
 
     invite.parse_code(args.invite)  # a typo fails here, before any look-up
@@ -119,8 +115,10 @@ def _workdir(text: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
-    from .server import PeerConfig  # here: `gpulayer submit` and the other commands build this parser too
-    from .. import discovery
+    from .server import PeerConfig  # here and below: `gpulayer submit` and the other commands build this parser too
+    from .. import discovery, security
+    from ..protocol import framing
+    from ..resources import detect, override
     from ..discovery import check_name, configured_interfaces
 
     name = check_name(args.name)  # before the slow part: a name that cannot be advertised fails at once
@@ -151,7 +149,10 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     )
 
 
+
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s gpulayer-peer %(levelname)s %(message)s")
     os.environ.update(args.env)
@@ -169,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         if args.ready_file:  # written whole, then renamed: whoever waits for it never reads half of it
             partial = f"{args.ready_file}.partial"
             with open(partial, "w") as f:
-                json.dump({"port": peer.port, "peer_id": peer.peer_id, "name": peer.name}, f)
+                json.dump({"port": peer.port, "peer_id": peer.peer_id, "name": peer.name,
+                           "instance": peer.instance}, f)
             os.replace(partial, args.ready_file)
 
     try:

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 import psutil
 
 from ..jobs import folder, shim, transfer
-from ..jobs.store import (ENDED, FAILED, LOST, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING, STOPPED, SUCCEEDED,
-                          JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of)
+from ..jobs.store import (ENDED, FAILED, LOST, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING, STOPPED,
+                          SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of)
 from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
@@ -95,6 +95,7 @@ class Upload:
     spec: JobSpec
     manifest: folder.Manifest
     receiver: transfer.BlobReceiver
+    array: tuple[range, int] | None = None  # an array's indices and limit (`--array 0-99%8`)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class Run:
 
     task: ScheduledTask
     proc: asyncio.subprocess.Process | None = None
-    stopping: str = ""  # "stopped", "timeout", or "lost" (the peer stops)
+    stopping: str = ""  # "stopped", "timeout", "preempted", or "lost" (the peer stops)
     timer: asyncio.TimerHandle | None = None
     runner: asyncio.Task[None] | None = None  # `Jobs._run`, which records how it ended
 
@@ -124,6 +125,8 @@ class Jobs:
         self._pythonpath = job_pythonpath(python)
         self.runs: dict[str, Run] = {}
         self.queued: dict[str, ScheduledTask] = {}
+        self._limited: dict[str, str] = {}  # the queued or running jobs of arrays with a limit: id -> array
+        self._parked: dict[str, list[str]] = {}  # array -> its jobs held back by its limit, in order
         self._uploads: dict[tuple[object, int], Upload] = {}
         self._ended: dict[str, list[asyncio.Future[None]]] = {}
         for leftover in self.store.jobs_dir.glob("incoming-*"):  # a receipt cut by a crash: never recorded
@@ -154,6 +157,9 @@ class Jobs:
             self._append_log(row.id, "gpulayer: the peer stopped or died while this job ran: it is lost\n")
             self.store.update(row.id, state=LOST, ended=now, pid=None,
                               reason="its peer stopped or died while it ran (the log holds its output until then)")
+        for row in self.store.rows([PREEMPTED]):  # it was being preempted: it asked for that, so queue it again
+            _stop_leftover(row)
+            self.store.update(row.id, state=QUEUED, restarts=row.restarts + 1, pid=None)
         for row in self.store.rows([QUEUED]):
             self._enqueue(row)
         self._retain()
@@ -195,10 +201,12 @@ class Jobs:
         if row is None:
             return
         if kind == messages.JOB_STOP:
-            self.stop(row, msg.get("grace", job_protocol.DEFAULT_GRACE_S))
-            return self._answer_when(conn, msg, lambda: self._row_ended(row.id))
+            members = self._members(row)
+            for member in members:
+                self.stop(member, msg.get("grace", job_protocol.DEFAULT_GRACE_S))
+            return self._answer_when(conn, msg, [m.id for m in members])
         if kind == messages.JOB_WAIT:
-            return self._answer_when(conn, msg, lambda: self._row_ended(row.id), msg.get("timeout"))
+            return self._answer_when(conn, msg, [m.id for m in self._members(row)], msg.get("timeout"))
         if kind == messages.JOB_RM:
             return self._remove(conn, msg, row)
         if kind == messages.JOB_LOGS:
@@ -241,21 +249,39 @@ class Jobs:
         row = self.store.get(job_id)
         return row is None or row.state in ENDED
 
-    def _answer_when(self, conn: JobConnection, msg: messages.Message, done: Callable[[], bool],
+    def _members(self, row: JobRow) -> list[JobRow]:
+        """The jobs a request for `row` acts on: the whole array when `row` names one (its first job),
+        those its limit holds back first (so that stopping the others starts none of them); else `row`."""
+        if row.spec.array != row.id:
+            return [row]
+        parked = set(self._parked.get(row.id, ()))
+        members = [r for r in self.store.rows() if r.spec.array == row.id]
+        return sorted(members, key=lambda r: r.id not in parked)
+
+    def _answer_when(self, conn: JobConnection, msg: messages.Message, job_ids: list[str],
                      timeout: float | None = None) -> None:
-        """Answer with the job's JOB_INFO once `done()` (or after `timeout` seconds)."""
+        """Answer with the JOB_INFO of the request's job once all of `job_ids` ended (or after `timeout` s)."""
         async def answer() -> None:
-            if not done():
-                waiter = self._loop().create_future()
-                waiting = self._ended.setdefault(msg["job"], [])
-                waiting.append(waiter)
-                try:
-                    await asyncio.wait_for(waiter, timeout)
-                except asyncio.TimeoutError:
-                    waiting.remove(waiter)
+            try:
+                await asyncio.wait_for(self._all_ended(job_ids), timeout)
+            except asyncio.TimeoutError:
+                pass
             self._info(conn, msg)
 
         self.scheduler.spawn(answer())
+
+    async def _all_ended(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            if self._row_ended(job_id):
+                continue
+            waiter = self._loop().create_future()
+            waiting = self._ended.setdefault(job_id, [])
+            waiting.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in waiting:
+                    waiting.remove(waiter)
 
     def _info(self, conn: JobConnection, msg: messages.Message, **extra: Any) -> None:
         row = self.store.get(msg["job"])
@@ -270,8 +296,11 @@ class Jobs:
     def _submit(self, conn: JobConnection, msg: messages.Message, draining: bool) -> None:
         request_id = msg.get("id")
         spec = job_protocol.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
-        if isinstance(spec, str) or not isinstance(request_id, int) or (conn, request_id) in self._uploads:
-            problem = spec if isinstance(spec, str) else "a JOB_SUBMIT needs an integer 'id' not in use on this connection"
+        array = job_protocol.check_array(msg.get("array"))
+        if isinstance(spec, str) or isinstance(array, str) or not isinstance(request_id, int) \
+                or (conn, request_id) in self._uploads:
+            problem = spec if isinstance(spec, str) else array if isinstance(array, str) else \
+                "a JOB_SUBMIT needs an integer 'id' not in use on this connection"
             return conn.channel.write(messages.error("bad-request", problem, request_id))
         try:
             req = Requirements.from_wire(spec.req)
@@ -285,7 +314,7 @@ class Jobs:
             return conn.channel.write(messages.error("busy", "the peer is shutting down", request_id))
         need = self.blobs.missing(manifest.blobs())
         receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need})
-        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver)
+        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, array)
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
         if not need:
             self._record(conn, request_id)
@@ -311,21 +340,29 @@ class Jobs:
             upload.receiver.abort()
 
     def _record(self, conn: JobConnection, request_id: int) -> None:
-        """Build the job's folder from the blobs, record the job (durably), then acknowledge it."""
+        """Build the job's folder from the blobs (one per job of an array), record the job or the array's
+        jobs (durably, in one transaction), then acknowledge it with the (first) job."""
         upload = self._uploads.pop((conn, request_id))
-        incoming = Path(self.store.reserve())
+        incoming = [Path(self.store.reserve()) for _ in (upload.array[0] if upload.array else [None])]
         try:
-            folder.materialise(upload.manifest, self.blobs, incoming / WORK_DIR)
+            for path in incoming:
+                folder.materialise(upload.manifest, self.blobs, path / WORK_DIR)
+                _write_private(path / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
         except (OSError, folder.FolderError) as exc:
-            shutil.rmtree(incoming, ignore_errors=True)
+            for path in incoming:
+                shutil.rmtree(path, ignore_errors=True)
             return conn.channel.write(messages.error("bad-request", f"the job's folder cannot be built: {exc}",
                                                  request_id))
-        _write_private(incoming / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
-        row = self.store.add(upload.spec, upload.manifest.total_bytes)
-        os.replace(incoming, self.store.folder(row.id))
-        log.info("job %s recorded from %s: %s", row.id, conn.address, shlex.join(row.spec.command))
-        conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": row.public()})
-        self._enqueue(row)
+        size = upload.manifest.total_bytes
+        rows = self.store.add_array(upload.spec, size, *upload.array) if upload.array \
+            else [self.store.add(upload.spec, size)]
+        for path, row in zip(incoming, rows):
+            os.replace(path, self.store.folder(row.id))
+        log.info("job %s%s recorded from %s: %s", rows[0].id, f" (an array of {len(rows)})" if upload.array else "",
+                 conn.address, shlex.join(upload.spec.command))
+        conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
+        for row in rows:
+            self._enqueue(row)
 
     # ---- running ----------------------------------------------------------------------------
 
@@ -333,11 +370,39 @@ class Jobs:
         work = self.store.folder(row.id) / WORK_DIR
         if not work.is_dir():
             return self._end(row.id, FAILED, "its folder on the peer is gone", None)
+        if row.spec.limit:
+            if sum(array == row.spec.array for array in self._limited.values()) >= row.spec.limit:
+                self._parked.setdefault(row.spec.array, []).append(row.id)
+                return
+            self._limited[row.id] = row.spec.array
         task = ScheduledTask(JobOwner(row.id), 0, {"name": row.spec.name or row.spec.command[0]}, None,
-                             Requirements.from_wire(row.spec.req), None)
+                             Requirements.from_wire(row.spec.req), None, priority=row.spec.priority,
+                             share=row.spec.share)
         task.job = lambda group, env: self._start(row.id, task, env)
         self.queued[row.id] = task
-        self.scheduler.enqueue(task)
+        if not self.scheduler.enqueue(task):
+            self._preempt_for(row, task)
+
+    def _preempt_for(self, row: JobRow, task: ScheduledTask) -> None:
+        """`row` waits: stop one running preemptible job of lower priority whose slots it could start on
+        (the lowest priority, then the last started) for its grace, to queue it again once it stopped.
+        The waiting job, first in the queue's order, then takes the slots."""
+        victims = []
+        for job_id, run in self.runs.items():
+            held = self.store.get(job_id)
+            if held is not None and not run.stopping and held.spec.preemptible \
+                    and held.spec.priority < row.spec.priority and _could_start(task.req, run.task.group):
+                victims.append((held.spec.priority, -(held.started or 0.0), held, run))
+        if not victims:
+            return
+        _, _, victim, run = min(victims, key=lambda v: v[:2])
+        run.stopping = PREEMPTED
+        self.store.update(victim.id, state=PREEMPTED)
+        self._append_log(victim.id, f"gpulayer: preempted for job {row.id} (priority {row.spec.priority}); "
+                                    f"SIGTERM, SIGKILL after {victim.spec.grace:g} s, then queued again\n")
+        log.info("job %s preempted for job %s", victim.id, row.id)
+        _write_private(self.store.folder(victim.id) / GRACE_FILE, str(victim.spec.grace).encode())
+        _signal(run, signal.SIGTERM)
 
     def _start(self, job_id: str, task: ScheduledTask, slot_env: dict[str, str]) -> None:
         """The scheduler gave the job its slots: run it."""
@@ -346,7 +411,10 @@ class Jobs:
         run.runner = self.scheduler.spawn(self._run(job_id, run, slot_env))
 
     def _environment(self, row: JobRow, slot_env: dict[str, str]) -> dict[str, str]:
-        env = worker_env({**os.environ, **slot_env, **row.spec.env, "GPULAYER_JOB_ID": row.id,
+        array = {"GPULAYER_ARRAY_ID": row.spec.array, "GPULAYER_ARRAY_INDEX": str(row.spec.index)} \
+            if row.spec.array else {}
+        env = worker_env({**os.environ, **slot_env, **row.spec.env, "GPULAYER_JOB_ID": row.id, **array,
+                          "GPULAYER_RESTARTS": str(row.restarts),
                           "PYTHONUNBUFFERED": "1"})
         env["PATH"] = os.pathsep.join(p for p in (str(self.bin), env.get("PATH")) if p)
         if self._pythonpath:
@@ -365,7 +433,7 @@ class Jobs:
             self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
             try:
                 run.proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-I", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
+                    sys.executable, "-I", "-S", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
                     str(home / GRACE_FILE), "--", *row.spec.command, cwd=home / WORK_DIR, env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     start_new_session=True)
@@ -381,15 +449,25 @@ class Jobs:
             if run.timer is not None:
                 run.timer.cancel()
             state, reason, code = _outcome(_read_status(home / STATUS_FILE), run.stopping, row.spec.timeout)
-            if state != FAILED or run.stopping == LOST or attempt > row.attempts + row.spec.retries:
+            if state != FAILED or run.stopping in (LOST, PREEMPTED) or attempt > row.attempts + row.spec.retries:
                 break
             self._append_log(job_id, f"gpulayer: attempt {attempt} {reason}; trying again\n")
             run.stopping = ""  # a timeout: the next run has its own
         self.runs.pop(job_id, None)
+        if run.stopping == PREEMPTED:  # its slots go to the job it made way for; it waits again
+            self.store.update(job_id, state=QUEUED, restarts=row.restarts + 1, pid=None)
+            self.scheduler.job_ended(run.task, PREEMPTED)
+            self._limited.pop(job_id, None)  # its array's place is taken again when it is queued again
+            return self._requeue(job_id)
         if run.stopping == LOST:  # the peer stops: recorded as lost, as after a crash
             state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
         self._end(job_id, state, reason, code)
         self.scheduler.job_ended(run.task, "ok" if state == SUCCEEDED else state)
+
+    def _requeue(self, job_id: str) -> None:
+        row = self.store.get(job_id)
+        if row is not None:
+            self._enqueue(row)
 
     def _time_out(self, job_id: str) -> None:
         run = self.runs.get(job_id)
@@ -400,10 +478,10 @@ class Jobs:
     def stop(self, row: JobRow, grace: float) -> None:
         """SIGTERM to the job's process tree, SIGKILL after `grace` s; a queued job just ends, stopped."""
         task = self.queued.pop(row.id, None)
-        if task is not None and self.scheduler.withdraw(task):
+        if self._unpark(row) or (task is not None and self.scheduler.withdraw(task)):
             return self._end(row.id, STOPPED, "stopped before it started", None)
         run = self.runs.get(row.id)
-        if run is None or run.stopping:
+        if run is None or run.stopping not in ("", PREEMPTED):  # a stop ends a preempted job: not queued again
             return
         run.stopping = STOPPED
         _write_private(self.store.folder(row.id) / GRACE_FILE, str(grace).encode())
@@ -415,7 +493,30 @@ class Jobs:
         for waiter in self._ended.pop(job_id, []):
             if not waiter.done():
                 waiter.set_result(None)
+        array = self._limited.pop(job_id, None)
+        if array is not None:  # a place of its array's limit is free: the next of its jobs held back goes
+            self._release_parked(array)
         self._retain()
+
+    def _unpark(self, row: JobRow) -> bool:
+        """Take a job that its array's limit holds back out of the waiting line; False if it is not there."""
+        parked = self._parked.get(row.spec.array)
+        if not parked or row.id not in parked:
+            return False
+        parked.remove(row.id)
+        if not parked:
+            del self._parked[row.spec.array]
+        return True
+
+    def _release_parked(self, array: str) -> None:
+        parked = self._parked.get(array)
+        if not parked:
+            return
+        row = self.store.get(parked.pop(0))
+        if not parked:
+            del self._parked[array]
+        if row is not None and row.state == QUEUED:
+            self._enqueue(row)
 
     def _retain(self) -> None:
         """Apply the retention limits; when jobs went, so does the content that only they held."""
@@ -497,6 +598,12 @@ class Jobs:
                 "bad-request", f"job {row.id} is {row.state}: stop it first (`gpulayer stop {row.id}`)", msg["id"]))
         self.store.remove(row.id)
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
+
+
+def _could_start(req: Requirements, group: list[Slot]) -> bool:
+    """Whether a job of `req` could start on the slots of `group` once they are free."""
+    return len({s.device for s in group}) >= req.devices and all(
+        req.gpu_memory_gb is None or s.memory_gb is None or s.memory_gb >= req.gpu_memory_gb for s in group)
 
 
 def _outcome(status: dict[str, int] | None, stopping: str, timeout: float | None) -> tuple[str, str, int | None]:

@@ -15,7 +15,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from itertools import islice
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 from .. import accelerators
 from .activity import Activity
 from ..errors import WorkerDied
+from ..jobs.queue import FairQueue
 from ..matching import MEMORY_SLACK_GB, Requirements
 from ..protocol import messages
 from ..resources.model import Resources
@@ -87,6 +87,8 @@ class ScheduledTask:
     # a job (peer/jobs.py): started by calling this with its slots and their device variables; it runs
     # a process of its own and hands the slots back with `job_ended`
     job: Callable[[list[Slot], dict[str, str]], None] | None = None
+    priority: int = 0  # higher starts first (jobs/queue.py)
+    share: str = ""  # whose share of the slots it counts in, among the queued work of its priority
 
 
 class LeaseOwner:
@@ -143,7 +145,7 @@ def default_preload(res: Resources) -> list[str]:
 
 
 class Scheduler:
-    """Runs admitted tasks in warm workers, first come first served, honouring device memory."""
+    """Runs admitted tasks in warm workers, by priority then first come first served, honouring device memory."""
 
     def __init__(self, slots: list[Slot], python: str = sys.executable, preload: list[str] | None = None,
                  worker_start_timeout: float = 120.0, workdir: str | None = None):
@@ -159,7 +161,7 @@ class Scheduler:
         self._idle_told = 0.0  # when contenders were last told that a slot is free
         self.activity = Activity()  # running and finished tasks, for STATUS
         self.stopping = False
-        self._queue: deque[ScheduledTask] = deque()
+        self._queue: FairQueue[ScheduledTask] = FairQueue()  # in start order (jobs/queue.py)
         self._contending: dict[TaskOwner, float] = {}  # submitter -> when it last queued a task
         self.measured: Sample | None = None  # the last measured utilisation (`measure`)
         self.actors = Actors(self._free_actor_slot, grace_from_env())
@@ -415,7 +417,8 @@ class Scheduler:
         self._start_queued()
 
     def _start_queued(self) -> None:
-        """Start queued tasks on ready slots, first come first served, honouring device memory.
+        """Start queued tasks on ready slots in the queue's order (priority, the submitters in turn, first
+        come first served), honouring device memory.
 
         A task that cannot start now (too little memory on the free devices, or too few free
         devices for devices=N) lets the tasks behind it go first; the search looks LOOKAHEAD deep.

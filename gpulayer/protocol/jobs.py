@@ -15,23 +15,28 @@ from typing import Any
 
 from ..checks import check_timeout
 from ..taskenv import check_env
-from ..jobs.store import JobSpec, check_job_id
+from ..jobs.store import PREEMPT_GRACE_S, JobSpec, check_job_id
 from . import messages
 
 MAX_COMMAND_ARGS = 4096
 MAX_RETRIES = 100
+MAX_PRIORITY = 1_000_000
+MAX_ARRAY_JOBS, MAX_ARRAY_INDEX = 10_000, 1_000_000
 MAX_GRACE_S = 3600.0
 MAX_FILES = 200_000
 MAX_TAIL = 1_000_000
 DEFAULT_GRACE_S = 10.0
 
 
-def submit(request_id: int, spec: JobSpec, files: list[list[Any]]) -> messages.Message:
+def submit(request_id: int, spec: JobSpec, files: list[list[Any]],
+           array: tuple[int, int, int] | None = None) -> messages.Message:
     """Ask to record a job: `spec` (JobSpec, the submitter set by the peer) and its folder's manifest
-    (`Manifest.to_wire`)."""
+    (`Manifest.to_wire`); with `array` (first, last, limit), one job per index of first..last."""
     fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
-              "timeout": spec.timeout, "retries": spec.retries, "function": spec.function}
-    return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files}
+              "timeout": spec.timeout, "retries": spec.retries, "function": spec.function,
+              "priority": spec.priority, "user": spec.user, "preemptible": spec.preemptible, "grace": spec.grace}
+    return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files,
+            **({"array": list(array)} if array is not None else {})}
 
 
 def request(kind: str, request_id: int, job_id: str | None = None, **fields: Any) -> messages.Message:
@@ -63,6 +68,14 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
     retries = fields.get("retries", 0)
     if not _count(retries, MAX_RETRIES):
         return f"retries is a whole number from 0 to {MAX_RETRIES}"
+    preemptible, grace = fields.get("preemptible", False), fields.get("grace", PREEMPT_GRACE_S)
+    if not isinstance(preemptible, bool) or not _number(grace, 0, MAX_GRACE_S):
+        return f"a job's 'preemptible' is a boolean and its 'grace' seconds from 0 to {MAX_GRACE_S:g}"
+    priority, user = fields.get("priority", 0), fields.get("user", "")
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+        return f"a job's priority is a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}"
+    if not isinstance(user, str) or len(user) > 64 or not user.isprintable() or "@" in user:
+        return "a job's user is printable text of at most 64 characters, without @"
     if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool):
         return "a JOB_SUBMIT's 'req' is a map and 'function' a boolean"
     try:
@@ -71,7 +84,20 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
     except (TypeError, ValueError) as exc:
         return str(exc)
     return JobSpec(command=command, name=name, env=env, req=fields.get("req", {}), timeout=timeout,
-                   retries=retries, submitter=submitter, function=fields.get("function", False))
+                   retries=retries, submitter=submitter, function=fields.get("function", False),
+                   priority=priority, user=user, preemptible=preemptible, grace=float(grace))
+
+
+def check_array(value: Any) -> tuple[range, int] | str | None:
+    """A JOB_SUBMIT's "array" ([first, last, limit]) as (its indices, its limit), None for a single job,
+    or why it is refused."""
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 3 and all(_count(v, MAX_ARRAY_INDEX) for v in value)
+            and value[0] <= value[1] and value[1] - value[0] < MAX_ARRAY_JOBS and value[2] <= MAX_ARRAY_JOBS):
+        return (f"an array is [first, last, limit]: indices from 0 to {MAX_ARRAY_INDEX}, first <= last, at most "
+                f"{MAX_ARRAY_JOBS} jobs, a limit from 0 (none) to {MAX_ARRAY_JOBS}")
+    return range(value[0], value[1] + 1), value[2]
 
 
 def check_request(msg: Mapping[str, Any]) -> str | None:

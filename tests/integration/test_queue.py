@@ -1,0 +1,148 @@
+"""The queue of a peer's jobs (issue 28): priorities, and equal priorities shared between submitters in
+turn. Real peers in subprocesses, real TCP; each job writes its name when it starts, so the order
+in which the one-slot peer started them is read from the jobs' own output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support import wait_until
+from test_jobs import jobs_peer  # noqa: F401  (the fixture: a one-slot peer with a state folder of its own)
+
+
+def _cpu():
+    from gpulayer.matching import Requirements
+
+    return Requirements.build(accelerator="cpu")
+
+
+def _marker(log: Path, name: str) -> list[str]:
+    """A job that appends its name to `log` when it starts."""
+    return ["python", "-c", f"open({str(log)!r}, 'a').write({name!r} + '\\n')"]
+
+
+def test_the_highest_priority_starts_first_then_submitters_in_turn(jobs_peer, tmp_path, monkeypatch):
+    _, _, _, jobs = jobs_peer()
+    release, log = tmp_path / "release", tmp_path / "started"
+    blocker = jobs.submit(["python", "-c", f"import os, time\nwhile not os.path.exists({str(release)!r}): "
+                                           "time.sleep(0.02)"], None, _cpu())
+    wait_until(lambda: blocker.refresh().state == "running", 60)
+    queued = []
+    for user, names, priority in [("alice", ["a1", "a2", "a3"], 0), ("bob", ["b1", "b2", "b3"], 0),
+                                  ("carol", ["low"], -1), ("alice", ["urgent"], 5)]:
+        monkeypatch.setenv("LOGNAME", user)  # the user a submitter gives (getpass reads LOGNAME first)
+        queued += [jobs.submit(_marker(log, name), None, _cpu(), name=name, priority=priority) for name in names]
+    assert {(j.info["user"], j.info["priority"]) for j in queued} == {
+        ("alice", 0), ("bob", 0), ("carol", -1), ("alice", 5)}
+    release.touch()
+    assert [job.wait(60) for job in queued] == ["succeeded"] * len(queued)
+    assert log.read_text().split() == ["urgent", "a1", "b1", "a2", "b2", "a3", "b3", "low"]
+
+
+def test_a_bad_priority_is_refused_and_records_nothing(jobs_peer):
+    from gpulayer.client.jobs import JobError
+
+    _, state, _, jobs = jobs_peer()
+    for bad in (10 ** 7, True):
+        try:
+            jobs.submit(["true"], None, _cpu(), priority=bad)
+        except JobError as exc:
+            assert "priority" in str(exc)
+        else:
+            raise AssertionError(f"priority={bad!r} was accepted")
+    assert jobs.rows() == []
+
+
+def test_an_array_runs_each_index_once_within_its_limit_and_is_listed_as_one(jobs_peer, tmp_path):
+    from test_jobs import gpulayer
+
+    peer, _, key, jobs = jobs_peer("array", "--concurrency", "4")
+    out, running = tmp_path / "out", tmp_path / "running"
+    out.mkdir(), running.mkdir()
+    script = ("import os, time\n"
+              f"i, running = os.environ['GPULAYER_ARRAY_INDEX'], {str(running)!r}\n"
+              "open(os.path.join(running, i), 'w').close()\n"
+              "seen = len(os.listdir(running))\n"
+              "time.sleep(0.3)\n"  # the job's own work: long enough for its siblings to overlap it
+              "os.remove(os.path.join(running, i))\n"
+              f"open(os.path.join({str(out)!r}, i), 'w').write(f\"{{seen}} {{os.environ['GPULAYER_ARRAY_ID']}}\")\n")
+    submitted = gpulayer("submit", "--accelerator", "cpu", "--array", "0-9%2", "--", "python", "-c", script,
+                         key=key, cwd=tmp_path)
+    assert submitted.returncode == 0, submitted.stderr
+    array_id = submitted.stdout.strip()
+    assert "array" in submitted.stderr and "of 10 jobs" in submitted.stderr
+    waited = gpulayer("wait", array_id, key=key)  # the array's id: until all of its jobs ended
+    assert waited.returncode == 0, waited.stderr
+    rows = [r for r in jobs.rows() if r.get("array") == array_id]
+    assert sorted(r["index"] for r in rows) == list(range(10)) and {r["state"] for r in rows} == {"succeeded"}
+    written = {p.name: p.read_text().split() for p in out.iterdir()}
+    assert sorted(written, key=int) == [str(i) for i in range(10)]
+    assert {ident for _, ident in written.values()} == {array_id}
+    assert max(int(seen) for seen, _ in written.values()) == 2  # they overlapped, two at most
+    listed = gpulayer("jobs", key=key)
+    assert listed.returncode == 0, listed.stderr
+    line = next(line for line in listed.stdout.splitlines() if line.startswith(array_id))
+    assert line.startswith(f"{array_id}[0-9]") and "10 succeeded" in line
+    assert not any(line.startswith(r["id"] + " ") for r in rows for line in listed.stdout.splitlines())
+
+
+def test_stop_of_an_array_stops_all_of_its_jobs_and_starts_none_held_back(jobs_peer, tmp_path):
+    from test_jobs import gpulayer
+
+    _, _, key, jobs = jobs_peer("array-stop", "--concurrency", "4")
+    started = tmp_path / "started"
+    started.mkdir()
+    script = ("import os, time\n"
+              f"open(os.path.join({str(started)!r}, os.environ['GPULAYER_ARRAY_INDEX']), 'w').close()\n"
+              "while True:\n    time.sleep(1)\n")
+    array = jobs.submit(["python", "-c", script], None, _cpu(), array=(0, 19, 2))
+    wait_until(lambda: len(list(started.iterdir())) == 2, 60)
+    stopped = gpulayer("stop", array.id, "--grace", "1", key=key)
+    assert stopped.returncode == 0, stopped.stderr
+    rows = [r for r in jobs.rows() if r.get("array") == array.id]
+    assert len(rows) == 20 and {r["state"] for r in rows} == {"stopped"}
+    assert len(list(started.iterdir())) == 2  # those its limit held back never started
+
+
+def _until_term(events: Path, name: str) -> str:
+    """A job that writes "<name> start <restarts>" and, on SIGTERM, "<name> term"; in its first run it
+    works until stopped, when restarted it ends."""
+    return ("import os, signal, sys, time\n"
+            f"events, name, restarts = {str(events)!r}, {name!r}, os.environ['GPULAYER_RESTARTS']\n"
+            "def write(line):\n    with open(events, 'a') as f:\n        f.write(line + '\\n')\n"
+            "def term(*_):\n    write(name + ' term')\n    sys.exit(143)\n"
+            "signal.signal(signal.SIGTERM, term)\n"
+            "write(f'{name} start {restarts}')\n"
+            "while restarts == '0':\n    time.sleep(0.05)\n")
+
+
+def test_a_preemptible_job_makes_way_for_a_higher_priority_and_runs_again(jobs_peer, tmp_path):
+    _, _, _, jobs = jobs_peer()
+    events = tmp_path / "events"
+    low = jobs.submit(["python", "-c", _until_term(events, "low")], None, _cpu(), preemptible=True, grace=20)
+    wait_until(lambda: events.exists() and events.read_text() == "low start 0\n", 60)
+    high = jobs.submit(_marker(events, "high"), None, _cpu(), priority=1)
+    assert high.wait(60) == "succeeded" and low.wait(60) == "succeeded"
+    assert events.read_text().splitlines() == ["low start 0", "low term", "high", "low start 1"]
+    assert low.info["restarts"] == 1 and high.info["restarts"] == 0
+    assert f"preempted for job {high.id}" in low.logs()
+
+
+def test_never_a_job_that_did_not_ask_nor_for_an_equal_priority(jobs_peer, tmp_path):
+    _, _, _, jobs = jobs_peer()
+    events = tmp_path / "events"
+    willing = jobs.submit(["python", "-c", _until_term(events, "willing")], None, _cpu(), preemptible=True,
+                          priority=3)
+    wait_until(lambda: events.exists() and "willing start 0" in events.read_text(), 60)
+    equal = jobs.submit(["python", "-c", _until_term(events, "unwilling")], None, _cpu(), priority=3)
+    # the peer decides as it queues a job, before it reads the next request: no preemption was begun
+    assert (willing.refresh().state, equal.refresh().state) == ("running", "queued")
+    assert willing.stop(grace=5) == "stopped"
+    wait_until(lambda: "unwilling start 0" in events.read_text(), 60)
+    urgent = jobs.submit(_marker(events, "urgent"), None, _cpu(), priority=9)
+    assert (equal.refresh().state, urgent.refresh().state) == ("running", "queued")
+    assert equal.stop(grace=5) == "stopped", (equal.info, equal.logs())
+    assert urgent.wait(60) == "succeeded"
+    assert events.read_text().splitlines() == ["willing start 0", "willing term", "unwilling start 0",
+                                               "unwilling term", "urgent"]
+    assert willing.refresh().info["restarts"] == 0
