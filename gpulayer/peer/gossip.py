@@ -2,9 +2,10 @@
 
 Each peer keeps the members it has verified itself: peers whose handshake it ran (their HELLO named
 the id, at the address it connected to), with the time of the freshest verification it knows of.
-Once a round (GOSSIP_ROUND) it runs its exchanges: with the HINTS_PER_ROUND oldest hints (addresses it
-heard of and has not verified) side by side, else with one seed it has no member at, else with one
-random member (of those half way to ageing out, when there are some); each proves the key
+Once a round (GOSSIP_ROUND) it runs its exchanges, MAX_EXCHANGES side by side at most: with the oldest
+hints (addresses it heard of and has not verified) and the members about to age out (DUE), else with
+one seed it has no member at, else with one random member (of those half way to ageing out, when
+there are some); each proves the key
 both ways, sends its list and its port in a PEERS message and merges the list that comes back.
 Lists travel only over the secure channel, between key holders; an entry is a peer id, its
 addresses and the age of its last verification, never an advert. An id that is not a member yet
@@ -36,7 +37,8 @@ log = logging.getLogger("gpulayer.peer")
 
 GOSSIP_ROUND = 2.0  # seconds between a peer's exchanges
 MAX_HINTS = 64  # addresses heard of and not verified yet
-HINTS_PER_ROUND = 8  # hints verified side by side in one round (a join of N peers takes N / 8 rounds)
+MAX_EXCHANGES = 8  # exchanges side by side in one round, at most (a join of N peers takes N / 8 rounds)
+DUE = AGE_OUT - 2 * GOSSIP_ROUND  # a member not verified for so long is verified this round
 EXCHANGE_TIMEOUT = 3.0
 
 
@@ -130,10 +132,15 @@ class Gossip:
         return random.choice(stale or [m.addresses for m in self.members.values()]) if self.members else None
 
     def next_targets(self) -> list[list[Address]]:
-        """Whom to verify this round, side by side: the HINTS_PER_ROUND oldest hints, else `next_target`'s
-        one seed or member (none when there is nobody)."""
-        if self.hints:
-            return [list(hint) for hint in itertools.islice(self.hints, HINTS_PER_ROUND)]
+        """Whom to verify this round, side by side (MAX_EXCHANGES at most): the oldest hints, then the members
+        about to age out (DUE of AGE_OUT gone: verifying them beats dropping and learning them again), else
+        `next_target`'s one seed or member (none when there is nobody)."""
+        self.age_out()
+        now = self.clock()
+        due = sorted((m for m in self.members.values() if now - m.verified >= DUE), key=lambda m: m.verified)
+        targets = [list(hint) for hint in itertools.islice(self.hints, MAX_EXCHANGES)] + [m.addresses for m in due]
+        if targets:
+            return targets[:MAX_EXCHANGES]
         target = self.next_target()
         return [] if target is None else [target]
 
