@@ -73,7 +73,7 @@ class PeerConnection:
         self.actor_id: str | None = None  # set when the connection goes to that actor's worker (ADR 0012)
         self.lease_id: str | None = None  # set when it goes to a worker lent to this submitter (ADR 0013)
         self.lease_ended = ""  # why, once the leased worker said LEASE_END
-        self.requirements: Any = None  # a lease's: what it was asked for with (client/leases.py `_fits`)
+        self.requirements: Any = None  # a lease's: what it was asked for with (client/leases.py `_lease_slot_takes`)
         self.on_cancel: Callable[[int], None] | None = None  # a lease's: also asks its peer to stop a running task
         self._outbox_lock = threading.Lock()  # a lease's: guards the outbox and _at_worker
         self._outbox: list[Any] = []  # a lease's SUBMITs kept back while its worker is busy (`_submit_leased`)

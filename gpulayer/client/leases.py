@@ -56,7 +56,7 @@ class Leases:
         if lease is None:
             self._ask(main, task)
             return None
-        if lease.closed or not _fits(task.req, lease.requirements):
+        if lease.closed or not _lease_slot_takes(task.req, lease.requirements):
             return None
         # short tasks queue up on the lease (the worker gets through them faster than the submitter sends
         # them); a longer one goes through the peer while the lease is busy, to another slot, if the peer
@@ -171,7 +171,7 @@ def _free_besides_lease(main: PeerConnection) -> bool:
     return max(main.estimated_load, len(main.pending) + 1) < main.advert.slots
 
 
-def _fits(req: Requirements, lease: Requirements) -> bool:
+def _lease_slot_takes(req: Requirements, lease: Requirements) -> bool:
     """Whether a task of `req`, placed on the lease's peer (which matched it), may run on the lease's
     slot: the same accelerator (the slot's device variables follow it) and no more memory than the
     lease reserved there."""

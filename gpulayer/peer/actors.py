@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from .. import wire
 from ..errors import ConfigError
 from ..checks import check_timeout
-from .workers import Slot, Worker
+from .worker_processes import Slot, Worker
 
 log = logging.getLogger("gpulayer.peer")
 

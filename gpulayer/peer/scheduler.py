@@ -29,7 +29,7 @@ from ..resources.model import Resources
 from ..resources.utilisation import Sample
 from .actors import Actor, Actors, CallOwner, grace_from_env, new_actor_id
 from ..taskenv import check_env, read_at_load
-from .workers import Slot, Worker, describe_exit, job_pythonpath
+from .worker_processes import Slot, Worker, describe_exit, job_pythonpath
 
 log = logging.getLogger("gpulayer.peer")
 

@@ -34,7 +34,7 @@ from .channel import AsyncChannel
 from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
-from .workers import Worker
+from .worker_processes import Worker
 from . import held
 from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, plan_slots
 

@@ -1,4 +1,5 @@
-"""Warm worker subprocesses, one per slot, driven from the peer's event loop."""
+"""The peer's handle on its worker processes (the warm ones, one per slot, and those started for one task
+or an actor), driven from its event loop: start, send, hand a connection over, kill the whole tree."""
 
 from __future__ import annotations
 
