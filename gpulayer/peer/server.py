@@ -36,11 +36,14 @@ from .quiet import QuietLog
 from .reprobe import Reprobe
 from .worker_processes import Worker
 from . import held
-from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, plan_slots
+from .scheduler import Scheduler, default_preload, plan_slots
+from .slots import ActorHolder, Submission, TaskHolder
 
 log = logging.getLogger("gpulayer.peer")
 
 ACCEPT_PAUSE_MIN, ACCEPT_PAUSE_MAX = 0.05, 1.0  # back-off of accepting when out of descriptors (s)
+
+Handler = Callable[["Connection", wire.Message, list[Any]], None]  # one kind of message from a submitter
 
 
 @dataclass
@@ -72,7 +75,7 @@ class Connection:
         self.address = address
         self.client = "?"
         self.authenticated = False
-        self.tasks: dict[int, ScheduledTask] = {}
+        self.tasks: dict[int, Submission] = {}  # its tasks and actor creations, queued or running
         self.calls: dict[int, tuple[Actor, int]] = {}  # its actor calls in flight (peer/actors.py)
         self.probing: set[int] = set()  # its tasks waiting for a new probe of the job interpreter (reprobe.py)
         self.last_pong = 0.0
@@ -88,7 +91,7 @@ class Connection:
                     buffers = self._attach(msg, buffers)
                 self.peer.handle(self, msg, buffers)
             else:
-                self.peer.authenticate(self, msg)
+                self.peer.handle_unauthenticated(self, msg)
         except shm.ShmError as exc:
             self.peer.refuse(self, "protocol", str(exc))
         except FrameTooLarge as exc:
@@ -114,13 +117,13 @@ class Connection:
 
     # ---- TaskOwner: where the scheduler sends a task's outcome and output ----
 
-    def task_done(self, task: ScheduledTask, reply: wire.Outgoing, buffers: list[Any]) -> None:
+    def task_done(self, task: Submission, reply: wire.Outgoing, buffers: list[Any]) -> None:
         self.tasks.pop(task.client_id, None)
-        if task.keep is not None and reply["t"] == wire.RESULT:  # type: ignore[typeddict-item]
+        if isinstance(task, TaskHolder) and task.keep is not None and reply["t"] == wire.RESULT:  # type: ignore[typeddict-item]
             reply, buffers = self.peer.held.keep(task.keep, self.client, reply, buffers)
         self.send(reply, buffers)
 
-    def task_output(self, task: ScheduledTask, msg: wire.LogMessage) -> None:
+    def task_output(self, task: Submission, msg: wire.LogMessage) -> None:
         self.channel.write(msg)
 
     def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
@@ -171,6 +174,7 @@ class Peer:
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
         check_shm_settings()
+        self._pre_auth, self._post_auth = self._handlers()
 
     def _memory_refusal(self, total: int) -> str | None:
         return memory_refusal(total, self._headroom)
@@ -255,21 +259,22 @@ class Peer:
 
     @property
     def tasks_done(self) -> int:
-        return self.scheduler.tasks_done
+        return self.scheduler.state.tasks_done
 
     @property
     def load_total(self) -> int:
         """Tasks running or queued (actors are not waited for: they end when the peer stops)."""
-        return self.scheduler.busy - self.scheduler.held_by_actors + self.scheduler.queued
+        state = self.scheduler.state
+        return state.busy - state.held_by_actors + state.queued
 
     def status(self) -> dict[str, Any]:
         return {"t": wire.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
-                "done": self.tasks_done, "withdrawn": self.scheduler.withdrawn, "draining": self._draining,
+                "done": self.tasks_done, "withdrawn": self.scheduler.state.withdrawn, "draining": self._draining,
                 "actors": self.scheduler.actors.rows(),
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
-                "unreserved_gb": self.scheduler.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held)}
+                "unreserved_gb": self.scheduler.state.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held)}
 
     # ---- connections --------------------------------------------------------------------------
 
@@ -336,7 +341,8 @@ class Peer:
                     conn.last_pong = now
                     conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": None}))
 
-    def authenticate(self, conn: Connection, msg: wire.Message) -> None:
+    def authenticate(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        """Check an AUTH: the connection is a key holder's from now on, its later frames sealed; else refuse it."""
         self._unauthenticated.pop(conn, None)
         checked = wire.check_auth(msg, self.config.key, conn.hello)
         if checked is None:
@@ -393,6 +399,28 @@ class Peer:
             else:  # its actors' ACTOR_END goes there now (the connection that went was handed over, say)
                 self.scheduler.actors.connected(remaining)
 
+    # ---- messages: one handler a kind ------------------------------------------------------------
+
+    def _handlers(self) -> tuple[dict[str, Handler], dict[str, Handler]]:
+        """The kinds of message a connection may send before it authenticated (only AUTH: nothing there is
+        unpickled, queued or answered with data) and after (as rpyc's `_request_handlers()`)."""
+        pre_auth: dict[str, Handler] = {wire.AUTH: self.authenticate}
+        post_auth: dict[str, Handler] = {
+            wire.SUBMIT: self._admit, wire.ACTOR: self._admit, wire.CANCEL: self._cancel,
+            wire.WITHDRAW: self._withdraw, wire.PING: self._ping, wire.STATUS: self._status, wire.BYE: self._bye,
+            wire.CALL: self.scheduler.actors.call, wire.CLOSE: self._close_actor, wire.DIRECT: self._direct,
+            wire.LEASE: self._lease, wire.LOCAL: self._local_link, wire.FETCH: self._fetch,
+            wire.RELEASE: self._release}
+        return pre_auth, post_auth
+
+    def handle_unauthenticated(self, conn: Connection, msg: wire.Message) -> None:
+        """Route one message of a connection that has not authenticated yet: an AUTH, or it is refused."""
+        handler = self._pre_auth.get(msg["t"])
+        if handler is None:
+            self._unauthenticated.pop(conn, None)
+            return self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
+        handler(conn, msg, [])
+
     def handle(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
         """Route one message of an authenticated submitter."""
         kind = msg["t"]
@@ -401,48 +429,54 @@ class Peer:
             if kind in (wire.SUBMIT, wire.ACTOR):
                 return self._reject(conn, msg.get("id"), "too-large", refusal)
             return conn.channel.write(wire.error("too-large", refusal, msg.get("id")))
-        if kind in (wire.SUBMIT, wire.ACTOR):
-            self._admit(conn, msg, buffers)
-        elif kind == wire.CALL:
-            self.scheduler.actors.call(conn, msg, buffers)
-        elif kind == wire.CLOSE:
-            self.scheduler.actors.close(conn, msg)
-        elif kind == wire.FETCH:
-            conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
-        elif kind == wire.RELEASE:
-            self.held.release(msg.get("ref"), conn.client)
-        elif kind == wire.DIRECT:
-            self._direct(conn, msg)
-        elif kind == wire.LEASE:
-            self._lease(conn, msg)
-        elif kind == wire.LOCAL:  # the submitter asks for a local link: the answer has none when there is none
-            offer = self._local.offer(conn) if self._local is not None and conn.link is None else {"t": wire.LOCAL}
-            conn.channel.write({**offer, "id": msg.get("id")})
-        elif kind == wire.PING:
-            conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": msg.get("id")}))
-        elif kind == wire.WITHDRAW:
-            task = conn.tasks.get(request_id(msg))
-            if task is not None and self.scheduler.withdraw(task):
-                del conn.tasks[task.client_id]
-                conn.channel.write(self.scheduler.report(
-                    wire.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
-        elif kind == wire.CANCEL:
-            task = conn.tasks.get(request_id(msg))
-            if msg.get("lease") is not None:  # a task that runs on a lease of this submitter (ADR 0013)
-                self.scheduler.cancel_leased(msg["lease"], conn.client, request_id(msg))
-            elif task is not None:
-                self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
-            elif request_id(msg) in conn.probing:
-                conn.probing.discard(request_id(msg))
-            elif request_id(msg) in conn.calls:
-                self.scheduler.actors.cancel(conn, msg["id"])
-        elif kind == wire.STATUS:
-            conn.channel.write({**self.status(), "id": msg.get("id")})
-        elif kind == wire.BYE:
-            conn.channel.close()
-            self.drop(conn)
-        else:
-            self.refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
+        handler = self._post_auth.get(kind)
+        if handler is None:
+            return self.refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
+        handler(conn, msg, buffers)
+
+    def _cancel(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        """Cancel a task, one on a lease of this submitter (ADR 0013), one waiting for a probe, or an actor call."""
+        task = conn.tasks.get(request_id(msg))
+        if msg.get("lease") is not None:
+            self.scheduler.cancel_leased(msg["lease"], conn.client, request_id(msg))
+        elif task is not None:
+            self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
+        elif request_id(msg) in conn.probing:
+            conn.probing.discard(request_id(msg))
+        elif request_id(msg) in conn.calls:
+            self.scheduler.actors.cancel(conn, msg["id"])
+
+    def _withdraw(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        """Give a queued task back to its submitter, to place elsewhere (ADR 0011); nothing once it started."""
+        task = conn.tasks.get(request_id(msg))
+        if task is not None and self.scheduler.withdraw(task):
+            del conn.tasks[task.client_id]
+            conn.channel.write(self.scheduler.report(
+                wire.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
+
+    def _ping(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": msg.get("id")}))
+
+    def _status(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        conn.channel.write({**self.status(), "id": msg.get("id")})
+
+    def _bye(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        conn.channel.close()
+        self.drop(conn)
+
+    def _close_actor(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        self.scheduler.actors.close(conn, msg)
+
+    def _local_link(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        """The submitter asks for a local link: the answer has none when there is none."""
+        offer = self._local.offer(conn) if self._local is not None and conn.link is None else {"t": wire.LOCAL}
+        conn.channel.write({**offer, "id": msg.get("id")})
+
+    def _fetch(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
+
+    def _release(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+        self.held.release(msg.get("ref"), conn.client)
 
     def _admit(self, conn: Connection, msg: wire.Message, buffers: list[Any], probed: bool = False) -> None:
         """Check a SUBMIT (or an ACTOR, which creates an actor) and queue it, or REJECT it with the reason.
@@ -469,18 +503,22 @@ class Peer:
             return
         if reasons:
             return self._reject(conn, task_id, "no-match", "; ".join(reasons))
-        if self.scheduler.queued >= self.config.max_queue:
+        if self.scheduler.state.queued >= self.config.max_queue:
             return self._reject(conn, task_id, "busy", f"the queue is full ({self.config.max_queue} tasks)")
-        if self.scheduler.actors_hold_all(req):
+        if self.scheduler.state.actors_hold_all(req):
             return self._reject(conn, task_id, "busy", "actors hold the slots that fit")
         keep = msg.get("keep") if msg["t"] == wire.SUBMIT else None  # checked by _check_submit; actors keep nothing
         if keep is not None and keep in self.held:
             return self._reject(conn, task_id, "bad-request", "the keep id names a result held already")
-        task = ScheduledTask(conn, task_id, msg, buffers, req, msg.get("timeout"),
-                             actor_class=wire.printable(msg["name"]) if msg["t"] == wire.ACTOR else None,
-                             keep=keep)
+        task: Submission
+        if msg["t"] == wire.SUBMIT:
+            task = TaskHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
+                              timeout=msg.get("timeout"), keep=keep)
+        else:
+            task = ActorHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
+                               timeout=msg.get("timeout"), class_name=wire.printable(msg["name"]))
         conn.tasks[task_id] = task
-        if msg.get("refs"):
+        if isinstance(task, TaskHolder) and msg.get("refs"):
             conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id}))
             self.scheduler.spawn(self._enqueue_with_refs(conn, task, msg["refs"]))
         elif not self.scheduler.enqueue(task) and not task.answered:
@@ -514,7 +552,7 @@ class Peer:
         for conn in list(self._connections):
             conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": None, "advert": advert.to_txt()}))
 
-    async def _enqueue_with_refs(self, conn: Connection, task: ScheduledTask, refs: list[dict[str, Any]]) -> None:
+    async def _enqueue_with_refs(self, conn: Connection, task: TaskHolder, refs: list[dict[str, Any]]) -> None:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched
         from their peers); a lost one fails it with "held-lost"."""
         def fetch(ref: dict[str, Any]) -> tuple[bytes, list[Any]]:
@@ -540,7 +578,7 @@ class Peer:
             return f"a {wire.printable(msg['t'], 20).upper()} needs a connection with nothing in flight on it"
         return None
 
-    def _direct(self, conn: Connection, msg: wire.Message) -> None:
+    def _direct(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
         """Hand the connection to the worker of the actor it names, which answers its calls from then
         on without this peer in the way (ADR 0012); or answer why not (the connection stays ours)."""
         request_id = msg.get("id")
@@ -560,7 +598,7 @@ class Peer:
         self.scheduler.spawn(self._hand_over(conn, actor.worker, {"t": wire.DIRECT},
                                              lambda: actor.actor_id in self.scheduler.actors.live))
 
-    def _lease(self, conn: Connection, msg: wire.Message) -> None:
+    def _lease(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
         """Lend a warm worker to this connection: the worker runs the tasks sent on it and answers them
         there, until the lease ends (ADR 0013); or answer why not (the connection stays ours)."""
         request_id = msg.get("id")
@@ -579,14 +617,14 @@ class Peer:
         if problem is not None:
             return conn.channel.write(wire.error("bad-request", problem, request_id))
         refusal = "the peer is shutting down" if self._draining else "; ".join(match(req, self.advert))
-        lease = refusal or self.scheduler.lease(LeaseOwner(conn.address, conn.client), req)
+        lease = refusal or self.scheduler.lease(conn.address, conn.client, req)
         if isinstance(lease, str):
             return conn.channel.write(wire.error("no-lease", lease, request_id))
         assert lease.slot is not None
         worker = lease.slot.worker
         assert worker is not None
         conn.channel.pause_reading()
-        conn.channel.write({"t": wire.LEASE, "id": request_id, "lease": lease.lease})
+        conn.channel.write({"t": wire.LEASE, "id": request_id, "lease": lease.lease_id})
         self.scheduler.spawn(self._hand_over(conn, worker, {**self.scheduler.lease_message(lease), "beat": beat},
                                              lambda: lease.slot is not None and lease.slot.task is lease,
                                              lambda: self.scheduler.lease_failed(lease)))
