@@ -534,7 +534,7 @@ class SchedulerState:
         task.answered = True
         self.tasks_done += 1
         reply["id"] = task.client_id
-        if task.started:
+        if task.slot is not None:  # it started
             reply["ran"] = round(now - task.started, 6)
         return [Answer(task, reply, buffers or [])]
 

@@ -8,7 +8,6 @@ is said here, on each type. A new kind of holder (a job) is one more subclass.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -17,6 +16,8 @@ from .. import wire
 from ..matching import Requirements
 
 if TYPE_CHECKING:
+    import asyncio
+
     from .actors import Actor
     from .worker_processes import Worker
 
