@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -89,6 +90,7 @@ class Scheduler:
         self._background: set[asyncio.Task[Any]] = set()
         self._pythonpath = job_pythonpath(python)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: deque[Action] = deque()  # actions decided, not yet performed
         self._performers: dict[type[Any], Callable[[Any], None]] = {
             Started: self._started, Run: self._run, RunAlone: self._run_alone, Answer: self._answer,
             Ended: self._ended, Replace: self._replace, StopTimer: self._stop_timer, ToWorker: self._to_worker,
@@ -222,23 +224,35 @@ class Scheduler:
     # ---- actions ----------------------------------------------------------------------------------
 
     def _perform(self, actions: Actions) -> None:
-        for action in actions:
-            self._performers[type(action)](action)
+        """Perform actions in the order the transitions decided them. An event that an action causes at
+        once (a send that finds its connection reset drops that connection, which cancels its tasks) is
+        decided then, and its actions wait for those decided before it."""
+        performing = bool(self._pending)
+        self._pending.extend(actions)
+        if performing:
+            return
+        while self._pending:
+            action = self._pending[0]
+            try:
+                self._performers[type(action)](action)
+            except Exception:  # a bug of ours costs this action, never the actions decided after it
+                log.exception("failed to perform %s", type(action).__name__)
+            self._pending.popleft()
 
     def _started(self, action: Started) -> None:
         self.activity.started(action.holder, action.name, action.holder.address, action.device)
 
     def _run(self, action: Run) -> None:
-        self._worker(action.slot).send(action.msg, action.buffers)
+        action.worker.send(action.msg, action.buffers)
         self._arm_timeout(action.task)
 
     def _run_alone(self, action: RunAlone) -> None:
-        old = self._worker(action.slot)
         action.slot.worker = self._new_worker(action.slot, action.env, [] if action.bare else None)
-        self.spawn(self._start_one_off(action, old, action.slot.worker))
+        self.spawn(self._start_one_off(action, action.slot.worker))
 
-    async def _start_one_off(self, action: RunAlone, old: Worker, worker: Worker) -> None:
-        await old.kill()
+    async def _start_one_off(self, action: RunAlone, worker: Worker) -> None:
+        if action.old is not None:
+            await action.old.kill()
         try:
             await worker.start(self.worker_start_timeout)
         except (WorkerDied, OSError) as exc:
@@ -281,7 +295,7 @@ class Scheduler:
         task, slot = action.task, action.task.slot
         assert isinstance(task, ActorHolder) and slot is not None
         owner: CallOwner = task.owner  # type: ignore[assignment]  # a connection is both
-        task.actor = Actor(task.actor_id, task.class_name, owner.client, owner, slot, self._worker(slot))
+        task.actor = Actor(task.actor_id, task.class_name, owner.client, owner, slot, action.worker)
         self.actors.add(task.actor)
         action.reply["actor"], action.reply["slot"] = task.actor_id, slot.index
 
@@ -291,13 +305,13 @@ class Scheduler:
     def _replace(self, action: Replace) -> None:
         """Kill the slot's old worker and start a fresh one (retried with back-off until the peer stops)."""
         action.slot.worker = self._new_worker(action.slot)
-        if action.old is not None:
-            self.spawn(self._restart(action.old, action.slot, action.why))
+        self.spawn(self._restart(action.old, action.slot, action.why))
 
-    async def _restart(self, old: Worker, slot: Slot, why: str | None) -> None:
-        code = await old.kill()
-        ended = f"stopped by the peer: {why}" if why else describe_exit(code)  # a kill of ours is no crash
-        log.info("worker %s of slot %d ended (%s); starting a new one", old.pid, slot.index, ended)
+    async def _restart(self, old: Worker | None, slot: Slot, why: str | None) -> None:
+        if old is not None:  # else a one-off worker was about to take the slot: it sees it lost it, and ends
+            code = await old.kill()
+            ended = f"stopped by the peer: {why}" if why else describe_exit(code)  # a kill of ours is no crash
+            log.info("worker %s of slot %d ended (%s); starting a new one", old.pid, slot.index, ended)
         delay = 0.5
         while not self.stopping:
             try:

@@ -51,17 +51,18 @@ class Started:
 class Run:
     """Send `msg` to the slot's warm worker, then arm the task's timeout."""
     task: Submission
-    slot: Slot
+    worker: Worker
     msg: wire.Message
     buffers: list[Any]
 
 
 @dataclass(frozen=True, eq=False)
 class RunAlone:
-    """Start a worker of the task's own on `slot` in place of its warm one (`env` on top of the slot's;
-    no preloads if `bare`), then send it `msg` and arm the timeout."""
+    """Start a worker of the task's own on `slot` in place of its warm one `old`, which is killed (`env` on
+    top of the slot's; no preloads if `bare`), then send it `msg` and arm the timeout."""
     task: Submission
     slot: Slot
+    old: Worker | None
     env: dict[str, str]
     bare: bool
     msg: wire.Message
@@ -113,8 +114,10 @@ class TellIdle:
 
 @dataclass(frozen=True, eq=False)
 class GoLive:
-    """The actor's constructor returned: make the live actor, which holds the slot, and put its id in `reply`."""
+    """The actor's constructor returned: make the live actor in `worker`, which holds the slot, and put its
+    id in `reply`."""
     task: Submission
+    worker: Worker
     reply: wire.Message
 
 
@@ -309,7 +312,8 @@ class SchedulerState:
             return []
         assert task.slot is not None
         if task.keeps_slot(reply):
-            actions: Actions = [StopTimer(task), GoLive(task, reply)]
+            assert task.slot.worker is not None
+            actions: Actions = [StopTimer(task), GoLive(task, task.slot.worker, reply)]
         elif task.one_off:
             actions = self._replace(task.slot, "its task needed a worker of its own")  # back to a warm one
         else:
@@ -469,14 +473,16 @@ class SchedulerState:
         if not task.needs_own_worker(fresh):  # the warm worker sets env for this task and restores it after
             if env:
                 msg["env"] = env
-            return [started, Run(task, lead, msg, buffers)]
+            assert lead.worker is not None  # a ready slot's
+            return [started, Run(task, lead.worker, msg, buffers)]
         # A worker of its own, started with env, in place of the lead's warm one (which is stopped, so
         # that the task has the device and its memory to itself): for several devices it sees all of
         # them; for a variable read at load it imports nothing before the task; an actor keeps it.
         if len(group) > 1:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)
         task.one_off = True
-        return [started, RunAlone(task, lead, env, fresh, msg, buffers)]
+        old, lead.worker = lead.worker, None  # until the one-off worker is made
+        return [started, RunAlone(task, lead, old, env, fresh, msg, buffers)]
 
     def _yield_for_queue(self, ready: list[Slot], free: dict[str, float]) -> Actions:
         """Queued tasks cannot start: a lease whose slot would let one start ends after the task it runs.

@@ -86,6 +86,20 @@ def test_submit_without_auth_never_runs_code(target, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("kind", [wire.STATUS, wire.PING, wire.LEASE, wire.DIRECT, wire.LOCAL, wire.FETCH,
+                                  wire.CANCEL, wire.BYE])
+def test_before_auth_every_kind_but_auth_is_refused(target, kind):
+    """Before authentication the peer's only handler is AUTH's: a STATUS gets no status, a LEASE no
+    worker, a LOCAL no link; each closes the connection as a failed authentication."""
+    peer, client = target
+    sock, conn, _ = raw(peer)
+    conn.send({"t": kind, "id": 1, "beat": 1.0, "req": {}, "ref": {}})
+    reply = closing_error(conn)
+    assert (reply["t"], reply["code"]) == (wire.ERROR, "auth")
+    sock.close()
+    assert honest_call_works(client)
+
+
 def test_a_replayed_auth_is_refused(target):
     peer, client = target
     _, first, hello1 = raw(peer)

@@ -71,7 +71,7 @@ def test_a_task_on_a_free_slot_starts_at_once_on_its_warm_worker():
     assert kinds(actions) == ["Started", "Run"]
     started, run = actions
     assert (started.holder, started.name, started.device) == (first, "f1", "cpu")
-    assert run.slot is state.slots[0] and run.buffers == [b"buffer"]
+    assert run.worker is state.slots[0].worker and run.buffers == [b"buffer"]
     assert run.msg == {"t": wire.SUBMIT, "id": 1, "fn": b"fn", "args": b"args", "owner": "alice"}
     assert state.slots[0].task is first and first.msg is None  # the SUBMIT is not kept once sent
     assert (state.busy, state.queued, state.load()) == (1, 0, [1, 0])
@@ -148,9 +148,11 @@ def test_a_bad_env_is_answered_and_never_queued():
 def test_a_variable_read_at_load_gets_a_bare_worker_of_its_own():
     state = SchedulerState(slots())
     fresh = task(env={"OMP_NUM_THREADS": "3"})
+    warm = state.slots[0].worker
     started, alone = state.task_arrived(fresh, now=0.0)
     assert isinstance(alone, RunAlone) and alone.bare and alone.env == {"OMP_NUM_THREADS": "3"}
-    assert fresh.one_off
+    assert fresh.one_off and alone.old is warm and state.slots[0].worker is None  # until the shell makes one
+    state.slots[0].worker = Up()
     # its answer gives the slot a warm worker again
     actions = state.task_replied(fresh, {"t": wire.RESULT, "id": 1}, [], now=1.0)
     assert kinds(actions) == ["StopTimer", "Replace", "Answer"]
@@ -183,9 +185,11 @@ def test_an_actor_holds_its_slot_once_its_constructor_returned():
     creation = actor()
     started, alone = state.task_arrived(creation, now=0.0)
     assert isinstance(alone, RunAlone) and alone.msg["t"] == wire.ACTOR and alone.msg["actor"] == creation.actor_id
+    state.slots[0].worker = own = Up()
     reply = {"t": wire.RESULT, "id": 7}
     actions = state.task_replied(creation, reply, [], now=1.0)
-    assert kinds(actions) == ["StopTimer", "GoLive", "Answer"] and actions[1].reply is reply
+    assert kinds(actions) == ["StopTimer", "GoLive", "Answer"]
+    assert (actions[1].worker, actions[1].reply) == (own, reply)
     assert state.slots[0].task is creation
     creation.actor = object()  # the shell's live actor (GoLive)
     assert (state.held_by_actors, state.actors_hold_all(Requirements.build())) == (1, True)
@@ -195,8 +199,10 @@ def test_an_actor_whose_constructor_failed_leaves_the_slot_to_a_warm_worker():
     state = SchedulerState(slots())
     creation = actor()
     state.task_arrived(creation, now=0.0)
+    state.slots[0].worker = own = Up()
     actions = state.task_replied(creation, {"t": wire.ERROR, "id": 7, "code": "exception"}, [], now=1.0)
     assert kinds(actions) == ["StopTimer", "Replace", "Answer"] and state.slots[0].task is None
+    assert actions[1].old is own
 
 
 def test_a_worker_that_dies_fails_its_task_or_ends_its_actor():
@@ -208,6 +214,7 @@ def test_a_worker_that_dies_fails_its_task_or_ends_its_actor():
     assert actions[2].reply["message"] == "the worker process 4321 died while running the task (killed by SIGKILL)"
     creation = actor()
     state.task_arrived(creation, now=2.0)
+    creation.slot.worker = Up()
     state.task_replied(creation, {"t": wire.RESULT, "id": 7}, [], now=3.0)
     creation.actor = live = object()
     slot = creation.slot
@@ -257,7 +264,7 @@ def test_a_blocked_task_lends_its_slot_to_the_queue_but_never_to_an_actor():
     assert borrowed.lent_by is waiter and borrowed.device == "cpu" and state.load() == [0, 2]
     borrowed.worker = Up()  # the shell started its worker
     actions = state.worker_ready(now=2.0)
-    assert kinds(actions) == ["Started", "Run"] and actions[1].task is helper and actions[1].slot is borrowed
+    assert kinds(actions) == ["Started", "Run"] and actions[1].task is helper and helper.slot is borrowed
     assert list(state.queue) == [creation]  # the actor waits for a slot of its own
     assert state.wait_changed(waiter, False, now=3.0) == [] and borrowed.lent_by is None
 
