@@ -417,7 +417,6 @@ class Peer:
         """Route one message of a connection that has not authenticated yet: an AUTH, or it is refused."""
         handler = self._pre_auth.get(msg["t"])
         if handler is None:
-            self._unauthenticated.pop(conn, None)
             return self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
         handler(conn, msg, [])
 
