@@ -28,7 +28,7 @@ from .actors import Actor, CallOwner, Actors, grace_from_env
 from .scheduler_state import (
     LEASE_IDLE_S, SPARE_IDLE_S, Action, Actions, Answer, EndActor, Ended, GoLive, OpenBorrowed, Replace, Run,
     RunAlone, SchedulerState, Started, StopTimer, StopWorker, TellIdle, ToWorker, device_env)
-from .slots import ActorHolder, Holder, LeaseHolder, Slot, Submission
+from .slots import ActorHolder, LeaseHolder, Slot, Submission
 from .worker_processes import Worker, describe_exit, job_pythonpath
 
 log = logging.getLogger("gpulayer.peer")

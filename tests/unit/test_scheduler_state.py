@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from gpulayer import wire
 from gpulayer.matching import Requirements
 from gpulayer.peer.scheduler_state import (
-    IDLE_NOTICE_GAP_S, SPARE_IDLE_S, Answer, EndActor, Ended, GoLive, OpenBorrowed, Replace, Run, RunAlone,
-    SchedulerState, Started, StopTimer, StopWorker, TellIdle, ToWorker)
+    IDLE_NOTICE_GAP_S, SPARE_IDLE_S, EndActor, Replace, RunAlone, SchedulerState, StopWorker, TellIdle, ToWorker)
 from gpulayer.peer.slots import ActorHolder, LeaseHolder, Slot, TaskHolder
 
 
