@@ -5,7 +5,7 @@
 1. The primitives alone (cryptography's encrypt_into / decrypt_into, no allocation per call),
    seal and open, on small frames (100 B, 1 KiB: calls/s) and big ones (1 MiB frames, 256 MiB
    in all: GB/s); and the allocating encrypt/decrypt for comparison.
-2. The record layer (gpulayer.records) with the chosen AEAD: a small wire message sealed and
+2. The record layer (gpulayer.protocol.records) with the chosen AEAD: a small wire message sealed and
    opened (one AEAD call each way), and a 256 MiB buffer for each candidate record size, in
    one process (seal, open into a MessageReader) and across loopback TCP between two
    processes (the sender seals and sends, the receiver opens; beside the same path in clear).
@@ -29,7 +29,8 @@ import cryptography
 from cryptography.hazmat.backends.openssl.backend import backend as openssl_backend
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
-from gpulayer import records, wire
+from gpulayer.protocol import framing, messages, records
+from gpulayer.transport import blocking
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CIPHERS = {"aes-256-gcm": AESGCM, "chacha20-poly1305": ChaCha20Poly1305}
@@ -96,26 +97,26 @@ def measure_small_messages(count: int, repeats: int) -> list[dict]:
     """One wire message through Sealer.seal and Opener.feed_into, against the bare codec."""
     send, _ = keys()
     rows = []
-    for label, msg, buffers in (("ping", {"t": wire.PING}, ()),
-                                ("1 KiB buffer", {"t": wire.RESULT, "id": 7}, (os.urandom(1024),))):
+    for label, msg, buffers in (("ping", {"t": messages.PING}, ()),
+                                ("1 KiB buffer", {"t": messages.RESULT, "id": 7}, (os.urandom(1024),))):
         sealer, opener = records.Sealer(send), records.Opener(send)
-        reader = wire.MessageReader(1 << 30)
+        reader = framing.MessageReader(1 << 30)
 
         def through():
-            for record in sealer.seal(wire.encode(dict(msg), buffers)):
+            for record in sealer.seal(framing.encode(dict(msg), buffers)):
                 view = opener.buffer()
                 view[:len(record)] = record
                 opener.feed_into(len(record), reader)
             reader.messages.popleft()
 
         def clear():
-            for part in wire.join_small(wire.encode(dict(msg), buffers)):
+            for part in framing.join_small(framing.encode(dict(msg), buffers)):
                 view = reader.buffer()
                 view[:len(part)] = part
                 reader.feed(len(part))
             reader.messages.popleft()
 
-        parts = wire.encode(dict(msg), buffers)
+        parts = framing.encode(dict(msg), buffers)
         sealed = records.Sealer(send).seal(parts)
         rate, base = best_rate(through, count, repeats), best_rate(clear, count, repeats)
         rows.append({"message": label, "plaintext_bytes": sum(map(len, parts)), "records": len(sealed),
@@ -136,16 +137,16 @@ def measure_record_sizes(buffer: memoryview, repeats: int) -> list[dict]:
     for size in RECORD_SIZES:
         seal_s, open_s, seal_each, open_each = [], [], [], []
         for _ in range(repeats):
-            stream = records.Sealer(send, record_max=size).stream(wire.encode({"t": wire.RESULT}, [buffer]))
+            stream = records.Sealer(send, record_max=size).stream(framing.encode({"t": messages.RESULT}, [buffer]))
             started = last = time.perf_counter()
             for _record in stream:
                 now = time.perf_counter()
                 seal_each.append(now - last)
                 last = now
             seal_s.append(time.perf_counter() - started)
-            sealed = records.Sealer(send, record_max=size).seal(wire.encode({"t": wire.RESULT}, [buffer]))
+            sealed = records.Sealer(send, record_max=size).seal(framing.encode({"t": messages.RESULT}, [buffer]))
             opener = records.Opener(send, max_record=size)
-            reader = wire.MessageReader(TOTAL + (1 << 20))
+            reader = framing.MessageReader(TOTAL + (1 << 20))
             started = time.perf_counter()
             for record in sealed:
                 t0 = time.perf_counter()
@@ -166,7 +167,7 @@ def measure_record_sizes(buffer: memoryview, repeats: int) -> list[dict]:
 
 def _receiver(sock: socket.socket, size: int, key: bytes | None, result_fd: int) -> None:
     """Child: receive one 256 MiB message (sealed or clear) and report when it was whole."""
-    reader = wire.MessageReader(TOTAL + (1 << 20))
+    reader = framing.MessageReader(TOTAL + (1 << 20))
     opener = records.Opener(key, max_record=size) if key else None
     while not reader.messages:
         if opener is not None:
@@ -178,7 +179,7 @@ def _receiver(sock: socket.socket, size: int, key: bytes | None, result_fd: int)
             opener.feed_into(n, reader)
         else:
             view = reader.buffer()
-            piece = min(len(view), reader.big_remaining or len(view), wire.BULK_PIECE)
+            piece = min(len(view), reader.big_remaining or len(view), framing.BULK_PIECE)
             n = sock.recv_into(view, piece, socket.MSG_WAITALL if reader.big_remaining else 0)
             if not n:
                 raise ConnectionError("closed")
@@ -205,12 +206,12 @@ def tcp_once(buffer: memoryview, size: int | None, key: bytes) -> float:
     server.close()
     time.sleep(0.05)
     started = time.perf_counter()
-    parts = wire.encode({"t": wire.RESULT}, [buffer])
+    parts = framing.encode({"t": messages.RESULT}, [buffer])
     if size:
         for record in records.Sealer(key, record_max=size).stream(parts):
             conn.sendall(record)
     else:
-        wire.send_parts(conn, parts)
+        blocking.send_parts(conn, parts)
     done = float(os.read(read_fd, 64) or "nan")  # perf_counter is system-wide (CLOCK_MONOTONIC) on Linux
     os.waitpid(pid, 0)
     os.close(read_fd)

@@ -37,7 +37,10 @@ import cloudpickle
 import msgpack
 import numpy as np
 
-from gpulayer.wire import receive_buffer
+try:
+    from gpulayer.protocol.framing import receive_buffer
+except ImportError:  # bench/data_plane.py imports this file under its "before" tree, older than protocol/
+    from gpulayer.wire import receive_buffer  # type: ignore[no-redef]
 
 HEADER = struct.Struct(">I")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -288,7 +291,8 @@ def measure_aead(n: int, big: np.ndarray, repeats: int) -> dict:
     A task crosses the channel twice (SUBMIT there, RESULT back): each is sealed on one side and
     opened on the other. The worker link is host-local and carries no records.
     """
-    from gpulayer import records, serialization, wire
+    from gpulayer import serialization
+    from gpulayer.protocol import framing, messages, records
 
     fn, args = serialization.dumps(trivial)[0], serialization.dumps(((), {}))[0]
     ends = {}  # one sealer, opener and reader per direction, as on a connection
@@ -296,15 +300,15 @@ def measure_aead(n: int, big: np.ndarray, repeats: int) -> dict:
     def crossing(direction: str, msg: dict, buffers=()) -> None:
         if direction not in ends:
             key = secrets.token_bytes(32)
-            ends[direction] = records.Sealer(key), records.Opener(key), wire.MessageReader(wire.max_message_bytes())
+            ends[direction] = records.Sealer(key), records.Opener(key), framing.MessageReader(framing.max_message_bytes())
         sealer, opener, reader = ends[direction]
-        for record in sealer.stream(wire.encode(dict(msg), buffers)):
+        for record in sealer.stream(framing.encode(dict(msg), buffers)):
             opener.feed_bytes_into(record, reader)
         reader.messages.popleft()
 
     def task() -> None:
-        crossing("up", wire.submit(1, fn, args, {"acc": None}, None, "trivial"))
-        crossing("down", {"t": wire.RESULT, "id": 1, "data": serialization.dumps(1)[0]})
+        crossing("up", messages.submit(1, fn, args, {"acc": None}, None, "trivial"))
+        crossing("down", {"t": messages.RESULT, "id": 1, "data": serialization.dumps(1)[0]})
 
     for _ in range(n // 10):
         task()
@@ -313,7 +317,7 @@ def measure_aead(n: int, big: np.ndarray, repeats: int) -> dict:
         task()
     per_task = (time.perf_counter() - started) / n
     view = memoryview(big).cast("B")
-    bulk = runs(repeats, lambda: timed(lambda: [crossing(way, {"t": wire.RESULT, "id": 1}, [view])
+    bulk = runs(repeats, lambda: timed(lambda: [crossing(way, {"t": messages.RESULT, "id": 1}, [view])
                                                 for way in ("up", "down")]))
     return {"per_task_us": 1e6 * per_task, "bulk_seconds": min(bulk), "bulk_gb_per_s": 2 * big.nbytes / min(bulk) / 1e9,
             "aead": records.AEAD.__name__, "record_max": records.RECORD_MAX}

@@ -110,7 +110,7 @@ def _dashboard(args) -> int:
 
 def _version() -> str:
     from . import __version__
-    from .wire import PROTOCOL_VERSION
+    from .protocol.messages import PROTOCOL_VERSION
 
     python = ".".join(map(str, sys.version_info[:3]))
     return f"gpulayer {__version__} (protocol v{PROTOCOL_VERSION}, Python {python} at {sys.executable})"

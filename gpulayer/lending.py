@@ -13,8 +13,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+from .protocol import messages
 
-from . import wire
 
 
 class Lender:
@@ -50,7 +50,7 @@ class Lender:
 
     def _tell(self, blocked: bool) -> None:
         try:
-            self.send({"t": wire.WAIT, "blocked": blocked})
+            self.send({"t": messages.WAIT, "blocked": blocked})
         except OSError:  # the peer is gone: the worker ends at its next read of the link
             pass
 

@@ -23,8 +23,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .accelerators import CPU, CUDA, GPU, GPU_KINDS, MPS, MPS_MAX_DEVICES, TASK_CHOICES, UNSUPPORTED, is_gpu
+from .protocol.messages import PROTOCOL_VERSION
 from .resources.model import Advert
-from .wire import PROTOCOL_VERSION
 
 ACCELERATOR_CHOICES = TASK_CHOICES
 # The capability a framework needs to use an accelerator, e.g. ("torch", "mps") -> "torch.mps".

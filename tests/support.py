@@ -261,10 +261,11 @@ def authenticated(peer: PeerProcess, client_id: str = "tester"):
     """A raw connection to `peer` on loopback, past the handshake with its cluster key."""
     import socket
 
-    from gpulayer import wire
+    from gpulayer.protocol import handshake
+    from gpulayer.transport import blocking
 
-    conn = wire.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
-    wire.client_handshake(conn, peer.key.encode(), client_id)
+    conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
+    handshake.client_handshake(conn, peer.key.encode(), client_id)
     return conn
 
 

@@ -18,7 +18,8 @@ PACKAGE = ROOT / "gpulayer"
 LAYERS: list[dict[str, set[str]]] = [
     {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
                 "records", "security", "progress", "peer_table"}},
-    {"transport": {"shm", "wire", "lending"}},
+    {"protocol": {"protocol"}},
+    {"transport": {"transport", "lending"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
     {"worker": {"peer.worker", "peer.actor_worker", "peer.lease_worker", "peer.running", "peer.spawning"},
      "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
@@ -27,7 +28,7 @@ LAYERS: list[dict[str, set[str]]] = [
 ]
 # Edges the layers would allow that stay out all the same (prefixes of module names): the Ray backend
 # runs tasks without the peer's code; the option table needs no transport.
-BREAKS = {("backends", "peer"), ("task_options", "wire"), ("task_options", "shm")}
+BREAKS = {("backends", "peer"), ("task_options", "transport")}
 # What a job interpreter has besides the standard library: the worker side needs nothing else (torch
 # only where a task's data holds tensors, which serialization rebuilds; no psutil, no zeroconf).
 JOB_INTERPRETER = {"msgpack", "cloudpickle", "cryptography", "torch"}

@@ -17,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import serialization, shm, wire
+from .. import serialization
 from ..checks import check_timeout
 from ..errors import ActorDied, GPULayerError, PeerLost, ProtocolError
 from ..matching import Requirements
+from ..protocol import messages
 from ..resources.model import Advert
+from ..transport import shm
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection
 from .tasks import SubmittedTask, TaskFuture
@@ -83,13 +85,13 @@ class ActorCreation(SubmittedTask):
     spec: ActorSpec | None = None
     handle: ActorHandle | None = None
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]:
+    def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None and self.spec is not None
-        return wire.actor(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
-                          self.spec.concurrency, self.env), self.buffers or []
+        return messages.actor(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
+                              self.spec.concurrency, self.env), self.buffers or []
 
     def result_from(self, msg: dict[str, Any], buffers: list[Any]) -> Any:
-        problem = wire.check_actor_id(msg.get("actor"))
+        problem = messages.check_actor_id(msg.get("actor"))
         if problem is not None:
             raise ProtocolError(f"the peer's answer to ACTOR has no actor id: {problem}")
         assert self.client is not None and self.spec is not None and self.conn is not None
@@ -111,9 +113,9 @@ class ActorCall(SubmittedTask):
     def actor(self) -> str | None:
         return self.handle.actor_id if self.handle is not None else None
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]:
+    def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.args is not None and self.handle is not None
-        return wire.call(self.task_id, self.handle.actor_id, self.name, self.args, self.timeout), self.buffers or []
+        return messages.call(self.task_id, self.handle.actor_id, self.name, self.args, self.timeout), self.buffers or []
 
     def complete(self, result: Any = None, exc: BaseException | None = None) -> None:
         assert self.handle is not None
@@ -130,8 +132,8 @@ class CloseRequest(SubmittedTask):
 
     actor_id: str = ""
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]:
-        return wire.close(self.task_id, self.actor_id), []
+    def message(self) -> tuple[messages.Outgoing, list[Any]]:
+        return messages.close(self.task_id, self.actor_id), []
 
 
 class DirectListener:
@@ -245,7 +247,7 @@ class ActorHandle:
             return None
         try:
             conn = PeerConnection(DirectListener(self._client), self.addresses, self._client.key,
-                                  self._client.client_id, wire.direct(0, self.actor_id))
+                                  self._client.client_id, messages.direct(0, self.actor_id))
         except (OSError, GPULayerError) as exc:  # DirectRefused, an older peer, no route: through the peer
             log.debug("calls on actor %s go through its peer: %s", self.actor_id[:8], exc)
             self._direct_off = True
@@ -378,7 +380,7 @@ def live_actors(client: Client) -> list[dict[str, Any]]:
     for handles in by_peer.values():
         try:
             conn = client.connection_to(handles[0].peer_id, handles[0].addresses)
-            status = conn.request(wire.status_request(), CONNECT_TIMEOUT)
+            status = conn.request(messages.status_request(), CONNECT_TIMEOUT)
         except (OSError, GPULayerError) as exc:
             for handle in handles:
                 handle.died(f"its peer is unreachable: {exc}")

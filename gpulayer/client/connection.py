@@ -16,10 +16,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .. import shm, wire
 from ..errors import GPULayerError, PeerLost, ProtocolError
+from ..protocol import framing, handshake, messages
 from ..resources.model import Advert
 from ..resources.utilisation import MAX_GB, finite
+from ..transport import blocking, shm, sockets
 
 CONNECT_TIMEOUT = 2.0
 OUTBOX_MAX = 1 << 18  # bytes of SUBMITs that a lease keeps back for one write at most
@@ -36,7 +37,7 @@ class ConnectionTask(Protocol):
     task_id: int
     queued: bool  # the peer queued it and said it may be withdrawn (an ACCEPT with "w")
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]: ...
+    def message(self) -> tuple[messages.Outgoing, list[Any]]: ...
 
     def on_output(self, stream: str, data: bytes) -> None: ...
 
@@ -67,7 +68,7 @@ class PeerConnection:
     """One authenticated connection to a peer; safe to use from any thread."""
 
     def __init__(self, listener: ConnectionListener, addresses: list[tuple[str, int]], key: bytes, client_id: str,
-                 hand_over: wire.Message | None = None):
+                 hand_over: messages.Message | None = None):
         """`hand_over`, a DIRECT or a LEASE request, asks the peer to give the connection to a worker."""
         self.listener = listener
         self.actor_id: str | None = None  # set when the connection goes to that actor's worker (ADR 0012)
@@ -100,8 +101,8 @@ class PeerConnection:
         started = time.perf_counter()
         try:
             sock.settimeout(CONNECT_TIMEOUT)
-            self._wire = wire.BlockingConnection(sock)
-            hello = wire.client_handshake(self._wire, key, client_id)
+            self._wire = blocking.BlockingConnection(sock)
+            hello = handshake.client_handshake(self._wire, key, client_id)
             self.advert = Advert.from_txt(hello.get("advert") or {})
             if hand_over is not None:
                 self._ask_hand_over(hand_over)
@@ -120,7 +121,7 @@ class PeerConnection:
         self._local_lock = threading.Lock()  # one asks; another sender of a big buffer waits for its answer
         threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
 
-    def _ask_hand_over(self, request: wire.Message) -> None:
+    def _ask_hand_over(self, request: messages.Message) -> None:
         """Ask the peer to hand this connection to a worker; DirectRefused when it does not.
 
         The peer answers, then the worker continues the same channel (its keys and counters), so
@@ -129,16 +130,16 @@ class PeerConnection:
         self._wire.send(request)
         reply, _ = self._wire.recv(time.monotonic() + CONNECT_TIMEOUT)
         if reply["t"] != request["t"] or reply.get("id") != request["id"]:
-            raise DirectRefused(f"{wire.printable(reply.get('code', reply['t']), 40)}: "
-                                f"{wire.printable(reply.get('message'))}")
-        if request["t"] == wire.DIRECT:
+            raise DirectRefused(f"{messages.printable(reply.get('code', reply['t']), 40)}: "
+                                f"{messages.printable(reply.get('message'))}")
+        if request["t"] == messages.DIRECT:
             self.actor_id = request["actor"]
         else:
-            self.lease_id = wire.printable(reply.get("lease"), 64)
+            self.lease_id = messages.printable(reply.get("lease"), 64)
 
     # ---- sending ----------------------------------------------------------------------------------
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         if not self._asked_local and any(memoryview(b).nbytes >= shm.SHM_MIN for b in buffers):
             with self._local_lock:
                 if not self._asked_local:
@@ -150,7 +151,7 @@ class PeerConnection:
         """Ask the peer, once, for a local link: shared memory when it is on this host, as this user."""
         self._asked_local = True
         try:
-            reply = self.request({"t": wire.LOCAL}, shm.LINK_TIMEOUT)
+            reply = self.request({"t": messages.LOCAL}, shm.LINK_TIMEOUT)
         except (PeerLost, TimeoutError, FutureTimeout):  # distinct classes before Python 3.11
             return
         self._wire.link = shm.open_link(reply.get("addr"), reply.get("token"))
@@ -197,7 +198,7 @@ class PeerConnection:
                 return
             self._newest = task.task_id
             msg, buffers = task.message()
-            parts = wire.encode(msg, buffers)
+            parts = framing.encode(msg, buffers)
             if self._at_worker and self._outbox_bytes < OUTBOX_MAX:
                 self._outbox += parts
                 self._outbox_tasks += 1
@@ -248,7 +249,7 @@ class PeerConnection:
             known = self.pending.pop(task.task_id, None) is task
         if known and not self.closed:
             try:
-                self.send(wire.cancel(task.task_id))
+                self.send(messages.cancel(task.task_id))
             except OSError:
                 pass
             if self.on_cancel is not None:
@@ -271,7 +272,7 @@ class PeerConnection:
         """Send a PING unless a send is under way (a big upload); never blocks."""
         if self._send_lock.acquire(blocking=False):
             try:
-                self._wire.send(wire.ping())
+                self._wire.send(messages.ping())
             finally:
                 self._send_lock.release()
 
@@ -310,35 +311,35 @@ class PeerConnection:
             self.load = tuple(msg["load"][:2])
             self._load_base = len(self.pending)
             self.free = finite(msg.get("free"), 0, MAX_GB)
-        if kind in (wire.PONG, wire.STATUS, wire.LOCAL):
+        if kind in (messages.PONG, messages.STATUS, messages.LOCAL):
             waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
-            elif kind == wire.PONG and msg.get("id") is None:
+            elif kind == messages.PONG and msg.get("id") is None:
                 self._new_advert(msg.get("advert"))
                 self.listener.on_idle(self)
             return
-        if kind == wire.BYE:
+        if kind == messages.BYE:
             self.listener.on_leaving(self)
             return
-        if kind == wire.LEASE_END and self.lease_id is not None:  # no task starts on it any more
-            self.lease_ended = wire.printable(msg.get("reason"), 500) or "?"
+        if kind == messages.LEASE_END and self.lease_id is not None:  # no task starts on it any more
+            self.lease_ended = messages.printable(msg.get("reason"), 500) or "?"
             self.fail(f"the lease ended: {self.lease_ended}")
             return
-        if kind == wire.ACTOR_END:
+        if kind == messages.ACTOR_END:
             self.listener.on_actor_end(self, msg)
-        if kind == wire.ERROR and msg.get("id") is None:  # the peer is about to close this connection
+        if kind == messages.ERROR and msg.get("id") is None:  # the peer is about to close this connection
             self.refusal = f"{msg.get('code')}: {msg.get('message')}"
             return
-        if self.lease_id is not None and kind in (wire.RESULT, wire.ERROR):
+        if self.lease_id is not None and kind in (messages.RESULT, messages.ERROR):
             self._answered_on_lease()
         task = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
         if task is None:
             return
-        if kind == wire.ACCEPT:
+        if kind == messages.ACCEPT:
             task.queued = msg.get("w") is True  # it waits in the peer's queue, and may be withdrawn
             return
-        if kind == wire.LOG:
+        if kind == messages.LOG:
             task.on_output(msg.get("stream"), msg.get("data") or b"")
             return
 
@@ -389,12 +390,12 @@ def _connect(addresses: list[tuple[str, int]]) -> tuple[socket.socket, str]:
         except OSError as exc:
             errors.append(f"{host}:{port}: {exc.strerror or exc}")
             continue
-        wire.tune(sock)
+        sockets.tune(sock)
         return sock, f"{host}:{port}"
     raise ConnectionError("; ".join(errors) or "no address")
 
 
-def send_quietly(conn: PeerConnection, msg: wire.Outgoing) -> None:
+def send_quietly(conn: PeerConnection, msg: messages.Outgoing) -> None:
     """Send a message that needs no answer; a connection that is gone takes it with it."""
     try:
         conn.send(msg)

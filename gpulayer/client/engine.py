@@ -20,11 +20,12 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_co
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from .. import discovery, held, lending, remote_exceptions, serialization, wire
+from .. import discovery, held, lending, remote_exceptions, serialization
 from ..checks import check_timeout
 from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match, missing_software
+from ..protocol import framing, messages
 from ..task_options import check_keep, check_retries
 from ..progress import MapProgressBar
 from ..resources.model import Advert
@@ -219,7 +220,7 @@ class Client:
             return
         assert task.fn is not None
         task.req = inference.with_inferred(task.req, fn, task.fn, data)  # after pickling: it reads the pickles
-        wire.check_size("the task's function and arguments", [len(data) + len(task.fn), *(b.nbytes for b in buffers)])
+        framing.check_size("the task's function and arguments", [len(data) + len(task.fn), *(b.nbytes for b in buffers)])
         task.args, task.buffers, task.deps = data, buffers, deps
         self._place(task)
 
@@ -242,7 +243,7 @@ class Client:
             peer_id, result_id = self._releases.popleft()
             conn = self.pooled(peer_id)
             if conn is not None:
-                send_quietly(conn, wire.release(result_id))
+                send_quietly(conn, messages.release(result_id))
 
     def received_bytes(self) -> int:
         """Bytes this submitter has read from its peer connections so far (on the socket: records and all)."""
@@ -442,25 +443,25 @@ class Client:
     def on_outcome(self, conn: PeerConnection, task: SubmittedTask, msg: dict[str, Any], buffers: list[Any]) -> None:
         self.placement.contention.heard(conn.peer_id, msg)
         self.settle(conn, task, msg, buffers)
-        if msg["t"] != wire.REJECT:
+        if msg["t"] != messages.REJECT:
             self.on_idle(conn)
 
     def settle(self, conn: PeerConnection, task: SubmittedTask, msg: dict[str, Any], buffers: list[Any]) -> None:
         """Complete a task with its outcome (RESULT, ERROR, REJECT), or place it again where that says so."""
         kind = msg["t"]
-        if kind == wire.ACTOR_END:  # the answer to a CLOSE
+        if kind == messages.ACTOR_END:  # the answer to a CLOSE
             task.complete(msg.get("served"))
-        elif kind == wire.RESULT and task.keep is not None and msg.get("held") == task.keep:
+        elif kind == messages.RESULT and task.keep is not None and msg.get("held") == task.keep:
             size = msg.get("size")
             task.complete(HeldResult(self, conn, task.keep, size if isinstance(size, int) else 0, task.future))
-        elif kind == wire.RESULT:
+        elif kind == messages.RESULT:
             try:
                 result = task.result_from(msg, buffers)
             except Exception as exc:
                 task.complete(exc=RemoteError(type(exc).__name__, f"the result could not be unpickled here: {exc}", ""))
             else:
                 task.complete(result)
-        elif kind == wire.REJECT:
+        elif kind == messages.REJECT:
             self._on_reject(task, conn, msg.get("code", "?"), msg.get("message", ""))
         else:
             self._on_error(task, msg)
@@ -486,7 +487,7 @@ class Client:
             task, other = found
             task.withdrawing = conn.peer_id
             taken[other.peer_id] = taken.get(other.peer_id, 0) + 1
-            self._helpers.submit(send_quietly, other, wire.withdraw(task.task_id))
+            self._helpers.submit(send_quietly, other, messages.withdraw(task.task_id))
 
     def _to_withdraw(self, conn: PeerConnection, taken: dict[str, int]) -> tuple[SubmittedTask, PeerConnection] | None:
         """The task to take back for the free peer of `conn` (`on_idle`), and the connection it waits on."""
@@ -531,7 +532,7 @@ class Client:
         """Connect to a peer that appeared, ask its load (a PING), then take work to it if it is idle."""
         try:
             conn = self._connection(record)
-            conn.request(wire.ping(), CONNECT_TIMEOUT)
+            conn.request(messages.ping(), CONNECT_TIMEOUT)
         except (OSError, GPULayerError, FutureTimeout) as exc:
             log.debug("no work taken to peer %s that appeared: %s", record.advert.name, exc)
             return
@@ -548,7 +549,7 @@ class Client:
     def on_actor_end(self, conn: PeerConnection, msg: dict[str, Any]) -> None:
         handle = self.actors.get(msg.get("actor"))  # type: ignore[arg-type]
         if handle is not None:
-            handle.died(wire.printable(msg.get("message")))
+            handle.died(messages.printable(msg.get("message")))
 
     def on_leaving(self, conn: PeerConnection) -> None:
         self._forget(conn.peer_id, "the peer is shutting down")
@@ -568,7 +569,7 @@ class Client:
 
     def _check_leaving(self, record: discovery.PeerRecord) -> None:
         try:
-            status = self._connection(record).request(wire.status_request(), CONNECT_TIMEOUT)
+            status = self._connection(record).request(messages.status_request(), CONNECT_TIMEOUT)
         except (OSError, GPULayerError) as exc:
             self._forget(record.advert.peer_id, f"gone after its goodbye: {exc}")
             return
@@ -623,9 +624,9 @@ class Client:
         elif code == "exception":
             task.complete(exc=remote_exceptions.rebuild(msg))
         elif code == "held-lost":  # retrying elsewhere cannot bring it back
-            task.complete(exc=PeerLost(wire.printable(message, 500)))
+            task.complete(exc=PeerLost(messages.printable(message, 500)))
         elif code in ("actor-died", "no-actor"):
-            task.complete(exc=ActorDied(wire.printable(message, 500)))
+            task.complete(exc=ActorDied(messages.printable(message, 500)))
         else:
             task.complete(exc=TaskRejected(code, message))
 
@@ -672,7 +673,7 @@ class Client:
 
     def status(self, record: discovery.PeerRecord) -> dict[str, Any]:
         """The peer's STATUS reply, over its authenticated connection (opened if need be); untrusted."""
-        return self._connection(record).request(wire.status_request(), CONNECT_TIMEOUT)
+        return self._connection(record).request(messages.status_request(), CONNECT_TIMEOUT)
 
     def _describe(self, record: discovery.PeerRecord, probe: bool) -> dict[str, Any]:
         """The peer's row; with `probe`, its STATUS from a connection that proved its id, and then the

@@ -15,10 +15,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import shm, wire
 from ..errors import GPULayerError, PeerLost, WorkerDied
+from ..protocol import messages
 from ..resources.model import Advert
-from ..taskenv import read_at_load
+from ..transport import shm
 from .connection import PeerConnection
 from .tasks import SubmittedTask
 
@@ -77,7 +77,7 @@ class Leases:
     def _open(self, main: PeerConnection, req: Requirements) -> None:
         try:
             lease = PeerConnection(LeaseListener(self), main.addresses, self.client.key, self.client.client_id,
-                                   wire.lease(0, req.to_wire(), self.client.heartbeat))
+                                   messages.lease(0, req.to_wire(), self.client.heartbeat))
         except (OSError, GPULayerError) as exc:  # no free worker, an older peer, gone: through the peer
             log.debug("no lease from peer %s: %s", main.name, exc)
             return
@@ -98,7 +98,7 @@ class Leases:
         main = self.client.pooled(lease.peer_id)
         if main is not None and lease.lease_id is not None:
             try:
-                main.send({**wire.cancel(task_id), "lease": lease.lease_id})
+                main.send({**messages.cancel(task_id), "lease": lease.lease_id})
             except OSError:
                 pass
 
@@ -179,10 +179,8 @@ def _lease_slot_takes(req: Requirements, lease: Requirements) -> bool:
 
 
 def _leasable(task: SubmittedTask) -> bool:
-    """Whether a lease may run the task: a plain task of one device that holds nothing on the peer,
-    takes no held result, has small buffers (big ones go by shared memory through the peer) and no
-    variable that needs a fresh worker."""
-    return type(task) is SubmittedTask and task.keep is None and task.req.devices == 1 \
-        and not any(f.held is not None for f in task.deps) \
+    """Whether a lease may run the task: a plain task of one device with small buffers (big ones go by
+    shared memory through the peer) whose SUBMIT the leased worker would not refuse (`lease_refusal`)."""
+    return type(task) is SubmittedTask and task.req.devices == 1 \
         and sum(memoryview(b).nbytes for b in task.buffers or ()) < shm.SHM_MIN \
-        and not any(read_at_load(name) for name in task.env)
+        and messages.lease_refusal({"keep": task.keep, "refs": task.held_args(), "env": task.env}) is None

@@ -12,9 +12,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import held, lending, serialization, wire
+from .. import held, lending, serialization
 from ..errors import GPULayerError, PeerLost, WaitCycle
 from ..matching import Requirements
+from ..protocol import messages
 from .connection import PeerConnection, send_quietly
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class HeldResult:
         self._finalizer = weakref.finalize(future, client.release_later, self.peer_id, result_id)
 
     def ref(self) -> dict[str, Any]:
-        return wire.ref(self.result_id, self.peer_id, self.addresses)
+        return messages.ref(self.result_id, self.peer_id, self.addresses)
 
     def fetch(self, timeout: float | None = None) -> Any:
         """The value, fetched from the peer the first time."""
@@ -149,7 +150,7 @@ class HeldResult:
         self._finalizer.detach()
         conn = self.client.pooled(self.peer_id)
         if conn is not None:  # else the peer frees it when this submitter's connections are gone
-            send_quietly(conn, wire.release(self.result_id))
+            send_quietly(conn, messages.release(self.result_id))
 
 
 @dataclass(eq=False)
@@ -191,10 +192,10 @@ class SubmittedTask:
         """The id of the actor that runs it (an actor's call), else None."""
         return None
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]:
+    def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None
-        return wire.submit(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
-                           self.env, self.keep, [where.ref() for where in self.held_args()]), \
+        return messages.submit(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
+                               self.env, self.keep, [where.ref() for where in self.held_args()]), \
             self.buffers or []
 
     def held_args(self) -> list[HeldResult]:
@@ -246,5 +247,5 @@ class FetchRequest(SubmittedTask):
 
     result_id: str = ""
 
-    def message(self) -> tuple[wire.Outgoing, list[Any]]:
-        return wire.fetch(self.task_id, self.result_id), []
+    def message(self) -> tuple[messages.Outgoing, list[Any]]:
+        return messages.fetch(self.task_id, self.result_id), []

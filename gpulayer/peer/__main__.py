@@ -9,8 +9,9 @@ import logging
 import os
 import sys
 
-from .. import security, wire
+from .. import security
 from ..errors import GPULayerError
+from ..protocol import framing
 from ..resources import detect, override
 from ..taskenv import SLOT_ENV_PREFIX
 from .server import PeerConfig, run_peer
@@ -72,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     name = check_name(args.name)  # before the slow part: a name that cannot be advertised fails at once
     if args.concurrency is not None and args.concurrency < 1:
         raise GPULayerError("--concurrency must be at least 1")
-    wire.max_message_bytes()  # a bad GPULAYER_MAX_MESSAGE_MB fails here, not at the first submitter
+    framing.max_message_bytes()  # a bad GPULAYER_MAX_MESSAGE_MB fails here, not at the first submitter
     resources = detect.detect(args.python)
     if args.advertise_override:
         data = override.load_override(args.advertise_override)

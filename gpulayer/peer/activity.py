@@ -12,8 +12,8 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
+from ..protocol.messages import RESULT
 
-from ..wire import RESULT
 
 FINISHED_KEEP = 300  # finished tasks kept
 REFUSALS_KEEP = 50  # refusals kept

@@ -18,8 +18,10 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import lending, serialization, shm, wire
+from .. import lending, serialization
 from ..errors import ProtocolError
+from ..protocol import framing, messages
+from ..transport import blocking, shm
 from .running import flush_output, invoke, run_call
 
 _output = threading.local()  # .sink: where the current thread's stdout and stderr go, while it runs a direct call
@@ -28,7 +30,7 @@ _output = threading.local()  # .sink: where the current thread's stdout and stde
 class Stream:
     """One connection that calls come on: the peer's link, or a submitter's direct connection."""
 
-    def __init__(self, conn: wire.BlockingConnection, direct: bool):
+    def __init__(self, conn: blocking.BlockingConnection, direct: bool):
         self.conn = conn
         self.direct = direct
         self.cancelled: set = set()
@@ -40,7 +42,7 @@ class Stream:
         so that the replies to calls that came together go out together: one record, one write."""
         with self._send_lock:
             if hold and not buffers:
-                self._held += wire.encode(msg)
+                self._held += framing.encode(msg)
                 return
             self._flush()
             self.conn.send(msg, buffers)
@@ -77,7 +79,7 @@ class RoutedOutput:
         return getattr(self._original, name)
 
 
-def take_connection(link: wire.BlockingConnection, msg: dict) -> wire.BlockingConnection | None:
+def take_connection(link: blocking.BlockingConnection, msg: dict) -> blocking.BlockingConnection | None:
     """The submitter's connection that the peer handed over (the socket came first on the local link),
     continuing its channel with the keys and counters of `msg` (a DIRECT or a LEASE); None if it did not come."""
     try:
@@ -86,7 +88,7 @@ def take_connection(link: wire.BlockingConnection, msg: dict) -> wire.BlockingCo
         print(f"gpulayer worker: a handed-over connection did not arrive: {exc}", file=sys.__stderr__)
         return None
     sock.setblocking(True)  # the peer's event loop had it non-blocking (a flag of the socket, not of a descriptor)
-    conn = wire.BlockingConnection(sock, wire.max_message_bytes())
+    conn = blocking.BlockingConnection(sock, framing.max_message_bytes())
     send_key, recv_key = msg["keys"]
     conn.secure(send_key, recv_key, tuple(msg["counters"]))
     return conn
@@ -101,7 +103,7 @@ def route_output() -> None:
 class Actor:
     """The actor's instance and the connections its calls come on."""
 
-    def __init__(self, conn: wire.BlockingConnection, instance: object, conc: int):
+    def __init__(self, conn: blocking.BlockingConnection, instance: object, conc: int):
         self.peer = Stream(conn, direct=False)
         self.instance = instance
         self._turn = threading.Semaphore(conc)
@@ -142,22 +144,22 @@ class Actor:
     def _take(self, stream: Stream, backlog: deque, msg: dict, buffers: list) -> bool:
         """Queue a CALL, note a CANCEL, answer a PING, take a direct connection; False at the stream's end."""
         kind = msg["t"]
-        if kind == wire.CALL:
-            problem = wire.check_call(msg) if stream.direct else None
+        if kind == messages.CALL:
+            problem = messages.check_call(msg) if stream.direct else None
             if problem is not None:
-                stream.send(wire.error("bad-request", problem, msg.get("id")))
+                stream.send(messages.error("bad-request", problem, msg.get("id")))
             else:
                 backlog.append((msg, buffers))
-        elif kind == wire.CANCEL:
+        elif kind == messages.CANCEL:
             stream.cancelled.add(msg.get("id"))
-        elif kind == wire.PING and stream.direct:
-            stream.send({"t": wire.PONG, "id": msg.get("id")})
-        elif kind == wire.DIRECT and not stream.direct:
+        elif kind == messages.PING and stream.direct:
+            stream.send({"t": messages.PONG, "id": msg.get("id")})
+        elif kind == messages.DIRECT and not stream.direct:
             self._open_direct(msg)
-        elif kind == wire.BYE:
+        elif kind == messages.BYE:
             return False
         elif stream.direct:
-            stream.send(wire.error("protocol", f"unexpected message type {wire.printable(repr(kind), 40)} "
+            stream.send(messages.error("protocol", f"unexpected message type {messages.printable(repr(kind), 40)} "
                                                "on a direct connection to an actor"))
             return False
         return True
@@ -212,7 +214,7 @@ class Actor:
             if served == self._reported:
                 return
             self._reported = served
-        self.peer.send({"t": wire.STATUS, "served": served})
+        self.peer.send({"t": messages.STATUS, "served": served})
 
     @contextlib.contextmanager
     def _watched(self, stream: Stream, msg: dict) -> Iterator[None]:
@@ -233,12 +235,12 @@ class Actor:
         reason = (f"its call of {method} ran past its timeout of {timeout:g} s; its worker was killed "
                   "(a running method cannot be stopped otherwise)")
         try:
-            stream.send(wire.error("timeout", reason, call_id))
+            stream.send(messages.error("timeout", reason, call_id))
             with self._lock:
                 others = list(self._direct)
             for other in others:  # no id: the connection is about to close, and this is why
-                other.send(wire.error("actor-died", f"the actor was stopped: {reason}"))
-            self.peer.send({"t": wire.BYE, "reason": reason})
+                other.send(messages.error("actor-died", f"the actor was stopped: {reason}"))
+            self.peer.send({"t": messages.BYE, "reason": reason})
         finally:
             flush_output()
             os._exit(3)
@@ -254,7 +256,7 @@ def output_to(stream: Stream, call_id, before: Callable[[], None] | None = None)
     def send(name: str, text: str) -> None:
         if before is not None:
             before()
-        stream.send(wire.log(call_id, name, text.encode("utf-8", "replace")))
+        stream.send(messages.log(call_id, name, text.encode("utf-8", "replace")))
 
     _output.sink = send
     try:
@@ -263,7 +265,7 @@ def output_to(stream: Stream, call_id, before: Callable[[], None] | None = None)
         _output.sink = None
 
 
-def arrived(conn: wire.BlockingConnection) -> bool:
+def arrived(conn: blocking.BlockingConnection) -> bool:
     """Whether another message is here already (parsed, or bytes waiting on the socket, or its end)."""
     if conn.reader.messages:
         return True
@@ -274,7 +276,7 @@ def arrived(conn: wire.BlockingConnection) -> bool:
     return True
 
 
-def become_actor(conn: wire.BlockingConnection, msg: dict, buffers: list) -> None:
+def become_actor(conn: blocking.BlockingConnection, msg: dict, buffers: list) -> None:
     """Build the actor's instance from an ACTOR message and serve its calls; this worker runs no task
     after it (the peer starts a fresh one for the slot when the actor ends)."""
     def construct():
@@ -286,7 +288,7 @@ def become_actor(conn: wire.BlockingConnection, msg: dict, buffers: list) -> Non
     if failed is not None:
         conn.send(failed)
     else:
-        conn.send({"t": wire.RESULT, "id": msg.get("id"), "data": serialization.dumps(None)[0]})
+        conn.send({"t": messages.RESULT, "id": msg.get("id"), "data": serialization.dumps(None)[0]})
         actor = Actor(conn, instance, msg.get("conc", 1))
         if lending.lender is not None:  # a call that waits on a future lends the actor's slot (ADR 0014)
             lending.lender.send, lending.lender.actor = actor.peer.send, msg.get("actor")

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .. import wire
 from ..errors import ConfigError
 from ..checks import check_timeout
+from ..protocol import messages
 from .slots import Slot
 from .worker_processes import Worker
 
@@ -50,7 +50,7 @@ class CallOwner(Protocol):
     client: str  # the submitter's id, from its AUTH
     calls: dict[int, tuple[Actor, int]]  # its calls in flight: its id -> (actor, the worker's id)
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         """Write a message to the submitter."""
 
 
@@ -108,7 +108,7 @@ class Actors:
 
     # ---- from submitters ----------------------------------------------------------------------
 
-    def call(self, owner: CallOwner, msg: wire.Message, buffers: list[Any]) -> None:
+    def call(self, owner: CallOwner, msg: messages.Message, buffers: list[Any]) -> None:
         """Send a CALL on to its actor's worker, or answer it with an error."""
         call_id = msg.get("id")
         actor = self._addressed(owner, msg, _call_problem(owner, msg))
@@ -118,7 +118,7 @@ class Actors:
         seq = next(actor.ids)
         call = actor.calls[seq] = Call(owner, call_id)
         owner.calls[call_id] = (actor, seq)
-        actor.worker.send({"t": wire.CALL, "id": seq, "method": msg["method"], "args": msg["args"]}, buffers)
+        actor.worker.send({"t": messages.CALL, "id": seq, "method": msg["method"], "args": msg["args"]}, buffers)
         timeout = check_timeout(msg.get("timeout"))
         if timeout is not None:
             call.timer = asyncio.get_running_loop().call_later(timeout, self._timed_out, actor, seq, timeout,
@@ -131,41 +131,41 @@ class Actors:
         if call is None:
             return
         _stop_timer(call)
-        actor.worker.send(wire.cancel(seq))
-        owner.send(wire.error("cancelled", "cancelled by the submitter", call_id))
+        actor.worker.send(messages.cancel(seq))
+        owner.send(messages.error("cancelled", "cancelled by the submitter", call_id))
 
-    def close(self, owner: CallOwner, msg: wire.Message) -> None:
+    def close(self, owner: CallOwner, msg: messages.Message) -> None:
         """CLOSE from a submitter: only the actor's creator may close it."""
         actor = self._addressed(owner, msg, None)
         if actor is None:
             return
         if actor.client != owner.client:
-            owner.send(wire.error("not-owner", "only the submitter that created an actor may close it", msg["id"]))
+            owner.send(messages.error("not-owner", "only the submitter that created an actor may close it", msg["id"]))
         else:
             actor.owner = owner  # the answer goes to the connection that asked
             self.end(actor, "closed", "the actor was closed by its submitter", msg["id"])
 
-    def _addressed(self, owner: CallOwner, msg: wire.Message, problem: str | None) -> Actor | None:
+    def _addressed(self, owner: CallOwner, msg: messages.Message, problem: str | None) -> Actor | None:
         """The live actor a CALL or CLOSE names; None once the request was answered with why not."""
         request_id = msg.get("id")
         if not isinstance(request_id, int) or isinstance(request_id, bool):
-            owner.send(wire.error("bad-request", f"a {msg['t'].upper()} needs an integer 'id'"))
+            owner.send(messages.error("bad-request", f"a {msg['t'].upper()} needs an integer 'id'"))
             return None
-        problem = wire.check_actor_id(msg.get("actor")) or problem
+        problem = messages.check_actor_id(msg.get("actor")) or problem
         if problem is not None:
-            owner.send(wire.error("bad-request", problem, request_id))
+            owner.send(messages.error("bad-request", problem, request_id))
             return None
         actor = self.live.get(msg["actor"])
         if actor is None:
             owner.send(self.gone(msg["actor"], request_id))
         return actor
 
-    def gone(self, actor_id: str, request_id: int) -> wire.ErrorMessage:
+    def gone(self, actor_id: str, request_id: int) -> messages.ErrorMessage:
         """The answer to a request for an actor that is not live here: why it ended, or that it never was."""
         reason = self.ended.get(actor_id)
         if reason is not None:
-            return wire.error("actor-died", reason, request_id)
-        return wire.error("no-actor", "no such actor on this peer", request_id)
+            return messages.error("actor-died", reason, request_id)
+        return messages.error("no-actor", "no such actor on this peer", request_id)
 
     # ---- connections come and go ----------------------------------------------------------------
 
@@ -199,10 +199,10 @@ class Actors:
 
     # ---- from its worker ----------------------------------------------------------------------
 
-    def reply(self, actor: Actor, reply: wire.Message, buffers: list[Any]) -> None:
+    def reply(self, actor: Actor, reply: messages.Message, buffers: list[Any]) -> None:
         """A call's RESULT or ERROR, back to its connection; or the worker's count of the calls it
         answered on direct connections (a STATUS)."""
-        if reply["t"] == wire.STATUS:
+        if reply["t"] == messages.STATUS:
             served = reply.get("served")
             if isinstance(served, int) and not isinstance(served, bool) and served >= 0:
                 actor.served_direct = served
@@ -221,7 +221,7 @@ class Actors:
         call = next(iter(actor.calls.values()), None)
         if call is None or call.owner is None:
             return False
-        call.owner.send(wire.log(call.client_id, stream, data))
+        call.owner.send(messages.log(call.client_id, stream, data))
         return True
 
     def _timed_out(self, actor: Actor, seq: int, timeout: float, method: str) -> None:
@@ -233,7 +233,7 @@ class Actors:
                   "(a running method cannot be stopped otherwise)")
         if call.owner is not None:
             call.owner.calls.pop(call.client_id, None)
-            call.owner.send(wire.error("timeout", reason, call.client_id))
+            call.owner.send(messages.error("timeout", reason, call.client_id))
         self.end(actor, "died", f"the actor was stopped: {reason}")
 
     def end(self, actor: Actor, code: str, reason: str, request_id: int | None = None) -> None:
@@ -250,10 +250,10 @@ class Actors:
             _stop_timer(call)
             if call.owner is not None:
                 call.owner.calls.pop(call.client_id, None)
-                call.owner.send(wire.error("actor-died", reason, call.client_id))
+                call.owner.send(messages.error("actor-died", reason, call.client_id))
         actor.calls.clear()
         if actor.owner is not None:
-            actor.owner.send(wire.actor_end(actor.actor_id, code, reason, actor.served, request_id))
+            actor.owner.send(messages.actor_end(actor.actor_id, code, reason, actor.served, request_id))
         self._free(actor.slot, actor.worker, f"its actor {actor.short_id} ended: {reason}")
 
     def end_all(self, reason: str) -> None:
@@ -261,9 +261,9 @@ class Actors:
             self.end(actor, "died", reason)
 
 
-def _call_problem(owner: CallOwner, msg: wire.Message) -> str | None:
+def _call_problem(owner: CallOwner, msg: messages.Message) -> str | None:
     """What is wrong with a CALL's method, arguments, id or timeout, or None."""
-    problem = wire.check_call(msg)
+    problem = messages.check_call(msg)
     if problem is None and msg.get("id") in owner.calls:
         problem = f"call id {msg.get('id')} is already in use on this connection"
     return problem

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import wire
 from ..errors import ConfigError, GPULayerError, ProtocolError
+from ..protocol import framing, handshake, messages
+from ..transport import blocking, sockets
 from .actors import DEFAULT_GRACE
 
 log = logging.getLogger("gpulayer.peer")
@@ -67,22 +68,22 @@ class HeldResults:
     def __contains__(self, result_id: object) -> bool:
         return result_id in self._held
 
-    def keep(self, result_id: str, client: str, reply: wire.Outgoing,
-             buffers: list[Any]) -> tuple[wire.Outgoing, list[Any]]:
+    def keep(self, result_id: str, client: str, reply: messages.Outgoing,
+             buffers: list[Any]) -> tuple[messages.Outgoing, list[Any]]:
         """Hold a task's RESULT; what goes to the submitter instead: a RESULT with "held" and "size"
         and no value, or an ERROR "held-full" when the bound would be passed."""
         data = reply.get("data")
         if not isinstance(data, bytes):
-            return wire.error("protocol", "the worker's RESULT has no pickle", reply.get("id")), []
+            return messages.error("protocol", "the worker's RESULT has no pickle", reply.get("id")), []
         size = len(data) + sum(memoryview(b).nbytes for b in buffers)
         if self.bytes + size > self.limit:
             message = (f"the result ({size / 2**20:.1f} MiB) does not fit in what this peer may hold: "
                        f"{self.bytes / 2**20:.1f} of {self.limit / 2**20:.0f} MiB are held ({LIMIT_ENV}); "
                        "release held futures (future.release()) or raise the limit")
-            return {**wire.error("held-full", message), "id": reply.get("id")}, []
+            return {**messages.error("held-full", message), "id": reply.get("id")}, []
         self._held[result_id] = Held(client, data, buffers, size)
         self.bytes += size
-        return {"t": wire.RESULT, "id": reply.get("id"), "held": result_id, "size": size}, []
+        return {"t": messages.RESULT, "id": reply.get("id"), "held": result_id, "size": size}, []
 
     def get(self, result_id: Any, client: str) -> Held | None:
         """The result `result_id` held for `client`, or None (unknown, released, or another's)."""
@@ -113,7 +114,7 @@ class HeldResults:
 
 
 def fetch(key: bytes, client_id: str, ref: dict[str, Any], owner: str,
-          receiving: Callable[[wire.MessageReader], None]) -> tuple[bytes, list[Any]]:
+          receiving: Callable[[framing.MessageReader], None]) -> tuple[bytes, list[Any]]:
     """Fetch the held result that a SUBMIT's `ref` entry names from the peer holding it (blocking).
 
     The connection authenticates with the cluster key exactly as a submitter's does; the holder
@@ -125,36 +126,36 @@ def fetch(key: bytes, client_id: str, ref: dict[str, Any], owner: str,
     errors = []
     for host, port in ref["at"]:
         try:
-            sock = socket.create_connection((host, port), timeout=wire.HANDSHAKE_TIMEOUT)
+            sock = socket.create_connection((host, port), timeout=handshake.HANDSHAKE_TIMEOUT)
         except OSError as exc:
             errors.append(f"{host}:{port}: {exc.strerror or exc}")
             continue
-        wire.tune(sock)
-        conn = wire.BlockingConnection(sock)
+        sockets.tune(sock)
+        conn = blocking.BlockingConnection(sock)
         try:
             return _fetch_over(conn, key, client_id, ref, owner, f"{host}:{port}", receiving)
         except (OSError, GPULayerError) as exc:
-            raise ConnectionError(f"peer {wire.printable(ref['peer'], 40)} at {host}:{port}: {exc}") from None
+            raise ConnectionError(f"peer {messages.printable(ref['peer'], 40)} at {host}:{port}: {exc}") from None
         finally:
             conn.close()
-    raise ConnectionError(f"peer {wire.printable(ref['peer'], 40)} is unreachable: {'; '.join(errors)}")
+    raise ConnectionError(f"peer {messages.printable(ref['peer'], 40)} is unreachable: {'; '.join(errors)}")
 
 
-def _fetch_over(conn: wire.BlockingConnection, key: bytes, client_id: str, ref: dict[str, Any], owner: str,
-                address: str, receiving: Callable[[wire.MessageReader], None]) -> tuple[bytes, list[Any]]:
-    hello = wire.client_handshake(conn, key, client_id)
+def _fetch_over(conn: blocking.BlockingConnection, key: bytes, client_id: str, ref: dict[str, Any], owner: str,
+                address: str, receiving: Callable[[framing.MessageReader], None]) -> tuple[bytes, list[Any]]:
+    hello = handshake.client_handshake(conn, key, client_id)
     if hello["peer"] != ref["peer"]:
-        raise ConnectionError(f"another peer ({wire.printable(hello['peer'], 40)}) answers at {address} now")
+        raise ConnectionError(f"another peer ({messages.printable(hello['peer'], 40)}) answers at {address} now")
     receiving(conn.reader)
-    conn.send(wire.fetch(1, ref["ref"], owner))
+    conn.send(messages.fetch(1, ref["ref"], owner))
     for _ in range(FETCH_MAX_MESSAGES):  # the answer, maybe after a PONG or two
         msg, buffers = conn.recv(time.monotonic() + FETCH_IDLE_TIMEOUT)
-        if wire.REFUSED in msg:
-            raise ConnectionError(f"the result was not received here: {msg[wire.REFUSED]}")
-        if msg["t"] == wire.RESULT and msg.get("id") == 1 and isinstance(msg.get("data"), bytes):
+        if framing.REFUSED in msg:
+            raise ConnectionError(f"the result was not received here: {msg[framing.REFUSED]}")
+        if msg["t"] == messages.RESULT and msg.get("id") == 1 and isinstance(msg.get("data"), bytes):
             return msg["data"], buffers
-        if msg["t"] == wire.ERROR:
-            raise ConnectionError(wire.printable(msg.get("message")))
+        if msg["t"] == messages.ERROR:
+            raise ConnectionError(messages.printable(msg.get("message")))
     raise ProtocolError(f"no answer to FETCH among {FETCH_MAX_MESSAGES} messages")
 
 
@@ -186,7 +187,7 @@ async def gather(table: HeldResults, refs: list[dict[str, Any]], owner: str, pee
     return out
 
 
-def answer_fetch(table: HeldResults, msg: wire.Message, client: str) -> tuple[wire.Outgoing, list[Any]]:
+def answer_fetch(table: HeldResults, msg: messages.Message, client: str) -> tuple[messages.Outgoing, list[Any]]:
     """The answer to a FETCH from connection of `client`: the RESULT, or ERROR "no-result".
 
     A peer fetching for a task names the result's submitter ("for"); the id is the capability,
@@ -195,6 +196,6 @@ def answer_fetch(table: HeldResults, msg: wire.Message, client: str) -> tuple[wi
     owner = msg.get("for", client)
     held = table.get(msg.get("ref"), owner if isinstance(owner, str) else "")
     if held is None:
-        return wire.error("no-result", "no such result is held here for this submitter (never held, "
+        return messages.error("no-result", "no such result is held here for this submitter (never held, "
                                        "released, or freed after its submitter left)", request_id), []
-    return {"t": wire.RESULT, "id": request_id, "data": held.data}, held.buffers
+    return {"t": messages.RESULT, "id": request_id, "data": held.data}, held.buffers

@@ -28,10 +28,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from .. import lending, wire
+from .. import lending
 from ..errors import ProtocolError
-from ..checks import check_timeout
-from ..taskenv import check_env, read_at_load, task_environment
+from ..protocol import messages
+from ..taskenv import task_environment
+from ..transport import blocking
 from .actor_worker import Stream, output_to, route_output, take_connection
 from .running import FunctionCache, flush_output, run_task
 
@@ -43,7 +44,7 @@ KILL_WAIT_S = 10.0  # how long a worker that asked to be killed waits for it bef
 class Lease:
     """One lease: the submitter's connection, and what the peer said with it."""
 
-    def __init__(self, link: wire.BlockingConnection, conn: wire.BlockingConnection, msg: dict):
+    def __init__(self, link: blocking.BlockingConnection, conn: blocking.BlockingConnection, msg: dict):
         self.link = link
         self.stream = Stream(conn, direct=True)
         self.env = dict(msg.get("env") or {})  # the slot's device variables, under each task's own
@@ -96,18 +97,18 @@ class Lease:
                 self._receiving = False
                 last = time.monotonic()
                 kind = msg["t"]
-                if kind == wire.SUBMIT:
+                if kind == messages.SUBMIT:
                     if not self._run(msg, buffers, functions):
                         return self.ending or "this worker is stopped"
-                elif kind == wire.CANCEL:
+                elif kind == messages.CANCEL:
                     self._cancel(msg.get("id"))
-                elif kind == wire.PING:
-                    self.stream.send({"t": wire.PONG, "id": msg.get("id")})
-                elif kind == wire.BYE:
+                elif kind == messages.PING:
+                    self.stream.send({"t": messages.PONG, "id": msg.get("id")})
+                elif kind == messages.BYE:
                     return "the submitter said bye"
                 else:
-                    self.stream.send(wire.error("protocol", f"unexpected message type {wire.printable(repr(kind), 40)} "
-                                                            "on a leased connection"))
+                    self.stream.send(messages.error(
+                        "protocol", f"unexpected message type {messages.printable(repr(kind), 40)} on a leased connection"))
                     return "the submitter sent an unexpected message"
                 del msg, buffers
         except (ConnectionError, OSError, ProtocolError) as exc:
@@ -117,9 +118,9 @@ class Lease:
         """Run one SUBMIT and answer it, or refuse it with an answer; False when the lease ends before it
         (it did not start, and is not answered: LEASE_END tells the submitter so)."""
         task_id = msg.get("id")
-        problem = check_leased_submit(msg)
+        problem = messages.check_submit(msg, leased=True)
         if problem is not None:
-            self.stream.send(wire.error("bad-request", problem, task_id if isinstance(task_id, int) else None))
+            self.stream.send(messages.error("bad-request", problem, task_id if isinstance(task_id, int) else None))
             return True
         with self._lock:
             if self.ending or self._stopping:  # the peer wants the slot back, or stops; or this worker ends
@@ -152,9 +153,9 @@ class Lease:
         """The answer to a SUBMIT that may not start (cancelled, or an id not above the last), or None;
         with the lock held."""
         if task_id in self._cancelled:
-            return wire.error("cancelled", "cancelled by the submitter before it started", task_id)
+            return messages.error("cancelled", "cancelled by the submitter before it started", task_id)
         if task_id <= self._started:
-            return wire.error("bad-request", f"task id {task_id} is not above the last one", task_id)
+            return messages.error("bad-request", f"task id {task_id} is not above the last one", task_id)
         return None
 
     def _keep_alive(self) -> None:
@@ -164,7 +165,7 @@ class Lease:
         while not self._done.wait(self.beat):
             if self._running is not None or self._receiving:
                 try:
-                    self.stream.send({"t": wire.PONG, "id": None})
+                    self.stream.send({"t": messages.PONG, "id": None})
                 except OSError:
                     return
 
@@ -194,7 +195,7 @@ class Lease:
         """Say LEASE_END to the submitter, let it close its side, and tell the peer."""
         conn = self.stream.conn
         try:
-            self.stream.send({"t": wire.LEASE_END, "reason": reason})
+            self.stream.send({"t": messages.LEASE_END, "reason": reason})
             conn.sock.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + DRAIN_S  # what it sent meanwhile is dropped: it places those again
             while (left := deadline - time.monotonic()) > 0 and select.select([conn.sock], [], [], left)[0] and \
@@ -205,7 +206,7 @@ class Lease:
         conn.close()
         with self._lock:
             self._finished = True
-        self._tell_peer({"t": wire.STATUS, "lease_end": wire.printable(reason, 200), "served": self.served})
+        self._tell_peer({"t": messages.STATUS, "lease_end": messages.printable(reason, 200), "served": self.served})
 
     # ---- the peer's link (a thread of its own) ---------------------------------------------------------
 
@@ -215,13 +216,13 @@ class Lease:
             while True:
                 msg, _ = self.link.recv()
                 kind = msg["t"]
-                if kind == wire.CANCEL:
+                if kind == messages.CANCEL:
                     self._cancel_running(msg.get("id"))
-                elif kind == wire.BYE:  # the peer stops: the worker exits after the lease
+                elif kind == messages.BYE:  # the peer stops: the worker exits after the lease
                     self.bye = True
                     self.ending = self.ending or "the peer is stopping"
                     return
-                elif kind == wire.LEASE_END:  # the peer wants the slot back, or acknowledges the end
+                elif kind == messages.LEASE_END:  # the peer wants the slot back, or acknowledges the end
                     self.ending = self.ending or "the peer needs the slot for another submitter"
                     with self._lock:
                         if self._finished:
@@ -244,11 +245,11 @@ class Lease:
             self._stopping = True
         try:
             self.output.drain()
-            self.stream.send(wire.error(code, reason, task_id))
-            self.stream.send({"t": wire.LEASE_END, "reason": reason})
+            self.stream.send(messages.error(code, reason, task_id))
+            self.stream.send({"t": messages.LEASE_END, "reason": reason})
         except OSError:
             pass
-        self._tell_peer({"t": wire.BYE, "reason": reason, "kill": True})
+        self._tell_peer({"t": messages.BYE, "reason": reason, "kill": True})
         flush_output()
         time.sleep(KILL_WAIT_S)
         os._exit(3)
@@ -320,7 +321,7 @@ class DescriptorOutput:
 
     def _to_submitter(self, task_id: int, name: str, data: bytes) -> bool:
         try:
-            self._stream.send(wire.log(task_id, name, data))
+            self._stream.send(messages.log(task_id, name, data))
         except OSError:
             return False
         return True
@@ -348,30 +349,11 @@ def _write_all(fd: int, data: bytes) -> None:
         pass
 
 
-def check_leased_submit(msg: dict) -> str | None:
-    """What keeps a SUBMIT from running on a lease, or None. Held results and big buffers go through
-    the peer (its shared memory and its fetches), and so do variables that need a fresh worker."""
-    if not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool) or msg["id"] < 1:
-        return "a SUBMIT needs a positive integer 'id'"
-    if not isinstance(msg.get("fn"), bytes) or not isinstance(msg.get("args"), bytes):
-        return "a SUBMIT needs 'fn' and 'args' as binary pickles"
-    if msg.get("keep") is not None or msg.get("refs"):
-        return "a task that keeps its result or takes held ones goes through the peer, not on a lease"
-    try:
-        check_timeout(msg.get("timeout"))
-        env = check_env(msg.get("env"))
-    except (TypeError, ValueError) as exc:
-        return str(exc)
-    if any(read_at_load(name) for name in env):
-        return "a task whose env needs a fresh worker goes through the peer, not on a lease"
-    return None
-
-
-def serve_lease(link: wire.BlockingConnection, msg: dict, functions: FunctionCache) -> bool:
+def serve_lease(link: blocking.BlockingConnection, msg: dict, functions: FunctionCache) -> bool:
     """Serve the lease that a LEASE message on the link begins; False if the worker should exit after it."""
     conn = take_connection(link, msg)
     if conn is None:
-        link.send({"t": wire.STATUS, "lease_end": "the connection did not arrive", "served": 0})
+        link.send({"t": messages.STATUS, "lease_end": "the connection did not arrive", "served": 0})
         return True
     route_output()
     lease = Lease(link, conn, msg)

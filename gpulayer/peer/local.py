@@ -17,8 +17,9 @@ import os
 import socket
 from typing import Protocol
 
-from .. import shm, wire
 from .quiet import QuietLog
+from ..protocol import messages
+from ..transport import shm
 
 PENDING_MAX = 64  # links accepted and waiting for their token; the oldest goes first
 TOKEN_TIMEOUT = 2.0  # seconds a link may take to present its token
@@ -45,11 +46,11 @@ class LocalLinks:
         self._pending: dict[socket.socket, asyncio.TimerHandle] = {}
         loop.add_reader(self._server.fileno(), self._on_accept)
 
-    def offer(self, conn: Linkable) -> wire.Message:
+    def offer(self, conn: Linkable) -> messages.Message:
         """The LOCAL answer for an authenticated connection (send it over its secure channel)."""
         token = shm.new_token()
         self._tokens[token] = conn
-        return {"t": wire.LOCAL, "addr": self.address, "token": token}
+        return {"t": messages.LOCAL, "addr": self.address, "token": token}
 
     def forget(self, conn: Linkable) -> None:
         """The connection is gone: its token dies and its link closes."""

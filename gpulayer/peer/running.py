@@ -9,7 +9,9 @@ import os
 import sys
 import types
 
-from .. import held, lending, remote_exceptions, serialization, shm, taskenv, wire
+from .. import held, lending, remote_exceptions, serialization, taskenv
+from ..protocol import framing, messages
+from ..transport import shm
 
 _FN_CACHE_SIZE = 128
 
@@ -127,14 +129,14 @@ def run_call(task_id, target, args: bytes, buffers: list) -> tuple[dict, list]:
     except Exception as exc:
         return _error(task_id, exc, note=f"the result ({type(result).__name__}) could not be pickled"), []
     try:  # every path of a result (the peer, a lease, an actor) passes here: one the wire refuses fails now
-        wire.check_size("the task's result and its buffers", [len(data), *(memoryview(b).nbytes for b in out)])
+        framing.check_size("the task's result and its buffers", [len(data), *(memoryview(b).nbytes for b in out)])
     except ValueError as exc:
         return _error(task_id, exc), []
-    return {"t": wire.RESULT, "id": task_id, "data": data}, out
+    return {"t": messages.RESULT, "id": task_id, "data": data}, out
 
 
 def _error(task_id, exc: BaseException, *, skip_frames: int = 0, note: str = "") -> dict:
-    return {"t": wire.ERROR, "id": task_id, **remote_exceptions.pack(exc, skip_frames=skip_frames, note=note)}
+    return {"t": messages.ERROR, "id": task_id, **remote_exceptions.pack(exc, skip_frames=skip_frames, note=note)}
 
 
 def flush_output() -> None:

@@ -18,10 +18,11 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .. import accelerators, wire
+from .. import accelerators
 from .activity import Activity
 from ..errors import WorkerDied
 from ..matching import Requirements
+from ..protocol import messages
 from ..resources.model import Resources
 from ..resources.utilisation import Sample
 from .actors import Actor, CallOwner, Actors, grace_from_env
@@ -126,7 +127,7 @@ class Scheduler:
         job.add_done_callback(self._background.discard)
         return job
 
-    def report(self, msg: wire.Outgoing) -> wire.Outgoing:
+    def report(self, msg: messages.Outgoing) -> messages.Outgoing:
         """Add what a reply tells the submitter about this peer (`SchedulerState.report`)."""
         return self.state.report(msg, time.monotonic())
 
@@ -156,10 +157,10 @@ class Scheduler:
         self._started(Started(lease, "(lease)", lease.slot.device))
         return lease
 
-    def lease_message(self, lease: LeaseHolder) -> wire.Message:
+    def lease_message(self, lease: LeaseHolder) -> messages.Message:
         """What the leased worker is told with the connection: its device variables and idle limit."""
         assert lease.slot is not None
-        return {"t": wire.LEASE, "env": device_env(lease.req, lease.slot), "idle": LEASE_IDLE_S,
+        return {"t": messages.LEASE, "env": device_env(lease.req, lease.slot), "idle": LEASE_IDLE_S,
                 "owner": lease.client}
 
     def lease_failed(self, lease: LeaseHolder) -> None:
@@ -178,7 +179,7 @@ class Scheduler:
         """Take a new measurement of the devices' memory, and start what it lets start."""
         self._perform(self.state.measure(sample, time.monotonic()))
 
-    def _on_reply(self, worker: Worker, reply: wire.Message, buffers: list[Any]) -> None:
+    def _on_reply(self, worker: Worker, reply: messages.Message, buffers: list[Any]) -> None:
         holder = worker.slot.task
         if holder is None or worker.slot.worker is not worker:
             return
@@ -213,7 +214,7 @@ class Scheduler:
         if isinstance(holder, LeaseHolder):
             log.info("leased worker of %s, %s: %s", holder.address, stream, data.decode("utf-8", "replace").rstrip())
         elif isinstance(holder, Submission) and not holder.answered:
-            holder.owner.task_output(holder, wire.log(holder.client_id, stream, data))
+            holder.owner.task_output(holder, messages.log(holder.client_id, stream, data))
         else:
             log.info("worker %s %s: %s", worker.pid, stream, data.decode("utf-8", "replace").rstrip())
 
@@ -286,7 +287,7 @@ class Scheduler:
         action.worker.send(action.msg)
 
     def _tell_idle(self, action: TellIdle) -> None:
-        news = self.report({"t": wire.PONG, "id": None})
+        news = self.report({"t": messages.PONG, "id": None})
         for owner in action.owners:
             owner.send(news)
 

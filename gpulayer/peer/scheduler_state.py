@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Union
 
-from .. import accelerators, wire
+from .. import accelerators
 from ..matching import MEMORY_SLACK_GB, Requirements
+from ..protocol import messages
 from ..resources.utilisation import Sample
 from ..taskenv import check_env, read_at_load
 from .slots import ActorHolder, Holder, LeaseHolder, Slot, Submission, TaskOwner
@@ -52,7 +53,7 @@ class Run:
     """Send `msg` to the slot's warm worker, then arm the task's timeout."""
     task: Submission
     worker: Worker
-    msg: wire.Message
+    msg: messages.Message
     buffers: list[Any]
 
 
@@ -65,7 +66,7 @@ class RunAlone:
     old: Worker | None
     env: dict[str, str]
     bare: bool
-    msg: wire.Message
+    msg: messages.Message
     buffers: list[Any]
 
 
@@ -73,7 +74,7 @@ class RunAlone:
 class Answer:
     """Send a task's outcome to its submitter (the reply's "id" and "ran" are set) and record it."""
     task: Submission
-    reply: wire.Outgoing
+    reply: messages.Outgoing
     buffers: list[Any]
 
 
@@ -81,7 +82,7 @@ class Answer:
 class Ended:
     """Record that a lease ended with `reply` (nothing is sent: its connection is its worker's)."""
     holder: Holder
-    reply: wire.Message
+    reply: messages.Message
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,7 +104,7 @@ class StopTimer:
 class ToWorker:
     """Send `msg` to a worker (a lease's LEASE_END or CANCEL)."""
     worker: Worker
-    msg: wire.Message
+    msg: messages.Message
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,7 +119,7 @@ class GoLive:
     id in `reply`."""
     task: Submission
     worker: Worker
-    reply: wire.Message
+    reply: messages.Message
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,7 +190,7 @@ class SchedulerState:
             return [self.busy - sum(s.lent_by is not None for s in self.borrowed), len(self.queue)]
         return [self.busy, len(self.queue)]
 
-    def report(self, msg: wire.Outgoing, now: float) -> wire.Outgoing:
+    def report(self, msg: messages.Outgoing, now: float) -> messages.Outgoing:
         """Add what a reply tells the submitter about this peer: its "load", its contending "submitters"
         and, on a GPU peer, its "free" GB (the most that one task may take now on one device)."""
         msg["load"] = self.load()
@@ -243,7 +244,7 @@ class SchedulerState:
         try:
             task.env = check_env(task.msg.get("env"))
         except (TypeError, ValueError) as exc:
-            return self._answer(task, wire.error("bad-request", str(exc)), now)
+            return self._answer(task, messages.error("bad-request", str(exc)), now)
         self.queue.append(task)
         self._contending[task.owner] = now
         return self._start_queued(now)
@@ -259,7 +260,7 @@ class SchedulerState:
         elif task.slot.task is task:
             actions = self._replace(task.slot, f"its task was stopped: {message}")
         if notify:
-            return [*actions, *self._answer(task, wire.error(code, message), now)]
+            return [*actions, *self._answer(task, messages.error(code, message), now)]
         task.answered = True
         return actions
 
@@ -290,7 +291,7 @@ class SchedulerState:
     def lease_failed(self, lease: LeaseHolder, now: float) -> Actions:
         """The connection did not reach the leased worker: the slot is free again."""
         lease.answered = True
-        return [*self._release(lease), Ended(lease, {"t": wire.ERROR, "code": "no-lease"}), *self._start_queued(now)]
+        return [*self._release(lease), Ended(lease, {"t": messages.ERROR, "code": "no-lease"}), *self._start_queued(now)]
 
     def cancel_leased(self, lease_id: Any, client: str, task_id: int) -> Actions:
         """Stop a task on a lease of `client` if it runs now, or keep it from starting: the leased
@@ -298,7 +299,7 @@ class SchedulerState:
         lease = self.leases.get(lease_id) if isinstance(lease_id, str) else None
         if lease is None or lease.slot is None or lease.slot.worker is None or lease.client != client or task_id <= 0:
             return []
-        return [ToWorker(lease.slot.worker, wire.cancel(task_id))]
+        return [ToWorker(lease.slot.worker, messages.cancel(task_id))]
 
     def end_leases(self) -> Actions:
         """Ask every leased worker to end its lease after the task it runs (the peer stops)."""
@@ -306,9 +307,9 @@ class SchedulerState:
 
     # ---- events from workers ---------------------------------------------------------------------
 
-    def task_replied(self, task: Submission, reply: wire.Message, buffers: list[Any], now: float) -> Actions:
+    def task_replied(self, task: Submission, reply: messages.Message, buffers: list[Any], now: float) -> Actions:
         """The worker of a running task (or an actor's creation) answered it."""
-        if reply["t"] not in (wire.RESULT, wire.ERROR):
+        if reply["t"] not in (messages.RESULT, messages.ERROR):
             return []
         assert task.slot is not None
         if task.keeps_slot(reply):
@@ -321,27 +322,27 @@ class SchedulerState:
         return [*actions, *self._answer(task, reply, now, buffers), *self._start_queued(now),
                 *self._tell_idle(task.owner, now)]
 
-    def lease_reported(self, lease: LeaseHolder, msg: wire.Message, now: float) -> Actions:
+    def lease_reported(self, lease: LeaseHolder, msg: messages.Message, now: float) -> Actions:
         """The leased worker ended the lease (a STATUS with "lease_end"), or asks to be killed (a BYE with
         "kill", after a timeout or a cancel of the task it ran). Either says how many tasks it served."""
         served = msg.get("served")
         if type(served) is int and served > 0:
             self.tasks_done += served
         assert lease.slot is not None and lease.slot.worker is not None
-        if msg["t"] == wire.BYE:
-            actions = self._replace(lease.slot, f"its leased task was stopped: {wire.printable(msg.get('reason'), 500)}")
-        elif msg["t"] == wire.STATUS and "lease_end" in msg:
+        if msg["t"] == messages.BYE:
+            actions = self._replace(lease.slot, f"its leased task was stopped: {messages.printable(msg.get('reason'), 500)}")
+        elif msg["t"] == messages.STATUS and "lease_end" in msg:
             # the acknowledgement: it serves this peer again
-            actions = [ToWorker(lease.slot.worker, {"t": wire.LEASE_END}), *self._release(lease)]
+            actions = [ToWorker(lease.slot.worker, {"t": messages.LEASE_END}), *self._release(lease)]
         else:
             return []
         lease.answered = True
-        return [*actions, Ended(lease, {"t": wire.RESULT}), *self._start_queued(now), *self._tell_idle(None, now)]
+        return [*actions, Ended(lease, {"t": messages.RESULT}), *self._start_queued(now), *self._tell_idle(None, now)]
 
     def timed_out(self, task: Submission, now: float) -> Actions:
         """A running task reached its timeout: answer it, and replace its worker."""
         task.timer = None
-        actions = self._answer(task, wire.error("timeout", f"the task ran past its timeout of {task.timeout:g} s; "
+        actions = self._answer(task, messages.error("timeout", f"the task ran past its timeout of {task.timeout:g} s; "
                                                            "its worker was killed and replaced"), now)
         if task.slot is not None:
             actions += self._replace(task.slot, f"its task ran past its timeout of {task.timeout:g} s")
@@ -357,7 +358,7 @@ class SchedulerState:
                       else f"its worker process {pid} died ({how})")
             return [EndActor(holder.actor, reason)]
         actions = self._replace(slot, None)
-        died = wire.error("worker-died", f"the worker process {pid} died while running the task ({how})")
+        died = messages.error("worker-died", f"the worker process {pid} died while running the task ({how})")
         if isinstance(holder, Submission):
             actions += self._answer(holder, died, now)
         elif holder is not None and not holder.answered:
@@ -367,7 +368,7 @@ class SchedulerState:
 
     def one_off_failed(self, task: Submission, slot: Slot, why: str, now: float) -> Actions:
         """The worker started for one task did not start."""
-        return [*self._answer(task, wire.error("worker-died", why), now), *self._replace(slot, "it did not start")]
+        return [*self._answer(task, messages.error("worker-died", why), now), *self._replace(slot, "it did not start")]
 
     def actor_ended(self, slot: Slot, worker: Worker, why: str, now: float) -> Actions:
         """An actor ended: its worker is replaced (unless another has replaced it already)."""
@@ -500,7 +501,7 @@ class SchedulerState:
         if lease.yielding or lease.slot is None or lease.slot.worker is None:
             return []
         lease.yielding = True
-        return [ToWorker(lease.slot.worker, {"t": wire.LEASE_END})]
+        return [ToWorker(lease.slot.worker, {"t": messages.LEASE_END})]
 
     def _tell_idle(self, answered: TaskOwner | None, now: float) -> Actions:
         """A slot is free and nothing waits: say so to the other contending submitters, so that one whose
@@ -533,7 +534,7 @@ class SchedulerState:
         old, slot.worker = slot.worker, None
         return [*actions, Replace(slot, old, why)]
 
-    def _answer(self, task: Submission, reply: wire.Outgoing, now: float, buffers: list[Any] | None = None) -> Actions:
+    def _answer(self, task: Submission, reply: messages.Outgoing, now: float, buffers: list[Any] | None = None) -> Actions:
         """The task's outcome, once."""
         if task.answered:
             return []

@@ -23,14 +23,15 @@ from typing import Any
 
 import psutil
 
-from .. import discovery, security, shm, wire
+from .. import discovery, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..matching import Requirements, match, missing_software
-from ..checks import check_concurrency, check_timeout
+from ..protocol import framing, handshake, messages
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
+from ..transport import shm, sockets
+from ..transport.channel import AsyncChannel
 from .actors import Actor, grace_from_env
-from .channel import AsyncChannel
 from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
@@ -43,7 +44,7 @@ log = logging.getLogger("gpulayer.peer")
 
 ACCEPT_PAUSE_MIN, ACCEPT_PAUSE_MAX = 0.05, 1.0  # back-off of accepting when out of descriptors (s)
 
-Handler = Callable[["Connection", wire.Message, list[Any]], None]  # one kind of message from a submitter
+Handler = Callable[["Connection", messages.Message, list[Any]], None]  # one kind of message from a submitter
 
 
 @dataclass
@@ -80,11 +81,11 @@ class Connection:
         self.probing: set[int] = set()  # its tasks waiting for a new probe of the job interpreter (reprobe.py)
         self.last_pong = 0.0
         self.link: socket.socket | None = None  # its local link for shared memory, if it has one (local.py)
-        self.hello = wire.hello(security.new_nonce(), peer.peer_id, peer.advert.cluster, peer.advert.to_txt())
-        self.channel = AsyncChannel(sock, wire.PRE_AUTH_MAX_FRAME, self.on_message, self.on_closed)
+        self.hello = handshake.hello(security.new_nonce(), peer.peer_id, peer.advert.cluster, peer.advert.to_txt())
+        self.channel = AsyncChannel(sock, framing.PRE_AUTH_MAX_FRAME, self.on_message, self.on_closed)
         self.channel.write(self.hello)
 
-    def on_message(self, msg: wire.Message, buffers: list[Any]) -> None:
+    def on_message(self, msg: messages.Message, buffers: list[Any]) -> None:
         try:
             if self.authenticated:
                 if "fds" in msg:
@@ -100,7 +101,7 @@ class Connection:
             log.exception("failed to handle a %r message from %s", msg.get("t"), self.address)
             self.peer.refuse(self, "internal", "the peer failed to handle this message")
 
-    def _attach(self, msg: wire.Message, buffers: list[Any]) -> list[Any]:
+    def _attach(self, msg: messages.Message, buffers: list[Any]) -> list[Any]:
         """The buffers of a message with shared-memory segments on the local link, within the message limit."""
         buffers = shm.receive_with(self.link, msg, buffers)
         total = sum(memoryview(b).nbytes for b in buffers)
@@ -117,16 +118,16 @@ class Connection:
 
     # ---- TaskOwner: where the scheduler sends a task's outcome and output ----
 
-    def task_done(self, task: Submission, reply: wire.Outgoing, buffers: list[Any]) -> None:
+    def task_done(self, task: Submission, reply: messages.Outgoing, buffers: list[Any]) -> None:
         self.tasks.pop(task.client_id, None)
-        if isinstance(task, TaskHolder) and task.keep is not None and reply["t"] == wire.RESULT:  # type: ignore[typeddict-item]
+        if isinstance(task, TaskHolder) and task.keep is not None and reply["t"] == messages.RESULT:  # type: ignore[typeddict-item]
             reply, buffers = self.peer.held.keep(task.keep, self.client, reply, buffers)
         self.send(reply, buffers)
 
-    def task_output(self, task: Submission, msg: wire.LogMessage) -> None:
+    def task_output(self, task: Submission, msg: messages.LogMessage) -> None:
         self.channel.write(msg)
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         """Write a message; its segments go by descriptor over the local link, if there is one.
 
         A message that a frame cannot carry (over 4 GiB: from a worker that did not check its result)
@@ -136,7 +137,7 @@ class Connection:
             self.channel.write(msg, shm.send_over(self.link, msg, buffers, copy=False))
         except FrameTooLarge as exc:
             log.warning("a message to %s is too large for the wire: %s", self.address, exc)
-            self.channel.write(wire.error(exc.code, str(exc), msg.get("id")))
+            self.channel.write(messages.error(exc.code, str(exc), msg.get("id")))
             if "fds" in msg:
                 self.peer.refuse(self, exc.code, str(exc))
 
@@ -240,7 +241,7 @@ class Peer:
                 await asyncio.sleep(0.05)
         self.cancel_all("the peer shut down before the task finished")
         for conn in list(self._connections):
-            conn.channel.write({"t": wire.BYE})
+            conn.channel.write({"t": messages.BYE})
         await asyncio.gather(*(c.channel.close_gracefully() for c in list(self._connections)))
         await self.scheduler.stop()
         self.sampler.stop()
@@ -268,7 +269,7 @@ class Peer:
         return state.busy - state.held_by_actors + state.queued
 
     def status(self) -> dict[str, Any]:
-        return {"t": wire.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
+        return {"t": messages.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
                 "done": self.tasks_done, "withdrawn": self.scheduler.state.withdrawn, "draining": self._draining,
                 "actors": self.scheduler.actors.rows(),
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
@@ -290,7 +291,7 @@ class Peer:
                 return
             self._accept_pause = 0.0
             self._make_room()
-            wire.tune(sock)
+            sockets.tune(sock)
             conn = Connection(self, sock, f"{addr[0]}:{addr[1]}")
             self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
 
@@ -339,12 +340,12 @@ class Peer:
                 elif conn.channel.reader.mid_message and now - conn.last_pong > 1.0:
                     # a long upload: the submitter cannot send its pings now, so show we are alive
                     conn.last_pong = now
-                    conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": None}))
+                    conn.channel.write(self.scheduler.report({"t": messages.PONG, "id": None}))
 
-    def authenticate(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def authenticate(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Check an AUTH: the connection is a key holder's from now on, its later frames sealed; else refuse it."""
         self._unauthenticated.pop(conn, None)
-        checked = wire.check_auth(msg, self.config.key, conn.hello)
+        checked = handshake.check_auth(msg, self.config.key, conn.hello)
         if checked is None:
             self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
             return
@@ -358,7 +359,7 @@ class Peer:
         self.scheduler.actors.connected(conn)
         self.held.connected(conn.client)
 
-    def _receiving(self, reader: wire.MessageReader, client: str) -> None:
+    def _receiving(self, reader: framing.MessageReader, client: str) -> None:
         """Receive big buffers as this peer does: within the memory headroom, into segments where it has
         local links (segments pooled for this submitter's data only)."""
         reader.budget = self._memory_refusal
@@ -374,7 +375,7 @@ class Peer:
                                "closing connection from %s: %s", conn.address, message)
         self._unauthenticated.pop(conn, None)
         self.drop(conn)
-        conn.channel.write(wire.error(code, message))
+        conn.channel.write(messages.error(code, message))
         # a submitter may be in the middle of a large message: give it time to finish sending it,
         # so that closing does not reset the connection before it has read why
         closing = conn.channel.close_gracefully(5.0 if conn.authenticated else 1.0)
@@ -404,36 +405,36 @@ class Peer:
     def _handlers(self) -> tuple[dict[str, Handler], dict[str, Handler]]:
         """The kinds of message a connection may send before it authenticated (only AUTH: nothing there is
         unpickled, queued or answered with data) and after (as rpyc's `_request_handlers()`)."""
-        pre_auth: dict[str, Handler] = {wire.AUTH: self.authenticate}
+        pre_auth: dict[str, Handler] = {messages.AUTH: self.authenticate}
         post_auth: dict[str, Handler] = {
-            wire.SUBMIT: self._admit, wire.ACTOR: self._admit, wire.CANCEL: self._cancel,
-            wire.WITHDRAW: self._withdraw, wire.PING: self._ping, wire.STATUS: self._status, wire.BYE: self._bye,
-            wire.CALL: self.scheduler.actors.call, wire.CLOSE: self._close_actor, wire.DIRECT: self._direct,
-            wire.LEASE: self._lease, wire.LOCAL: self._local_link, wire.FETCH: self._fetch,
-            wire.RELEASE: self._release}
+            messages.SUBMIT: self._admit, messages.ACTOR: self._admit, messages.CANCEL: self._cancel,
+            messages.WITHDRAW: self._withdraw, messages.PING: self._ping, messages.STATUS: self._status, messages.BYE: self._bye,
+            messages.CALL: self.scheduler.actors.call, messages.CLOSE: self._close_actor, messages.DIRECT: self._direct,
+            messages.LEASE: self._lease, messages.LOCAL: self._local_link, messages.FETCH: self._fetch,
+            messages.RELEASE: self._release}
         return pre_auth, post_auth
 
-    def handle_unauthenticated(self, conn: Connection, msg: wire.Message) -> None:
+    def handle_unauthenticated(self, conn: Connection, msg: messages.Message) -> None:
         """Route one message of a connection that has not authenticated yet: an AUTH, or it is refused."""
         handler = self._pre_auth.get(msg["t"])
         if handler is None:
             return self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
         handler(conn, msg, [])
 
-    def handle(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def handle(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Route one message of an authenticated submitter."""
         kind = msg["t"]
-        if wire.REFUSED in msg:  # its buffers were dropped as they came: no memory for them
-            refusal = f"not received: {msg[wire.REFUSED]}"
-            if kind in (wire.SUBMIT, wire.ACTOR):
+        if framing.REFUSED in msg:  # its buffers were dropped as they came: no memory for them
+            refusal = f"not received: {msg[framing.REFUSED]}"
+            if kind in (messages.SUBMIT, messages.ACTOR):
                 return self._reject(conn, msg.get("id"), "too-large", refusal)
-            return conn.channel.write(wire.error("too-large", refusal, msg.get("id")))
+            return conn.channel.write(messages.error("too-large", refusal, msg.get("id")))
         handler = self._post_auth.get(kind)
         if handler is None:
             return self.refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
         handler(conn, msg, buffers)
 
-    def _cancel(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _cancel(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Cancel a task, one on a lease of this submitter (ADR 0013), one waiting for a probe, or an actor call."""
         task = conn.tasks.get(request_id(msg))
         if msg.get("lease") is not None:
@@ -445,44 +446,44 @@ class Peer:
         elif request_id(msg) in conn.calls:
             self.scheduler.actors.cancel(conn, msg["id"])
 
-    def _withdraw(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _withdraw(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Give a queued task back to its submitter, to place elsewhere (ADR 0011); nothing once it started."""
         task = conn.tasks.get(request_id(msg))
         if task is not None and self.scheduler.withdraw(task):
             del conn.tasks[task.client_id]
             conn.channel.write(self.scheduler.report(
-                wire.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
+                messages.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
 
-    def _ping(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
-        conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": msg.get("id")}))
+    def _ping(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        conn.channel.write(self.scheduler.report({"t": messages.PONG, "id": msg.get("id")}))
 
-    def _status(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _status(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         conn.channel.write({**self.status(), "id": msg.get("id")})
 
-    def _bye(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _bye(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         conn.channel.close()
         self.drop(conn)
 
-    def _close_actor(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _close_actor(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         self.scheduler.actors.close(conn, msg)
 
-    def _local_link(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _local_link(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """The submitter asks for a local link: the answer has none when there is none."""
-        offer = self._local.offer(conn) if self._local is not None and conn.link is None else {"t": wire.LOCAL}
+        offer = self._local.offer(conn) if self._local is not None and conn.link is None else {"t": messages.LOCAL}
         conn.channel.write({**offer, "id": msg.get("id")})
 
-    def _fetch(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _fetch(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
 
-    def _release(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _release(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         self.held.release(msg.get("ref"), conn.client)
 
-    def _admit(self, conn: Connection, msg: wire.Message, buffers: list[Any], probed: bool = False) -> None:
+    def _admit(self, conn: Connection, msg: messages.Message, buffers: list[Any], probed: bool = False) -> None:
         """Check a SUBMIT (or an ACTOR, which creates an actor) and queue it, or REJECT it with the reason.
         A task that asks for software the job interpreter lacked waits for a new probe, when one is
         due (`_admit_after_probe`); `probed` says that it did."""
         task_id = msg.get("id")
-        problem = _check_submit(msg) if msg["t"] == wire.SUBMIT else _check_actor(msg)
+        problem = messages.check_submit(msg) if msg["t"] == messages.SUBMIT else messages.check_actor(msg)
         if problem is None and (task_id in conn.tasks or task_id in conn.probing and not probed):
             problem = f"task id {task_id} is already in use on this connection"
         if problem is not None:
@@ -506,25 +507,25 @@ class Peer:
             return self._reject(conn, task_id, "busy", f"the queue is full ({self.config.max_queue} tasks)")
         if self.scheduler.state.actors_hold_all(req):
             return self._reject(conn, task_id, "busy", "actors hold the slots that fit")
-        keep = msg.get("keep") if msg["t"] == wire.SUBMIT else None  # checked by _check_submit; actors keep nothing
+        keep = msg.get("keep") if msg["t"] == messages.SUBMIT else None  # checked by check_submit; actors keep nothing
         if keep is not None and keep in self.held:
             return self._reject(conn, task_id, "bad-request", "the keep id names a result held already")
         task: Submission
-        if msg["t"] == wire.SUBMIT:
+        if msg["t"] == messages.SUBMIT:
             task = TaskHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
                               timeout=msg.get("timeout"), keep=keep)
         else:
             task = ActorHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
-                               timeout=msg.get("timeout"), class_name=wire.printable(msg["name"]))
+                               timeout=msg.get("timeout"), class_name=messages.printable(msg["name"]))
         conn.tasks[task_id] = task
         if isinstance(task, TaskHolder) and msg.get("refs"):
-            conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id}))
+            conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id}))
             self.scheduler.spawn(self._enqueue_with_refs(conn, task, msg["refs"]))
         elif not self.scheduler.enqueue(task) and not task.answered:
             # it waits: say so, and that it may be withdrawn until it starts (a task that started needs no ACCEPT)
-            conn.channel.write(self.scheduler.report({"t": wire.ACCEPT, "id": task_id, "w": msg["t"] == wire.SUBMIT}))
+            conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id, "w": msg["t"] == messages.SUBMIT}))
 
-    async def _admit_after_probe(self, conn: Connection, msg: wire.Message, buffers: list[Any],
+    async def _admit_after_probe(self, conn: Connection, msg: messages.Message, buffers: list[Any],
                                  missing: frozenset[str]) -> None:
         """Probe the job interpreter again for what the task asks (a pip install since the last probe),
         advertise what changed, then admit the task or refuse it with what is still missing."""
@@ -549,7 +550,7 @@ class Peer:
             assert self._loop is not None
             self._loop.run_in_executor(None, self._advertiser.update, advert)
         for conn in list(self._connections):
-            conn.channel.write(self.scheduler.report({"t": wire.PONG, "id": None, "advert": advert.to_txt()}))
+            conn.channel.write(self.scheduler.report({"t": messages.PONG, "id": None, "advert": advert.to_txt()}))
 
     async def _enqueue_with_refs(self, conn: Connection, task: TaskHolder, refs: list[dict[str, Any]]) -> None:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched
@@ -568,36 +569,36 @@ class Peer:
             self.scheduler.enqueue(task)
 
     @staticmethod
-    def _hand_over_problem(conn: Connection, msg: wire.Message) -> str | None:
+    def _hand_over_problem(conn: Connection, msg: messages.Message) -> str | None:
         """Why a DIRECT or LEASE may not have this connection: it needs an integer id, and nothing in flight."""
         request_id = msg.get("id")
         if not isinstance(request_id, int) or isinstance(request_id, bool):
-            return f"a {wire.printable(msg['t'], 20).upper()} needs an integer 'id'"
+            return f"a {messages.printable(msg['t'], 20).upper()} needs an integer 'id'"
         if conn.tasks or conn.calls or conn.link is not None:
-            return f"a {wire.printable(msg['t'], 20).upper()} needs a connection with nothing in flight on it"
+            return f"a {messages.printable(msg['t'], 20).upper()} needs a connection with nothing in flight on it"
         return None
 
-    def _direct(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _direct(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Hand the connection to the worker of the actor it names, which answers its calls from then
         on without this peer in the way (ADR 0012); or answer why not (the connection stays ours)."""
         request_id = msg.get("id")
-        problem = self._hand_over_problem(conn, msg) or wire.check_actor_id(msg.get("actor"))
+        problem = self._hand_over_problem(conn, msg) or messages.check_actor_id(msg.get("actor"))
         if problem is not None:
-            return conn.channel.write(wire.error("bad-request", problem, request_id))
+            return conn.channel.write(messages.error("bad-request", problem, request_id))
         assert isinstance(request_id, int)
         actor = self.scheduler.actors.live.get(msg["actor"])
         if actor is None:
             return conn.channel.write(self.scheduler.actors.gone(msg["actor"], request_id))
         if not actor.worker.direct:
-            return conn.channel.write(wire.error(
+            return conn.channel.write(messages.error(
                 "no-direct", "the actor's worker cannot take a connection (no local link, or no cryptography "
                              "in its interpreter): call through the peer", request_id))
         conn.channel.pause_reading()
-        conn.channel.write({"t": wire.DIRECT, "id": request_id})
-        self.scheduler.spawn(self._hand_over(conn, actor.worker, {"t": wire.DIRECT},
+        conn.channel.write({"t": messages.DIRECT, "id": request_id})
+        self.scheduler.spawn(self._hand_over(conn, actor.worker, {"t": messages.DIRECT},
                                              lambda: actor.actor_id in self.scheduler.actors.live))
 
-    def _lease(self, conn: Connection, msg: wire.Message, buffers: list[Any]) -> None:
+    def _lease(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Lend a warm worker to this connection: the worker runs the tasks sent on it and answers them
         there, until the lease ends (ADR 0013); or answer why not (the connection stays ours)."""
         request_id = msg.get("id")
@@ -608,27 +609,27 @@ class Peer:
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
-            return conn.channel.write(wire.error("bad-request", problem, request_id))
+            return conn.channel.write(messages.error("bad-request", problem, request_id))
         beat = msg.get("beat")
         if problem is None and (isinstance(beat, bool) or not isinstance(beat, (int, float))
-                                or not wire.BEAT_MIN <= beat <= wire.BEAT_MAX):
-            problem = f"a LEASE needs 'beat', seconds from {wire.BEAT_MIN} to {wire.BEAT_MAX}"
+                                or not messages.BEAT_MIN <= beat <= messages.BEAT_MAX):
+            problem = f"a LEASE needs 'beat', seconds from {messages.BEAT_MIN} to {messages.BEAT_MAX}"
         if problem is not None:
-            return conn.channel.write(wire.error("bad-request", problem, request_id))
+            return conn.channel.write(messages.error("bad-request", problem, request_id))
         refusal = "the peer is shutting down" if self._draining else "; ".join(match(req, self.advert))
         lease = refusal or self.scheduler.lease(conn.address, conn.client, req)
         if isinstance(lease, str):
-            return conn.channel.write(wire.error("no-lease", lease, request_id))
+            return conn.channel.write(messages.error("no-lease", lease, request_id))
         assert lease.slot is not None
         worker = lease.slot.worker
         assert worker is not None
         conn.channel.pause_reading()
-        conn.channel.write({"t": wire.LEASE, "id": request_id, "lease": lease.lease_id})
+        conn.channel.write({"t": messages.LEASE, "id": request_id, "lease": lease.lease_id})
         self.scheduler.spawn(self._hand_over(conn, worker, {**self.scheduler.lease_message(lease), "beat": beat},
                                              lambda: lease.slot is not None and lease.slot.task is lease,
                                              lambda: self.scheduler.lease_failed(lease)))
 
-    async def _hand_over(self, conn: Connection, worker: Worker, msg: wire.Message, still: Callable[[], bool],
+    async def _hand_over(self, conn: Connection, worker: Worker, msg: messages.Message, still: Callable[[], bool],
                          failed: Callable[[], None] = lambda: None) -> None:
         """Once the answer is sent, give the socket and its channel to `worker` with `msg`, if `still()`
         holds; `failed()` when it was not given."""
@@ -647,42 +648,13 @@ class Peer:
 
     def _reject(self, conn: Connection, task_id: Any, code: str, message: str) -> None:
         self.scheduler.activity.refused(conn.address, code, message)
-        conn.channel.write(self.scheduler.report(wire.reject(task_id, code, message)))
+        conn.channel.write(self.scheduler.report(messages.reject(task_id, code, message)))
 
 
-def request_id(msg: wire.Message) -> int:
+def request_id(msg: messages.Message) -> int:
     """The message's "id" when it is an int, else -1 (which names no task or call)."""
     value = msg.get("id")
     return value if isinstance(value, int) and not isinstance(value, bool) else -1
-
-
-def _check_submit(msg: wire.Message) -> str | None:
-    if not isinstance(msg.get("id"), int):
-        return "a SUBMIT needs an integer 'id'"
-    if not isinstance(msg.get("fn"), bytes) or not isinstance(msg.get("args"), bytes):
-        return "a SUBMIT needs 'fn' and 'args' as binary pickles"
-    try:
-        check_timeout(msg.get("timeout"))
-    except ValueError:
-        return f"bad timeout {msg.get('timeout')!r}: a positive, finite number of seconds or nil"
-    if "keep" in msg and (problem := wire.check_result_id(msg["keep"])) is not None:
-        return f"bad 'keep': {problem}"
-    return wire.check_refs(msg["refs"]) if "refs" in msg else None
-
-
-def _check_actor(msg: wire.Message) -> str | None:
-    if not isinstance(msg.get("id"), int):
-        return "an ACTOR needs an integer 'id'"
-    if not isinstance(msg.get("cls"), bytes) or not isinstance(msg.get("args"), bytes):
-        return "an ACTOR needs 'cls' and 'args' as binary pickles"
-    if not isinstance(msg.get("name"), str):
-        return "an ACTOR needs its class's 'name'"
-    try:
-        check_concurrency(msg.get("conc"))
-        check_timeout(msg.get("timeout"))
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 MEMORY_HEADROOM_MB = 512  # the default of GPULAYER_MEMORY_HEADROOM_MB
@@ -718,7 +690,7 @@ def memory_refusal(total: int, headroom: int) -> str | None:
 
 def _receive_buffer(size: int, owner: str) -> Any:
     """Where a large frame of submitter `owner` is received: a segment, which goes on to the worker by descriptor."""
-    return shm.receive_segment(size, owner) if size >= shm.SHM_MIN else wire.receive_buffer(size)
+    return shm.receive_segment(size, owner) if size >= shm.SHM_MIN else framing.receive_buffer(size)
 
 
 def _raise_fd_limit() -> None:

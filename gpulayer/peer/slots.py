@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from .. import wire
+from ..protocol import messages
 from ..matching import Requirements
 
 if TYPE_CHECKING:
@@ -46,13 +46,13 @@ class TaskOwner(Protocol):
     address: str  # the submitter's "host:port"
     client: str  # the submitter's id (its AUTH's "client"): whose data its tasks' workers hold
 
-    def task_done(self, task: Submission, reply: wire.Outgoing, buffers: list[Any]) -> None:
+    def task_done(self, task: Submission, reply: messages.Outgoing, buffers: list[Any]) -> None:
         """Send the task's outcome (once)."""
 
-    def task_output(self, task: Submission, msg: wire.LogMessage) -> None:
+    def task_output(self, task: Submission, msg: messages.LogMessage) -> None:
         """Send a piece of the task's stdout or stderr."""
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         """Send any message to the submitter."""
 
 
@@ -89,7 +89,7 @@ class Submission(Holder):
 
     owner: TaskOwner
     client_id: int  # its id on the submitter's connection
-    msg: wire.Message | None  # what the submitter sent, until it starts
+    msg: messages.Message | None  # what the submitter sent, until it starts
     buffers: list[Any] | None
     timeout: float | None
     env: dict[str, str] = field(default_factory=dict)  # its environment variables (the message's "env")
@@ -115,11 +115,11 @@ class Submission(Holder):
         a variable read at load). One that holds several devices always does."""
         return fresh or len(self.group) > 1
 
-    def work(self) -> tuple[wire.Message, list[Any]]:
+    def work(self) -> tuple[messages.Message, list[Any]]:
         """The message (and its buffers) that its worker gets to start it; forgets what it came with."""
         raise NotImplementedError
 
-    def keeps_slot(self, reply: wire.Message) -> bool:
+    def keeps_slot(self, reply: messages.Message) -> bool:
         """Whether it holds its slot on after this outcome."""
         return False
 
@@ -131,9 +131,9 @@ class TaskHolder(Submission):
     keep: str | None = None  # hold its result under this id (the SUBMIT's "keep"; peer/held.py)
     refs: list[tuple[str, bytes, list[Any]]] = field(default_factory=list)  # held results among its arguments
 
-    def work(self) -> tuple[wire.Message, list[Any]]:
+    def work(self) -> tuple[messages.Message, list[Any]]:
         assert self.msg is not None
-        msg: wire.Message = {"t": wire.SUBMIT, "id": self.client_id, "fn": self.msg["fn"],
+        msg: messages.Message = {"t": messages.SUBMIT, "id": self.client_id, "fn": self.msg["fn"],
                              "args": self.msg["args"], "owner": self.owner.client}
         buffers = self.buffers or []
         if self.refs:  # after the task's own buffers: each held result's, in order
@@ -147,7 +147,7 @@ class TaskHolder(Submission):
 
 def new_actor_id() -> str:
     """A new actor's id: unguessable, so that only who was told it can call the actor."""
-    return secrets.token_hex(wire.ACTOR_ID_HEX // 2)
+    return secrets.token_hex(messages.ACTOR_ID_HEX // 2)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -167,16 +167,16 @@ class ActorHolder(Submission):
     def needs_own_worker(self, fresh: bool) -> bool:
         return True  # a fresh worker, kept out of the warm pool for the actor's life
 
-    def work(self) -> tuple[wire.Message, list[Any]]:
+    def work(self) -> tuple[messages.Message, list[Any]]:
         assert self.msg is not None
-        msg: wire.Message = {"t": wire.ACTOR, "id": self.client_id, "cls": self.msg["cls"],
+        msg: messages.Message = {"t": messages.ACTOR, "id": self.client_id, "cls": self.msg["cls"],
                              "args": self.msg["args"], "conc": self.msg["conc"], "actor": self.actor_id}
         buffers = self.buffers or []
         self.msg = self.buffers = None
         return msg, buffers
 
-    def keeps_slot(self, reply: wire.Message) -> bool:
-        return bool(reply["t"] == wire.RESULT)  # its constructor returned: it lives
+    def keeps_slot(self, reply: messages.Message) -> bool:
+        return bool(reply["t"] == messages.RESULT)  # its constructor returned: it lives
 
 
 @dataclass(eq=False, kw_only=True)

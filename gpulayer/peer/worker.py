@@ -19,7 +19,9 @@ import sys
 import threading
 import time
 
-from .. import lending, shm, taskenv, wire
+from .. import lending, taskenv
+from ..protocol import framing, messages
+from ..transport import blocking, shm
 from . import spawning
 from .running import FunctionCache, run_task, serve_owner
 
@@ -100,12 +102,12 @@ def main(argv=None) -> None:
     parser.add_argument("--keep-task-folders", action="store_true")  # the peer was given --workdir
     args = parser.parse_args(argv)
     link = socket.socket(fileno=args.link) if args.link >= 0 and shm.enabled() else None
-    conn = wire.BlockingConnection(socket.socket(fileno=args.fd), wire.max_message_bytes(), link, populate=True)
+    conn = blocking.BlockingConnection(socket.socket(fileno=args.fd), framing.max_message_bytes(), link, populate=True)
     reaper = OrphanReaper() if become_subreaper() else None
     spawning.install()
     loaded = preload([n for n in args.preload.split(",") if n])
     taskenv.open_clean_room(os.getcwd(), keep=args.keep_task_folders)
-    conn.send({"t": wire.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None,
+    conn.send({"t": messages.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None,
                "direct": link is not None and importlib.util.find_spec("cryptography") is not None})
     functions = FunctionCache()
     link_lock = threading.Lock()  # a thread of a task that waits on a future tells the peer (lending.py)
@@ -120,20 +122,20 @@ def main(argv=None) -> None:
             msg, buffers = conn.recv()
         except (ConnectionError, OSError):
             return
-        if msg["t"] == wire.BYE:
+        if msg["t"] == messages.BYE:
             return
-        if msg["t"] == wire.ACTOR:  # its environment was set when the peer started this worker for it
+        if msg["t"] == messages.ACTOR:  # its environment was set when the peer started this worker for it
             from .actor_worker import become_actor
 
             become_actor(conn, msg, buffers)
-        if msg["t"] == wire.LEASE:  # the peer lent this worker to a submitter's connection
+        if msg["t"] == messages.LEASE:  # the peer lent this worker to a submitter's connection
             from .lease_worker import serve_lease
 
             serve_owner(msg, functions)
             if not serve_lease(conn, msg, functions):
                 return
             continue
-        if msg["t"] != wire.SUBMIT:  # the peer's acknowledgement of a lease's end, or a cancel that came late
+        if msg["t"] != messages.SUBMIT:  # the peer's acknowledgement of a lease's end, or a cancel that came late
             continue
         serve_owner(msg, functions)
         with taskenv.task_environment(msg.get("env")):

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from .. import shm, wire
 from ..errors import ProtocolError, WorkerDied
+from ..protocol import framing, messages
 from ..security import KEY_ENV
-from .channel import AsyncChannel
+from ..transport import shm
+from ..transport.channel import AsyncChannel
 
 if TYPE_CHECKING:
     from .slots import Slot
@@ -106,7 +107,7 @@ class Worker:
         self._channel: AsyncChannel | None = None
         self._pipes: dict[int, str] = {}
         self._loop = asyncio.get_running_loop()
-        self._started: asyncio.Future[wire.Message] = self._loop.create_future()
+        self._started: asyncio.Future[messages.Message] = self._loop.create_future()
         self._link: socket.socket | None = None  # the local link for shared memory (shm.py)
         self._fds = False  # whether the worker takes segments on it
         self.direct = False  # whether it takes connections handed over to it (an actor's; ADR 0012)
@@ -144,7 +145,7 @@ class Worker:
             os.close(out_w)
             os.close(err_w)
         self.pid = self._proc.pid
-        self._channel = AsyncChannel(parent, wire.max_message_bytes(), self._on_message, self._on_channel_closed)
+        self._channel = AsyncChannel(parent, framing.max_message_bytes(), self._on_message, self._on_channel_closed)
         for fd, stream in ((out_r, "out"), (err_r, "err")):
             os.set_blocking(fd, False)
             self._pipes[fd] = stream
@@ -158,13 +159,13 @@ class Worker:
         self.ready = True
         log.debug("worker %s ready on %s", self.pid, self.slot.device)
 
-    def send(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         """Hand the worker a message; segments among `buffers` go by descriptor when it takes them."""
         assert self._channel is not None, "the worker has not started"
         self._channel.write(msg, shm.send_over(self._link if self._fds else None, msg, buffers, copy=False))
 
     def hand_over(self, sock: socket.socket, keys: tuple[bytes, bytes], counters: tuple[int, int],
-                  msg: wire.Message) -> bool:
+                  msg: messages.Message) -> bool:
         """Give the worker a submitter's connection with its channel's state (ADR 0012, 0013): the
         descriptor on the local link, then `msg` (a DIRECT or a LEASE) with the keys and counters."""
         assert self._channel is not None and self._link is not None
@@ -176,26 +177,26 @@ class Worker:
         self._channel.write({**msg, "keys": list(keys), "counters": list(counters)})
         return True
 
-    def _on_message(self, msg: wire.Message, buffers: list[Any]) -> None:
+    def _on_message(self, msg: messages.Message, buffers: list[Any]) -> None:
         if not self._started.done():
             self._fds = self._link is not None and msg.get("fds") is True
             self.direct = self._fds and msg.get("direct") is True
             self._started.set_result(msg)
-        elif msg["t"] == wire.BYE:
-            self.last_words = wire.printable(msg.get("reason"), 500)
+        elif msg["t"] == messages.BYE:
+            self.last_words = messages.printable(msg.get("reason"), 500)
             if msg.get("kill") is True:  # a leased worker ended its task (timeout, cancel): kill its tree
                 self.on_reply(self, msg, buffers)
-        elif msg["t"] == wire.STATUS:  # an actor's count of its direct calls, or a lease's end
+        elif msg["t"] == messages.STATUS:  # an actor's count of its direct calls, or a lease's end
             self.on_reply(self, msg, buffers)
-        elif msg["t"] in (wire.RESULT, wire.ERROR):
+        elif msg["t"] in (messages.RESULT, messages.ERROR):
             self.drain_output()
             try:
                 buffers = shm.receive_with(self._link, msg, buffers)
             except shm.ShmError as exc:
-                failed = wire.error("worker-died", f"the worker's reply did not arrive whole: {exc}", msg.get("id"))
+                failed = messages.error("worker-died", f"the worker's reply did not arrive whole: {exc}", msg.get("id"))
                 msg, buffers = dict(failed), []
             self.on_reply(self, msg, buffers)
-        elif msg["t"] == wire.WAIT:
+        elif msg["t"] == messages.WAIT:
             self.on_wait(self, msg.get("blocked") is True)
 
     def _on_channel_closed(self, reason: str, error: ProtocolError | None) -> None:
@@ -264,7 +265,7 @@ class Worker:
         """Ask the process to exit; kill it if it lingers."""
         self._retired = True
         if self._channel is not None and not self._channel.closed:
-            self._channel.write({"t": wire.BYE})
+            self._channel.write({"t": messages.BYE})
         if await self.wait_exit(2.0) is None:
             await self.kill()
         self.close()

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from ..accelerators import DEDICATED, HOST_MEMORY, KINDS, UNIFIED, UNSUPPORTED, is_gpu, machine_accelerator
-from ..wire import PROTOCOL_VERSION as PROTOCOL_VERSION  # re-exported: adverts carry it
+from ..protocol.messages import PROTOCOL_VERSION as PROTOCOL_VERSION  # re-exported: adverts carry it
 
 TXT_VALUE_MAX = 255  # bytes in one TXT string, key and '=' included
 # The frameworks that the probe examines (version and capabilities) and every advert lists.

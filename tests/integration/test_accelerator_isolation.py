@@ -13,10 +13,12 @@ import socket
 import pytest
 
 import gpulayer as gl
-from gpulayer import serialization, wire
+from gpulayer import serialization
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages
 from gpulayer.torch import AcceleratorUnavailable
+from gpulayer.transport import blocking
 from support import new_key, write_override
 
 TORCH_MPS = [{"name": "torch", "version": "2.5.1", "capabilities": ["torch.cpu", "torch.mps"]},
@@ -89,16 +91,16 @@ def test_no_matching_peer_says_why_for_every_peer(fleet):
 def test_the_peer_itself_refuses_a_task_it_cannot_run(fleet):
     """A submitter that skips matching (a stale advert, a bug) is still refused by the peer."""
     record = next(r for r in fleet.directory.records() if r.advert.name == "nvidia")
-    conn = wire.BlockingConnection(socket.create_connection(record.addresses[0], timeout=10))
+    conn = blocking.BlockingConnection(socket.create_connection(record.addresses[0], timeout=10))
     try:
-        wire.client_handshake(conn, fleet.key, "test")
-        conn.reader.max_frame = wire.max_message_bytes()
-        conn.send({"t": wire.SUBMIT, "id": 1, "fn": serialization.dumps(device_env)[0],
+        handshake.client_handshake(conn, fleet.key, "test")
+        conn.reader.max_frame = framing.max_message_bytes()
+        conn.send({"t": messages.SUBMIT, "id": 1, "fn": serialization.dumps(device_env)[0],
                    "args": serialization.dumps(((), {}))[0], "req": Requirements.build(accelerator="mps").to_wire()})
         reply, _ = conn.recv()
     finally:
         conn.close()
-    assert reply["t"] == wire.REJECT and reply["code"] == "no-match"
+    assert reply["t"] == messages.REJECT and reply["code"] == "no-match"
     assert "task needs mps; peer offers cuda" in reply["message"]
 
 

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 
 import gpulayer as gl
-from gpulayer import serialization, shm, wire
+from gpulayer import serialization
 from gpulayer.client.engine import DOWN_BACKOFF
 from gpulayer.errors import TaskRejected, TaskTimeout
 from gpulayer.peer_table import format_peers
+from gpulayer.protocol import handshake, messages
+from gpulayer.transport import blocking, shm
 from support import key_config, wait_until, write_override
 
 GRACE = "1"  # GPULAYER_ACTOR_GRACE of the peers here: seconds an actor outlives its submitter
@@ -46,7 +48,7 @@ def peer(peer_factory, cluster_key, key_dir, gl_client):
 
 def status(peer) -> dict:
     return gl.default_client().connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request(
-        wire.status_request(), 10)
+        messages.status_request(), 10)
 
 
 def actors_on(peer) -> list[dict]:
@@ -293,7 +295,7 @@ def test_the_submitter_going_away_frees_the_slot(peer, cluster_key, tmp_path, ho
                             env={**os.environ, "GPULAYER_KEY": cluster_key}, stdout=subprocess.PIPE, text=True)
     try:
         actor_id = proc.stdout.readline().strip()
-        assert len(actor_id) == wire.ACTOR_ID_HEX
+        assert len(actor_id) == messages.ACTOR_ID_HEX
         if how == "killed":
             assert [row["actor"] for row in actors_on(peer)] == [actor_id[:8]]
             proc.kill()
@@ -308,17 +310,17 @@ def test_the_submitter_going_away_frees_the_slot(peer, cluster_key, tmp_path, ho
         proc.wait()
 
 
-def raw_connection(peer, key: str, client_id: str) -> wire.BlockingConnection:
-    conn = wire.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
-    wire.client_handshake(conn, key.encode(), client_id)
+def raw_connection(peer, key: str, client_id: str) -> blocking.BlockingConnection:
+    conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
+    handshake.client_handshake(conn, key.encode(), client_id)
     return conn
 
 
-def answer(conn: wire.BlockingConnection, msg: dict) -> dict:
+def answer(conn: blocking.BlockingConnection, msg: dict) -> dict:
     conn.send(msg)
     while True:
         reply, _ = conn.recv(time.monotonic() + 20)
-        if reply["t"] != wire.PONG:
+        if reply["t"] != messages.PONG:
             return reply
 
 
@@ -328,25 +330,25 @@ def test_hostile_actor_messages_get_clear_errors_and_the_actor_serves_on(peer, c
     args = serialization.dumps(((), {}))[0]
     conn = raw_connection(peer, cluster_key, "0123456789ab")
     try:
-        unknown = answer(conn, wire.call(1, "f" * 32, "history", args, None))
-        assert (unknown["t"], unknown["code"], unknown["id"]) == (wire.ERROR, "no-actor", 1)
-        for bad in [wire.call(2, "not-an-id", "history", args, None),
-                    wire.call(3, rec.actor_id, "__class__", args, None),
-                    wire.call(4, rec.actor_id, "history", "not bytes", None),  # type: ignore[arg-type]
-                    wire.call(5, rec.actor_id, "history", args, -1),
-                    {"t": wire.CALL, "id": 6, "actor": rec.actor_id, "method": ["history"], "args": args}]:
+        unknown = answer(conn, messages.call(1, "f" * 32, "history", args, None))
+        assert (unknown["t"], unknown["code"], unknown["id"]) == (messages.ERROR, "no-actor", 1)
+        for bad in [messages.call(2, "not-an-id", "history", args, None),
+                    messages.call(3, rec.actor_id, "__class__", args, None),
+                    messages.call(4, rec.actor_id, "history", "not bytes", None),  # type: ignore[arg-type]
+                    messages.call(5, rec.actor_id, "history", args, -1),
+                    {"t": messages.CALL, "id": 6, "actor": rec.actor_id, "method": ["history"], "args": args}]:
             reply = answer(conn, bad)
-            assert (reply["t"], reply["code"], reply["id"]) == (wire.ERROR, "bad-request", bad["id"])
-        no_id = answer(conn, {"t": wire.CALL, "id": "x", "actor": rec.actor_id})
+            assert (reply["t"], reply["code"], reply["id"]) == (messages.ERROR, "bad-request", bad["id"])
+        no_id = answer(conn, {"t": messages.CALL, "id": "x", "actor": rec.actor_id})
         assert (no_id["code"], no_id["id"]) == ("bad-request", None)
-        refused = answer(conn, wire.close(7, rec.actor_id))  # another submitter may not close it
-        assert (refused["t"], refused["code"]) == (wire.ERROR, "not-owner")
+        refused = answer(conn, messages.close(7, rec.actor_id))  # another submitter may not close it
+        assert (refused["t"], refused["code"]) == (messages.ERROR, "not-owner")
         for conc in (0, 65, "2", True):
-            made = answer(conn, wire.actor(8, serialization.dumps(dict)[0], args, {}, None, "dict", conc))
-            assert (made["t"], made["code"]) == (wire.REJECT, "bad-request")
+            made = answer(conn, messages.actor(8, serialization.dumps(dict)[0], args, {}, None, "dict", conc))
+            assert (made["t"], made["code"]) == (messages.REJECT, "bad-request")
         # with its id, another key holder may call it (that is how handles passed to tasks work)
-        called = answer(conn, wire.call(9, rec.actor_id, "record", serialization.dumps((("raw",), {}))[0], None))
-        assert called["t"] == wire.RESULT and serialization.loads(called["data"]) == 2
+        called = answer(conn, messages.call(9, rec.actor_id, "record", serialization.dumps((("raw",), {}))[0], None))
+        assert called["t"] == messages.RESULT and serialization.loads(called["data"]) == 2
     finally:
         conn.close()
     assert rec.history() == ["before", "raw"]
@@ -465,10 +467,10 @@ def test_with_direct_calls_off_every_call_goes_through_the_peer(peer, frozen, mo
         assert waiting.result(20) == 2
 
 
-def direct_connection(peer, key: str, actor_id: str) -> wire.BlockingConnection:
+def direct_connection(peer, key: str, actor_id: str) -> blocking.BlockingConnection:
     conn = raw_connection(peer, key, "fedcba987654")
-    handed = answer(conn, wire.direct(1, actor_id))
-    assert (handed["t"], handed["id"]) == (wire.DIRECT, 1)
+    handed = answer(conn, messages.direct(1, actor_id))
+    assert (handed["t"], handed["id"]) == (messages.DIRECT, 1)
     return conn
 
 
@@ -478,27 +480,27 @@ def test_hostile_input_on_a_direct_connection_costs_that_connection_only(peer, c
     args = serialization.dumps(((), {}))[0]
     conn = raw_connection(peer, cluster_key, "fedcba987654")
     try:
-        assert answer(conn, wire.direct(1, "f" * 32))["code"] == "no-actor"
-        assert answer(conn, wire.direct(2, "nope"))["code"] == "bad-request"
-        conn.send(wire.call(3, rec.actor_id, "sleep", serialization.dumps(((0.5,), {}))[0], None))
-        busy = answer(conn, wire.direct(4, rec.actor_id))  # a call of its own is in flight
+        assert answer(conn, messages.direct(1, "f" * 32))["code"] == "no-actor"
+        assert answer(conn, messages.direct(2, "nope"))["code"] == "bad-request"
+        conn.send(messages.call(3, rec.actor_id, "sleep", serialization.dumps(((0.5,), {}))[0], None))
+        busy = answer(conn, messages.direct(4, rec.actor_id))  # a call of its own is in flight
         assert (busy["code"], busy["id"]) == ("bad-request", 4)
-        assert answer(conn, {"t": wire.STATUS, "id": 5})["t"] in (wire.RESULT, wire.STATUS)  # not handed over
+        assert answer(conn, {"t": messages.STATUS, "id": 5})["t"] in (messages.RESULT, messages.STATUS)  # not handed over
     finally:
         conn.close()
     conn = direct_connection(peer, cluster_key, rec.actor_id)
     try:
-        for bad in [wire.call(2, rec.actor_id, "__class__", args, None),
-                    wire.call(3, rec.actor_id, "history", "not bytes", None),  # type: ignore[arg-type]
-                    wire.call(4, rec.actor_id, "history", args, float("nan"))]:
+        for bad in [messages.call(2, rec.actor_id, "__class__", args, None),
+                    messages.call(3, rec.actor_id, "history", "not bytes", None),  # type: ignore[arg-type]
+                    messages.call(4, rec.actor_id, "history", args, float("nan"))]:
             reply = answer(conn, bad)
-            assert (reply["t"], reply["code"], reply["id"]) == (wire.ERROR, "bad-request", bad["id"])
-        conn.send(wire.ping())
-        assert conn.recv(time.monotonic() + 10)[0]["t"] == wire.PONG  # the worker answers it
-        called = answer(conn, wire.call(5, rec.actor_id, "record", serialization.dumps((("raw",), {}))[0], None))
-        assert called["t"] == wire.RESULT and serialization.loads(called["data"]) == 2
-        refused = answer(conn, wire.submit(6, args, args, {}, None, "task"))
-        assert (refused["t"], refused["code"]) == (wire.ERROR, "protocol")
+            assert (reply["t"], reply["code"], reply["id"]) == (messages.ERROR, "bad-request", bad["id"])
+        conn.send(messages.ping())
+        assert conn.recv(time.monotonic() + 10)[0]["t"] == messages.PONG  # the worker answers it
+        called = answer(conn, messages.call(5, rec.actor_id, "record", serialization.dumps((("raw",), {}))[0], None))
+        assert called["t"] == messages.RESULT and serialization.loads(called["data"]) == 2
+        refused = answer(conn, messages.submit(6, args, args, {}, None, "task"))
+        assert (refused["t"], refused["code"]) == (messages.ERROR, "protocol")
         with pytest.raises(ConnectionError):
             conn.recv(time.monotonic() + 10)
     finally:

@@ -23,10 +23,12 @@ import numpy as np
 import psutil
 import pytest
 
-from gpulayer import records, serialization, shm, wire
+from gpulayer import serialization
 from gpulayer.client import Client
 from gpulayer.errors import GPULayerError
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages, records
+from gpulayer.transport import blocking, shm
 from support import new_key, wait_until
 
 ANY = Requirements.build()
@@ -113,25 +115,25 @@ def test_numpy_arrays_and_cpu_tensors_are_pickled_without_copies():
 
 # ---- descriptors a submitter hands over -----------------------------------------------------------
 
-def authenticated(peer) -> wire.BlockingConnection:
+def authenticated(peer) -> blocking.BlockingConnection:
     sock = socket.create_connection(("127.0.0.1", peer.port), timeout=10)
-    conn = wire.BlockingConnection(sock)
-    wire.client_handshake(conn, peer.key.encode(), "attacker")
+    conn = blocking.BlockingConnection(sock)
+    handshake.client_handshake(conn, peer.key.encode(), "attacker")
     return conn
 
 
-def local_offer(conn: wire.BlockingConnection) -> dict:
-    conn.send({"t": wire.LOCAL, "id": 1})
+def local_offer(conn: blocking.BlockingConnection) -> dict:
+    conn.send({"t": messages.LOCAL, "id": 1})
     reply, _ = conn.recv(time.monotonic() + 10)
-    assert reply["t"] == wire.LOCAL and reply["addr"].startswith("\0gpulayer-")
+    assert reply["t"] == messages.LOCAL and reply["addr"].startswith("\0gpulayer-")
     return reply
 
 
-def submit_with_descriptor(conn: wire.BlockingConnection, fd: int, size: int, marker: Path) -> dict:
+def submit_with_descriptor(conn: blocking.BlockingConnection, fd: int, size: int, marker: Path) -> dict:
     """A SUBMIT whose one buffer is descriptor `fd`, sent on the connection's link: the peer's answer."""
     socket.send_fds(conn.link, [b"F\x00\x01"], [fd])
-    msg = wire.submit(1, serialization.dumps(side_effect)[0], serialization.dumps(((str(marker),), {}))[0],
-                      {}, None, "pwn")
+    msg = messages.submit(1, serialization.dumps(side_effect)[0], serialization.dumps(((str(marker),), {}))[0],
+                          {}, None, "pwn")
     msg["fds"] = [[0, size]]
     conn.send(msg)
     reply, _ = conn.recv(time.monotonic() + 10)
@@ -208,7 +210,7 @@ def test_a_descriptor_that_is_not_our_sealed_segment_is_refused_and_runs_nothing
     os.close(fd)
     expected = {"etc-passwd": "not a sealed memfd", "unsealed": "not a memfd sealed", "wrong-size": "bytes where",
                 "another-uid": "belongs to uid 65534"}[case]
-    assert reply["t"] == wire.ERROR and reply["code"] == "protocol" and expected in reply["message"], reply
+    assert reply["t"] == messages.ERROR and reply["code"] == "protocol" and expected in reply["message"], reply
     conn.close()
     assert not marker.exists()
     assert peer.alive()
@@ -216,12 +218,12 @@ def test_a_descriptor_that_is_not_our_sealed_segment_is_refused_and_runs_nothing
 
 def test_descriptors_without_a_local_link_are_refused(peer, tmp_path):
     conn = authenticated(peer)
-    msg = wire.submit(1, serialization.dumps(side_effect)[0],
-                      serialization.dumps(((str(tmp_path / "ran"),), {}))[0], {}, None, "pwn")
+    msg = messages.submit(1, serialization.dumps(side_effect)[0],
+                          serialization.dumps(((str(tmp_path / "ran"),), {}))[0], {}, None, "pwn")
     msg["fds"] = [[0, 4096]]
     conn.send(msg)
     reply, _ = conn.recv(time.monotonic() + 10)
-    assert reply["t"] == wire.ERROR and "no local link" in reply["message"]
+    assert reply["t"] == messages.ERROR and "no local link" in reply["message"]
     conn.close()
     assert not (tmp_path / "ran").exists()
 
@@ -509,7 +511,7 @@ def test_a_message_bigger_than_free_memory_is_refused_with_the_numbers_before_it
 
 
 def test_pickled_protocol_stays_loadable():  # the refusal marker never reaches a worker's unpickler
-    assert pickle.loads(pickle.dumps(wire.REFUSED)) == "_refused"
+    assert pickle.loads(pickle.dumps(framing.REFUSED)) == "_refused"
 
 
 # ---- held results on one host -----------------------------------------------------------------------

@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 
 import gpulayer as gl
-from gpulayer import held, serialization, wire
+from gpulayer import held, serialization
 from gpulayer.client import Client
 from gpulayer.dashboard.status import clean_status
 from gpulayer.errors import AuthError, PeerLost, TaskRejected
 from gpulayer.matching import Requirements
 from gpulayer.peer_table import format_peers
+from gpulayer.protocol import handshake, messages
+from gpulayer.transport import blocking
 from support import new_key, wait_until
 
 MIB = 1 << 20
@@ -76,7 +78,7 @@ def client(key, peers):
 
 
 def status(client: Client, peer) -> dict:
-    return client.connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request(wire.status_request(), 10)
+    return client.connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request(messages.status_request(), 10)
 
 
 def held_bytes(client: Client, peer) -> int:
@@ -202,17 +204,17 @@ def test_a_killed_holder_fails_its_consumer_with_peer_lost(peer_factory, key, cl
         produced.result(30)
 
 
-def _connect(peer, key: bytes) -> wire.BlockingConnection:
-    conn = wire.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
-    wire.client_handshake(conn, key, "intruder")
+def _connect(peer, key: bytes) -> blocking.BlockingConnection:
+    conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
+    handshake.client_handshake(conn, key, "intruder")
     return conn
 
 
-def _answer(conn: wire.BlockingConnection) -> tuple[dict, list]:
+def _answer(conn: blocking.BlockingConnection) -> tuple[dict, list]:
     """The next answer to a request (past the peer's other messages: an offer, a PONG, an ACCEPT)."""
     for _ in range(8):
         msg, buffers = conn.recv(time.monotonic() + 10)
-        if msg["t"] in (wire.ERROR, wire.REJECT, wire.RESULT):
+        if msg["t"] in (messages.ERROR, messages.REJECT, messages.RESULT):
             return msg, buffers
     raise AssertionError("no answer among 8 messages")
 
@@ -223,10 +225,10 @@ def test_a_fetch_of_an_unknown_or_anothers_result_gets_nothing(client, key, peer
     conn = _connect(peers["pa"], key.encode())
     try:
         for asked in (held.new_result_id(), result_id, "x" * 32, 7):  # random, another submitter's, junk
-            conn.send(wire.fetch(1, asked))  # type: ignore[arg-type]
+            conn.send(messages.fetch(1, asked))  # type: ignore[arg-type]
             msg, buffers = _answer(conn)
-            assert msg["t"] == wire.ERROR and msg["code"] == "no-result" and not buffers
-        conn.send(wire.release(result_id))  # not its owner: nothing happens
+            assert msg["t"] == messages.ERROR and msg["code"] == "no-result" and not buffers
+        conn.send(messages.release(result_id))  # not its owner: nothing happens
     finally:
         conn.close()
     assert np.array_equal(produced.result(30), make(MIB))
@@ -237,12 +239,12 @@ def test_a_fetch_without_the_key_reads_nothing(client, key, peers):
     produced = client.submit(make, (MIB,), req=on("pa"), keep=True)
     result_id = wait_until(lambda: produced.held, 30).result_id
     sock = socket.create_connection(("127.0.0.1", peers["pa"].port), timeout=10)
-    conn = wire.BlockingConnection(sock)
+    conn = blocking.BlockingConnection(sock)
     try:
         conn.recv(time.monotonic() + 10)  # HELLO
-        conn.send(wire.fetch(1, result_id))  # no AUTH first
+        conn.send(messages.fetch(1, result_id))  # no AUTH first
         msg, _ = conn.recv(time.monotonic() + 10)
-        assert msg["t"] == wire.ERROR and msg["code"] == "auth"
+        assert msg["t"] == messages.ERROR and msg["code"] == "auth"
     finally:
         conn.close()
     with pytest.raises(AuthError):
@@ -261,11 +263,11 @@ def test_malformed_keep_and_refs_are_rejected(client, key, peers, field, value, 
     try:
         fn, _ = serialization.dumps(make)
         args, _ = serialization.dumps(((1,), {}))
-        msg = wire.submit(1, fn, args, CPU.to_wire(), None, "make")
+        msg = messages.submit(1, fn, args, CPU.to_wire(), None, "make")
         msg[field] = value  # type: ignore[literal-required]
         conn.send(msg)
         reply, _ = _answer(conn)
-        assert reply["t"] == wire.REJECT and reply["code"] == "bad-request" and problem in reply["message"]
+        assert reply["t"] == messages.REJECT and reply["code"] == "bad-request" and problem in reply["message"]
     finally:
         conn.close()
 
@@ -275,8 +277,8 @@ def test_a_ref_to_a_result_the_peer_does_not_hold_fails_the_task(client, key, pe
     try:
         fn, _ = serialization.dumps(checksum)
         args, _ = serialization.dumps(((), {}))
-        refs = [wire.ref(held.new_result_id(), peers["pb"].peer_id, [("127.0.0.1", peers["pb"].port)])]
-        conn.send(wire.submit(1, fn, args, CPU.to_wire(), None, "checksum", refs=refs))
+        refs = [messages.ref(held.new_result_id(), peers["pb"].peer_id, [("127.0.0.1", peers["pb"].port)])]
+        conn.send(messages.submit(1, fn, args, CPU.to_wire(), None, "checksum", refs=refs))
         reply, _ = _answer(conn)
         assert reply["code"] == "held-lost" and "holds no result" in reply["message"]
     finally:

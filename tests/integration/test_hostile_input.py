@@ -11,11 +11,13 @@ import struct
 import msgpack
 import pytest
 
-from gpulayer import serialization, wire
+from gpulayer import serialization
 from gpulayer.client import Client, PeerConnection
 from gpulayer.errors import AuthError, NoMatchingPeer, ProtocolError
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages
 from gpulayer.resources.model import PROTOCOL_VERSION
+from gpulayer.transport import blocking
 from support import new_key, solo_peer, wait_until
 
 ANY = Requirements.build()
@@ -34,18 +36,18 @@ def honest_call_works(client):
     return client.submit(lambda: "still serving", req=ANY).result(30) == "still serving"
 
 
-def raw(peer) -> tuple[socket.socket, wire.BlockingConnection, dict]:
+def raw(peer) -> tuple[socket.socket, blocking.BlockingConnection, dict]:
     sock = socket.create_connection(("127.0.0.1", peer.port), timeout=10)
-    conn = wire.BlockingConnection(sock)
+    conn = blocking.BlockingConnection(sock)
     hello, _ = conn.recv()
-    assert hello["t"] == wire.HELLO
+    assert hello["t"] == messages.HELLO
     return sock, conn, hello
 
 
-def closing_error(conn: wire.BlockingConnection) -> dict:
+def closing_error(conn: blocking.BlockingConnection) -> dict:
     """The ERROR the peer sends before it closes; then EOF."""
     msg, _ = conn.recv()
-    assert msg["t"] == wire.ERROR
+    assert msg["t"] == messages.ERROR
     with pytest.raises((ConnectionError, OSError)):
         conn.recv()
     return msg
@@ -74,7 +76,7 @@ def test_submit_without_auth_never_runs_code(target, tmp_path):
     peer, client = target
     marker = tmp_path / "pwned"
     sock, conn, _ = raw(peer)
-    msg = {"t": wire.SUBMIT, "id": 1, "fn": serialization.dumps(side_effect)[0],
+    msg = {"t": messages.SUBMIT, "id": 1, "fn": serialization.dumps(side_effect)[0],
            "args": serialization.dumps(((str(marker),), {}))[0], "req": {}}
     conn.send(msg)
     reply = closing_error(conn)
@@ -86,8 +88,8 @@ def test_submit_without_auth_never_runs_code(target, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("kind", [wire.STATUS, wire.PING, wire.LEASE, wire.DIRECT, wire.LOCAL, wire.FETCH,
-                                  wire.CANCEL, wire.BYE])
+@pytest.mark.parametrize("kind", [messages.STATUS, messages.PING, messages.LEASE, messages.DIRECT, messages.LOCAL,
+                                  messages.FETCH, messages.CANCEL, messages.BYE])
 def test_before_auth_every_kind_but_auth_is_refused(target, kind):
     """Before authentication the peer's only handler is AUTH's: a STATUS gets no status, a LEASE no
     worker, a LOCAL no link; each closes the connection as a failed authentication."""
@@ -95,7 +97,7 @@ def test_before_auth_every_kind_but_auth_is_refused(target, kind):
     sock, conn, _ = raw(peer)
     conn.send({"t": kind, "id": 1, "beat": 1.0, "req": {}, "ref": {}})
     reply = closing_error(conn)
-    assert (reply["t"], reply["code"]) == (wire.ERROR, "auth")
+    assert (reply["t"], reply["code"]) == (messages.ERROR, "auth")
     sock.close()
     assert honest_call_works(client)
 
@@ -104,13 +106,13 @@ def test_a_replayed_auth_is_refused(target):
     peer, client = target
     _, first, hello1 = raw(peer)
     nonce_s = os.urandom(32)
-    recorded, _ = wire.auth(hello1, peer.key.encode(), "recorded", nonce_s)
+    recorded, _ = handshake.auth(hello1, peer.key.encode(), "recorded", nonce_s)
     _, second, hello2 = raw(peer)
     assert hello1["nonce"] != hello2["nonce"]
     second.send(dict(recorded))  # valid for the first connection's nonce only
     assert closing_error(second)["code"] == "auth"
     first.send(dict(recorded))
-    assert first.recv()[0]["t"] == wire.AUTH_OK
+    assert first.recv()[0]["t"] == messages.AUTH_OK
     assert honest_call_works(client)
 
 
@@ -118,7 +120,7 @@ def test_a_replayed_auth_is_refused(target):
     (b"\x00\x00\x00\x05hello", "protocol"),  # not msgpack
     (struct.pack(">I", 0xFFFFFFF0), "too-large"),  # a huge length prefix before auth
     (struct.pack(">I", 3) + msgpack.packb([1, 2]), "protocol"),  # not a map
-    (b"".join(wire.encode({"t": "launch-missiles"})), "protocol"),  # unknown type
+    (b"".join(framing.encode({"t": "launch-missiles"})), "protocol"),  # unknown type
 ])
 def test_malformed_frames_close_the_connection_with_a_clear_error(target, payload, code):
     peer, client = target
@@ -132,7 +134,7 @@ def test_malformed_frames_close_the_connection_with_a_clear_error(target, payloa
 def test_a_wrong_protocol_version_is_named(target):
     peer, client = target
     sock, conn, _ = raw(peer)
-    body = msgpack.packb({"t": wire.AUTH, "v": PROTOCOL_VERSION + 41})
+    body = msgpack.packb({"t": messages.AUTH, "v": PROTOCOL_VERSION + 41})
     sock.sendall(struct.pack(">I", len(body)) + body)
     reply = closing_error(conn)
     assert reply["code"] == "version" and str(PROTOCOL_VERSION + 41) in reply["message"]

@@ -21,9 +21,11 @@ import sys
 import pytest
 
 import gpulayer as gl
-from gpulayer import serialization, wire
+from gpulayer import serialization
 from gpulayer.client.inference import with_inferred
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages
+from gpulayer.transport import blocking
 
 HERE = "%d.%d" % sys.version_info[:2]
 OTHER_MINORS = [minor for minor in ("3.12", "3.9") if minor != HERE]
@@ -122,15 +124,15 @@ def test_the_peer_itself_refuses_code_of_another_python(peers):
     fn = serialization.dumps(job_python)[0]
     args = serialization.dumps(((), {}))[0]
     req = with_inferred(Requirements.build(), job_python, fn, args)
-    conn = wire.BlockingConnection(socket.create_connection(record.addresses[0], timeout=10))
+    conn = blocking.BlockingConnection(socket.create_connection(record.addresses[0], timeout=10))
     try:
-        wire.client_handshake(conn, peers.key, "test")
-        conn.reader.max_frame = wire.max_message_bytes()
-        conn.send({"t": wire.SUBMIT, "id": 1, "fn": fn, "args": args, "req": req.to_wire()})
+        handshake.client_handshake(conn, peers.key, "test")
+        conn.reader.max_frame = framing.max_message_bytes()
+        conn.send({"t": messages.SUBMIT, "id": 1, "fn": fn, "args": args, "req": req.to_wire()})
         reply, _ = conn.recv()
     finally:
         conn.close()
-    assert reply["t"] == wire.REJECT and reply["code"] == "no-match"
+    assert reply["t"] == messages.REJECT and reply["code"] == "no-match"
     assert f"start the peer with --python pointing to a Python {HERE} interpreter" in reply["message"]
 
 

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer import serialization, wire
+from gpulayer import serialization
 from gpulayer.client import Client
 from gpulayer.client.leases import SHORT_TASK_S
 from gpulayer.errors import PeerLost, WorkerDied
 from gpulayer.matching import Requirements
+from gpulayer.protocol import messages
 from support import authenticated, new_key, paced, wait_until, write_override
 from test_secure_channel import Pipe, Proxy, runs
 
@@ -238,20 +239,20 @@ def test_a_lease_kept_busy_gives_the_slot_to_another_submitters_task(single, tmp
 
     def read_the_lease() -> None:
         try:
-            while greedy.recv()[0]["t"] != wire.LEASE_END:
+            while greedy.recv()[0]["t"] != messages.LEASE_END:
                 pass
         except (ConnectionError, OSError):
             pass
         ended.set()
 
     try:
-        greedy.send(wire.lease(1, CPU.to_wire(), 1.0))
-        assert greedy.recv(time.monotonic() + 10)[0]["t"] == wire.LEASE
+        greedy.send(messages.lease(1, CPU.to_wire(), 1.0))
+        assert greedy.recv(time.monotonic() + 10)[0]["t"] == messages.LEASE
         threading.Thread(target=read_the_lease, daemon=True).start()
         future = None
         for task_id in paced(range(2, 150), 0.04):  # at most 6 s of sending
             conn = through_peer if ended.is_set() else greedy
-            conn.send(wire.submit(task_id, fn, args, CPU.to_wire(), None, "greedy"))
+            conn.send(messages.submit(task_id, fn, args, CPU.to_wire(), None, "greedy"))
             if future is None and len(runs(naps)) >= 2:  # the worker runs the greedy tasks: the other's comes
                 future = other.submit(abs, (-5,), req=CPU)
                 future.add_done_callback(lambda _: events.append("the other's task"))
@@ -280,7 +281,7 @@ def test_a_submitters_own_longer_tasks_wait_on_its_lease_not_in_the_peers_queue(
         assert [f.result(30) for f in futures] == [None] * 10
         assert client.leases.by_peer.get(single.peer_id) is lease  # the same lease throughout
         status = client.connection_to(single.peer_id, [("127.0.0.1", single.port)]).request(
-            wire.status_request(), 10)
+            messages.status_request(), 10)
         assert not [t for t in status["finished"] if t["name"] == "sleep"]  # none ran through the peer
     finally:
         client.close()

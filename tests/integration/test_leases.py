@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer import serialization, wire
+from gpulayer import serialization
 from gpulayer.client import Client
 from gpulayer.errors import TaskTimeout, WorkerDied
+from gpulayer.protocol import messages
 from support import authenticated, solo_peer, wait_until
 
 
@@ -45,7 +46,7 @@ def _cpu():
 
 
 def status(client: Client, peer) -> dict:
-    return client.connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request(wire.status_request(), 10)
+    return client.connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request(messages.status_request(), 10)
 
 
 def run(client: Client, fn, *args, **options):
@@ -209,34 +210,73 @@ def test_hostile_input_on_a_leased_connection_gets_clear_errors(solo):
     wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)
     conn = authenticated(peer, "hostile1234")
     try:
-        for bad in [wire.lease(1, {"acc": "cuda"}, 1.0), wire.lease(1, _cpu().to_wire(), float("nan")),
-                    {**wire.lease(1, _cpu().to_wire(), 1.0), "id": "one"}]:
+        for bad in [messages.lease(1, {"acc": "cuda"}, 1.0), messages.lease(1, _cpu().to_wire(), float("nan")),
+                    {**messages.lease(1, _cpu().to_wire(), 1.0), "id": "one"}]:
             conn.send(bad)
             refused = conn.recv(time.monotonic() + 10)[0]  # the connection stays the peer's
-            assert refused["t"] == wire.ERROR and refused["code"] in ("no-lease", "bad-request"), refused
-        conn.send(wire.lease(2, _cpu().to_wire(), 1.0))
+            assert refused["t"] == messages.ERROR and refused["code"] in ("no-lease", "bad-request"), refused
+        conn.send(messages.lease(2, _cpu().to_wire(), 1.0))
         granted = conn.recv(time.monotonic() + 10)[0]
-        assert (granted["t"], granted["id"]) == (wire.LEASE, 2)
+        assert (granted["t"], granted["id"]) == (messages.LEASE, 2)
         fn, args = serialization.dumps(abs)[0], serialization.dumps(((-3,), {}))[0]
-        for bad in [{"t": wire.SUBMIT, "id": "x", "fn": fn, "args": args},
-                    {"t": wire.SUBMIT, "id": 5, "fn": "text", "args": args},
-                    {**wire.submit(6, fn, args, {}, float("nan"), "abs")},
-                    {**wire.submit(7, fn, args, {}, None, "abs"), "keep": "a" * 32},
-                    wire.submit(8, fn, args, {}, None, "abs", env={"LD_PRELOAD": "x"})]:
+        for bad in [{"t": messages.SUBMIT, "id": "x", "fn": fn, "args": args},
+                    {"t": messages.SUBMIT, "id": 5, "fn": "text", "args": args},
+                    {**messages.submit(6, fn, args, {}, float("nan"), "abs")},
+                    {**messages.submit(7, fn, args, {}, None, "abs"), "keep": "a" * 32},
+                    messages.submit(8, fn, args, {}, None, "abs", env={"LD_PRELOAD": "x"})]:
             conn.send(bad)
             reply = conn.recv(time.monotonic() + 10)[0]
-            assert (reply["t"], reply["code"]) == (wire.ERROR, "bad-request")
-        conn.send(wire.submit(9, fn, args, {}, None, "abs"))
+            assert (reply["t"], reply["code"]) == (messages.ERROR, "bad-request")
+        conn.send(messages.submit(9, fn, args, {}, None, "abs"))
         reply, _ = conn.recv(time.monotonic() + 10)
-        assert reply["t"] == wire.RESULT and serialization.loads(reply["data"]) == 3
-        conn.send(wire.submit(9, fn, args, {}, None, "abs"))  # an id used already
+        assert reply["t"] == messages.RESULT and serialization.loads(reply["data"]) == 3
+        conn.send(messages.submit(9, fn, args, {}, None, "abs"))  # an id used already
         assert conn.recv(time.monotonic() + 10)[0]["code"] == "bad-request"
-        conn.send({"t": wire.ACTOR})  # not a message of a lease: it ends
-        while (msg := conn.recv(time.monotonic() + 10)[0])["t"] != wire.LEASE_END:
-            assert msg["t"] == wire.ERROR
+        conn.send({"t": messages.ACTOR})  # not a message of a lease: it ends
+        while (msg := conn.recv(time.monotonic() + 10)[0])["t"] != messages.LEASE_END:
+            assert msg["t"] == messages.ERROR
     finally:
         conn.close()
     wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)  # the worker serves its peer again
+
+
+def _answer(conn) -> dict:
+    """The next answer on a raw connection, past the peer's offer of a local link."""
+    for _ in range(8):
+        msg = conn.recv(time.monotonic() + 10)[0]
+        if msg["t"] != messages.LOCAL:
+            return msg
+    raise AssertionError("no answer among 8 messages")
+
+
+def test_the_peer_and_a_leased_worker_refuse_a_bad_submit_for_the_same_reason(solo):
+    """One check of SUBMIT on both paths: the same malformed task gets the same reason from the peer
+    (a REJECT) and from a leased worker (an ERROR), a task id that is not a positive integer included."""
+    peer, client = solo
+    fn, args = serialization.dumps(abs)[0], serialization.dumps(((-3,), {}))[0]
+    bad = [{**messages.submit(1, fn, args, {}, None, "abs"), "id": task_id} for task_id in (0, -4, True)] + [
+        {**messages.submit(2, fn, args, {}, None, "abs"), "fn": "text"},
+        messages.submit(3, fn, args, {}, float("nan"), "abs"),
+        {**messages.submit(4, fn, args, {}, None, "abs"), "keep": "abc"},
+        {**messages.submit(5, fn, args, {}, None, "abs"), "refs": "nope"}]
+    through_peer = authenticated(peer, "peerpath1234")
+    wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)
+    on_lease = authenticated(peer, "leasepath123")
+    try:
+        on_lease.send(messages.lease(1, _cpu().to_wire(), 1.0))
+        assert _answer(on_lease)["t"] == messages.LEASE
+        for msg in bad:
+            through_peer.send(dict(msg))
+            rejected = _answer(through_peer)
+            on_lease.send(dict(msg))
+            refused = _answer(on_lease)
+            assert (rejected["t"], rejected.get("code"), refused["t"], refused.get("code")) == \
+                (messages.REJECT, "bad-request", messages.ERROR, "bad-request"), (msg, rejected, refused)
+            assert rejected["message"] == refused["message"], msg
+    finally:
+        through_peer.close()
+        on_lease.close()
+    wait_until(lambda: not status(client, peer)["devices"][0]["busy"], 10)
     assert run(client, abs, -4).result(30) == 4
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import gpulayer as gl
-from gpulayer import wire
 from support import key_config, wait_until, write_override
+from gpulayer.protocol import messages
 
 BOUND_S = 90  # every wait here is bounded: today's main hangs on all of these
 
@@ -40,7 +40,7 @@ def solo(start):
 
 def status(peer) -> dict:
     return gl.default_client().connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request(
-        wire.status_request(), 10)
+        messages.status_request(), 10)
 
 
 def here() -> str:

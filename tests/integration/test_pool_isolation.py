@@ -13,9 +13,9 @@ import os
 import numpy as np
 import pytest
 
-from gpulayer import shm
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
+from gpulayer.transport import shm
 from support import new_key
 
 pytestmark = pytest.mark.skipif(not shm.POOL_SUPPORTED, reason="the pool needs memfd, /proc and OFD locks")

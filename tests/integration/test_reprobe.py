@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer import serialization, wire
+from gpulayer import serialization
 from gpulayer.client import Client
 from gpulayer.errors import NoMatchingPeer
 from gpulayer.matching import Requirements
 from gpulayer.peer.reprobe import REPROBE_GAP_S
+from gpulayer.protocol import messages
 from support import authenticated, job_venv, new_key
 
 PROBING = "probing the job interpreter"  # the peer's log line for each new probe
@@ -111,11 +112,11 @@ def test_tasks_asking_for_what_is_missing_do_not_make_the_peer_probe_in_a_loop(p
     conn = authenticated(peer)
     try:
         for task_id in range(1, 21):  # back to back: they arrive while the first one's probe runs
-            conn.send(wire.submit(task_id, fn, serialization.dumps(((), {}))[0], absent, None, "marker_version"))
+            conn.send(messages.submit(task_id, fn, serialization.dumps(((), {}))[0], absent, None, "marker_version"))
         answers = [conn.recv(time.monotonic() + 60)[0] for _ in range(20)]
     finally:
         conn.close()
-    assert {(a["t"], a["code"]) for a in answers} == {(wire.REJECT, "no-match")}, answers
+    assert {(a["t"], a["code"]) for a in answers} == {(messages.REJECT, "no-match")}, answers
     assert all("gl-never-installed is not installed" in a["message"] for a in answers)
     probes = peer.log().count(PROBING) - before
     # one probe for the 20 (without the bound: 20); a second only if they outlasted REPROBE_GAP_S, 5x
@@ -128,14 +129,14 @@ def test_a_task_cancelled_while_the_peer_probes_is_dropped(peer):
     fn, args = serialization.dumps(marker_version)[0], serialization.dumps(((), {}))[0]
     conn = authenticated(peer)
     try:
-        conn.send(wire.submit(1, fn, args, lacking, None, "marker_version"))  # a name never looked for: a probe
-        conn.send(wire.cancel(1))
-        conn.send(wire.submit(2, fn, args, lacking, None, "marker_version"))  # answered after that probe
+        conn.send(messages.submit(1, fn, args, lacking, None, "marker_version"))  # a name never looked for: a probe
+        conn.send(messages.cancel(1))
+        conn.send(messages.submit(2, fn, args, lacking, None, "marker_version"))  # answered after that probe
         answers = []
         while not any(a.get("id") == 2 for a in answers):
             msg, _ = conn.recv(time.monotonic() + 60)
-            if msg["t"] in (wire.REJECT, wire.RESULT, wire.ERROR, wire.ACCEPT):
+            if msg["t"] in (messages.REJECT, messages.RESULT, messages.ERROR, messages.ACCEPT):
                 answers.append(msg)
     finally:
         conn.close()
-    assert [(a["t"], a["id"]) for a in answers] == [(wire.REJECT, 2)], answers  # nothing for the cancelled one
+    assert [(a["t"], a["id"]) for a in answers] == [(messages.REJECT, 2)], answers  # nothing for the cancelled one

@@ -9,10 +9,11 @@ import os
 import numpy as np
 import pytest
 
-from gpulayer import shm, wire
 from gpulayer.client import Client
 from gpulayer.errors import TaskRejected
 from gpulayer.matching import Requirements
+from gpulayer.protocol import messages
+from gpulayer.transport import shm
 from support import new_key, wait_until
 
 CPU = Requirements.build(accelerator="cpu")
@@ -73,7 +74,8 @@ def send_a_result_over_4_gib():
     import os
     import sys
 
-    from gpulayer import shm, wire
+    from gpulayer.protocol import messages
+    from gpulayer.transport import shm
 
     frame = sys._getframe()
     while frame.f_code.co_name != "main":  # the worker's loop: its connection and the message it runs
@@ -96,7 +98,7 @@ def test_a_peer_handed_a_frame_over_4_gib_answers_the_task_and_serves_on(peer, m
         assert info.value.code == "too-large" and "4 GiB" in str(info.value)
         wait_until(lambda: not segments_of(peer.pid, 5 << 30), 10)  # and it let go of the segment
         status = c.connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request
-        wait_until(lambda: status(wire.status_request(), 10)["devices"][0]["pid"] not in (None, worker), 30)
+        wait_until(lambda: status(messages.status_request(), 10)["devices"][0]["pid"] not in (None, worker), 30)
         assert c.submit(int, "7", req=CPU).result(30) == 7  # the connection and the peer serve on
         assert peer.alive()
     finally:

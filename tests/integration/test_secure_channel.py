@@ -26,10 +26,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from gpulayer import records, security, serialization, wire
+from gpulayer import security, serialization
 from gpulayer.client import Client
 from gpulayer.errors import GPULayerError, NoMatchingPeer, PeerLost, ProtocolError
 from gpulayer.matching import Requirements
+from gpulayer.protocol import framing, handshake, messages, records
+from gpulayer.transport import blocking
 from support import holds_for, new_key, wait_until
 
 ANY = Requirements.build()
@@ -106,7 +108,7 @@ def read_message(sock: socket.socket) -> dict:
 
 def frame(msg: dict) -> bytes:
     """A message as one frame, in clear, with this side's protocol version."""
-    return b"".join(wire.encode(dict(msg)))
+    return b"".join(framing.encode(dict(msg)))
 
 
 def random_record(size: int) -> bytes:
@@ -526,7 +528,7 @@ def rogue(variant: str, peer_marker: Path, submitter_marker: Path) -> Hook:
         # sealed under the best guess it has (the public cluster id) over the transcript it saw
         hello = msgpack.unpackb(pipe.units["p2c"][0][HEADER.size:], raw=False)
         auth = msgpack.unpackb(pipe.units["c2p"][0][HEADER.size:], raw=False)
-        proven = wire.transcript(hello, auth["nonce"], auth["client"])
+        proven = handshake.transcript(hello, auth["nonce"], auth["client"])
         to_peer, to_submitter = security.session_keys(hello["cluster"].encode(), proven, security.SUBMITTER)
         sealer = records.Sealer(to_peer if direction == "c2p" else to_submitter)
         return b"".join(sealer.seal([clear]))
@@ -535,9 +537,9 @@ def rogue(variant: str, peer_marker: Path, submitter_marker: Path) -> Hook:
         if direction == "p2c" or pipe.state:
             return  # nothing of the peer's reaches the submitter, nor more of the submitter's the peer
         pipe.state["done"] = True
-        submit = wire.submit(1, serialization.dumps(touch)[0], serialization.dumps(((str(peer_marker),), {}))[0],
-                             {}, None, "pwn")
-        result = {"t": wire.RESULT, "id": 1, "data": pickle.dumps(Bomb(str(submitter_marker)))}
+        submit = messages.submit(1, serialization.dumps(touch)[0], serialization.dumps(((str(peer_marker),), {}))[0],
+                                 {}, None, "pwn")
+        result = {"t": messages.RESULT, "id": 1, "data": pickle.dumps(Bomb(str(submitter_marker)))}
         # the submitter's forgery goes first: once the peer refuses its own, the relay's pipe closes
         pipe.send("p2c", forged(pipe, result, "p2c"))
         pipe.send("c2p", forged(pipe, submit, "c2p"))
@@ -578,7 +580,7 @@ def test_a_relay_without_the_key_runs_nothing_and_feeds_the_submitter_nothing(gu
 @pytest.fixture
 def dripper():
     """A fake peer that sends a HELLO one byte every 0.5 s: under any per-recv timeout, for minutes."""
-    hello = frame(wire.hello(security.new_nonce(), "dripper", "0" * 16, {"n": "dripper"}))
+    hello = frame(handshake.hello(security.new_nonce(), "dripper", "0" * 16, {"n": "dripper"}))
     greeter = Greeter(hello, interval=0.5)
     yield greeter
     greeter.close()
@@ -586,7 +588,7 @@ def dripper():
 
 def test_a_slow_drip_hello_never_blocks_placement_on_a_real_peer(guarded, dripper):
     peer, _ = guarded
-    bound = wire.HANDSHAKE_TIMEOUT + 2.0
+    bound = handshake.HANDSHAKE_TIMEOUT + 2.0
     both = Client(key=peer.key.encode(), peers=f"{dripper.address},{peer.address}", mdns=False, echo_output=False)
     try:
         future = both.submit(lambda: os.environ["GPULAYER_PEER_NAME"], req=ANY)
@@ -601,7 +603,7 @@ def test_a_slow_drip_hello_never_blocks_placement_on_a_real_peer(guarded, drippe
         # one deadline for the whole handshake: the dripper was cut off when it ran out, not after 150 s
         wait_until(lambda: all(c["closed"] for c in dripper.connections), 3)
         for conn in dripper.connections:
-            assert conn["closed"] - conn["accepted"] < wire.HANDSHAKE_TIMEOUT + 1.0
+            assert conn["closed"] - conn["accepted"] < handshake.HANDSHAKE_TIMEOUT + 1.0
             assert conn["sent"] < len(dripper.data)
         wait_until(lambda: "timed out" in alone.static_errors.get(dripper.address, ""), 3)
     finally:
@@ -619,12 +621,12 @@ def flood_once(peer, key: bytes) -> None:
     must be a protocol error) comes at once, and the connection is closed."""
     with socket.create_connection(("127.0.0.1", peer.port), timeout=10) as sock:
         hello = read_message(sock)
-        request, _ = wire.auth(hello, key, "flood")
-        sock.sendall(b"".join(wire.encode(request, [b""] * wire.MAX_BUFFERS)))
+        request, _ = handshake.auth(hello, key, "flood")
+        sock.sendall(b"".join(framing.encode(request, [b""] * framing.MAX_BUFFERS)))
         # at once, not at the peer's handshake timeout (5 s): the reply takes milliseconds; half that timeout bounds it
         sock.settimeout(FLOOD_REPLY_BOUND_S)
         reply = read_message(sock)
-        assert reply["t"] == wire.ERROR and reply["code"] == "protocol", reply
+        assert reply["t"] == messages.ERROR and reply["code"] == "protocol", reply
         assert "before authentication" in reply["message"]
         assert read_unit(sock) is None  # then the peer closes
 
@@ -655,8 +657,8 @@ def test_floods_held_open_at_once_cost_the_peer_little_each(guarded):
         for _ in range(200):
             sock = socket.create_connection(("127.0.0.1", peer.port), timeout=10)
             flood.append(sock)
-            request, _ = wire.auth(read_message(sock), key, "flood")
-            sock.sendall(b"".join(wire.encode(request, [b""] * wire.MAX_BUFFERS)))
+            request, _ = handshake.auth(read_message(sock), key, "flood")
+            sock.sendall(b"".join(framing.encode(request, [b""] * framing.MAX_BUFFERS)))
         assert read_message(flood[-1])["code"] == "protocol"
         grown = peer.rss() - before
     finally:
@@ -673,12 +675,12 @@ def test_a_version_1_submitter_gets_a_clear_version_error(guarded):
     peer, direct = guarded
     with socket.create_connection(("127.0.0.1", peer.port), timeout=10) as sock:
         hello = read_message(sock)
-        assert hello["t"] == wire.HELLO and hello["v"] == wire.PROTOCOL_VERSION == 2
-        old_auth = {"t": wire.AUTH, "v": 1, "nonce": os.urandom(32), "mac": os.urandom(32), "client": "v1"}
+        assert hello["t"] == messages.HELLO and hello["v"] == messages.PROTOCOL_VERSION == 2
+        old_auth = {"t": messages.AUTH, "v": 1, "nonce": os.urandom(32), "mac": os.urandom(32), "client": "v1"}
         body = msgpack.packb(old_auth)
         sock.sendall(HEADER.pack(len(body)) + body)
         reply = read_message(sock)
-        assert reply["t"] == wire.ERROR and reply["code"] == "version", reply
+        assert reply["t"] == messages.ERROR and reply["code"] == "version", reply
         assert "protocol version 1 is not supported" in reply["message"] and "speaks 2" in reply["message"]
         assert read_unit(sock) is None
     assert honest_call_works(direct)
@@ -687,13 +689,13 @@ def test_a_version_1_submitter_gets_a_clear_version_error(guarded):
 def test_a_version_1_message_inside_the_channel_gets_a_clear_version_error(guarded):
     peer, direct = guarded
     sock = socket.create_connection(("127.0.0.1", peer.port), timeout=10)
-    conn = wire.BlockingConnection(sock)
+    conn = blocking.BlockingConnection(sock)
     try:
-        wire.client_handshake(conn, peer.key.encode(), "v1-inside")
-        body = msgpack.packb({"t": wire.PING, "v": 1, "id": 7})
+        handshake.client_handshake(conn, peer.key.encode(), "v1-inside")
+        body = msgpack.packb({"t": messages.PING, "v": 1, "id": 7})
         sock.sendall(b"".join(conn._sealer.seal([HEADER.pack(len(body)) + body])))
         reply, _ = conn.recv(time.monotonic() + 10)
-        assert reply["t"] == wire.ERROR and reply["code"] == "version", reply
+        assert reply["t"] == messages.ERROR and reply["code"] == "version", reply
         assert "protocol version 1 is not supported" in reply["message"]
         with pytest.raises(ConnectionError):
             conn.recv(time.monotonic() + 10)
@@ -703,7 +705,7 @@ def test_a_version_1_message_inside_the_channel_gets_a_clear_version_error(guard
 
 
 def test_a_version_1_peer_is_named_in_the_submitters_error():
-    old_hello = msgpack.packb({"t": wire.HELLO, "v": 1, "nonce": os.urandom(32), "peer": "old", "cluster": "0",
+    old_hello = msgpack.packb({"t": messages.HELLO, "v": 1, "nonce": os.urandom(32), "peer": "old", "cluster": "0",
                                "advert": {}})
     old_peer = Greeter(HEADER.pack(len(old_hello)) + old_hello)
     client = Client(key=new_key().encode(), peers=old_peer.address, mdns=False, echo_output=False,

@@ -16,9 +16,11 @@ import psutil
 import pytest
 
 import gpulayer as gl
-from gpulayer import serialization, wire
+from gpulayer import serialization
 from gpulayer.errors import TaskTimeout
 from gpulayer.matching import Requirements
+from gpulayer.protocol import handshake, messages
+from gpulayer.transport import blocking
 from support import solo_peer, write_override
 
 TORCH_MPS = [{"name": "torch", "version": "2.13.0", "capabilities": ["torch.cpu", "torch.mps"]}]
@@ -123,16 +125,16 @@ def test_bad_env_is_refused_when_given(env, error, text):
 def test_the_peer_refuses_a_bad_env_itself(mac):
     """A submitter that skips the check (another implementation, a bug) gets bad-request for that task."""
     record = next(r for r in mac.directory.records() if r.advert.name == "mac")
-    conn = wire.BlockingConnection(socket.create_connection(record.addresses[0], timeout=30))
+    conn = blocking.BlockingConnection(socket.create_connection(record.addresses[0], timeout=30))
     try:
-        wire.client_handshake(conn, mac.key, "test")
-        msg = wire.submit(1, serialization.dumps(variable)[0], serialization.dumps(((TASK_VAR,), {}))[0],
-                          Requirements.build().to_wire(), None, "variable", {"GPULAYER_DEVICE_INDEX": "1"})
+        handshake.client_handshake(conn, mac.key, "test")
+        msg = messages.submit(1, serialization.dumps(variable)[0], serialization.dumps(((TASK_VAR,), {}))[0],
+                              Requirements.build().to_wire(), None, "variable", {"GPULAYER_DEVICE_INDEX": "1"})
         conn.send(msg)
         reply, _ = conn.recv()
     finally:
         conn.close()
-    assert (reply["t"], reply["code"]) == (wire.ERROR, "bad-request")
+    assert (reply["t"], reply["code"]) == (messages.ERROR, "bad-request")
     assert "the peer sets GPULAYER_DEVICE_INDEX" in reply["message"]
 
 

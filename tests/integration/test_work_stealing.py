@@ -10,9 +10,10 @@ import time
 
 import pytest
 
-from gpulayer import serialization, wire
+from gpulayer import serialization
 from gpulayer.client import Client
 from gpulayer.matching import Requirements
+from gpulayer.protocol import messages
 from support import authenticated, new_key, wait_until
 
 SLOWDOWN = "STEAL_SLOWDOWN"  # read by `nap`: how many times slower this peer's tasks run
@@ -47,7 +48,7 @@ def client_of(key: str) -> Client:
 
 
 def status(client: Client, peer) -> dict:
-    return client.connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request(wire.status_request(), 10)
+    return client.connection_to(peer.peer_id, [("127.0.0.1", peer.port)]).request(messages.status_request(), 10)
 
 
 def test_tasks_queued_on_a_slow_peer_move_to_a_free_one_and_run_once(key, peers, tmp_path):
@@ -85,8 +86,8 @@ def test_tasks_queued_on_a_slow_peer_move_to_a_free_one_and_run_once(key, peers,
 
 
 def submit(conn, task_id: int, path, seconds: float) -> None:
-    conn.send(wire.submit(task_id, serialization.dumps(nap)[0], serialization.dumps(((str(path), seconds), {}))[0],
-                          CPU.to_wire(), None, "nap"))
+    conn.send(messages.submit(task_id, serialization.dumps(nap)[0], serialization.dumps(((str(path), seconds), {}))[0],
+                              CPU.to_wire(), None, "nap"))
 
 
 def next_message(conn, kinds: tuple[str, ...], timeout: float = 10.0) -> dict:
@@ -105,18 +106,18 @@ def test_withdraw_takes_back_a_queued_task_only(peers, tmp_path):
     try:
         submit(conn, 1, tmp_path / "running", 0.5)
         submit(conn, 2, tmp_path / "queued", 0.0)
-        accept = next_message(conn, (wire.ACCEPT,))
+        accept = next_message(conn, (messages.ACCEPT,))
         assert accept["id"] == 2 and accept["w"] is True  # it waits, and may be withdrawn
-        conn.send(wire.withdraw(1))  # it runs already: nothing happens to it
-        conn.send(wire.withdraw(2))
-        reject = next_message(conn, (wire.REJECT, wire.RESULT))
-        assert reject["t"] == wire.REJECT and reject["id"] == 2 and reject["code"] == "withdrawn"
+        conn.send(messages.withdraw(1))  # it runs already: nothing happens to it
+        conn.send(messages.withdraw(2))
+        reject = next_message(conn, (messages.REJECT, messages.RESULT))
+        assert reject["t"] == messages.REJECT and reject["id"] == 2 and reject["code"] == "withdrawn"
         for hostile in (2, 3, "2", None, 2**63, -1, [1]):  # taken back already, unknown, or not an id at all
-            conn.send({"t": wire.WITHDRAW, "id": hostile})
-        result = next_message(conn, (wire.RESULT, wire.REJECT, wire.ERROR))
-        assert result["t"] == wire.RESULT and result["id"] == 1, result
-        conn.send(wire.ping())
-        assert next_message(conn, (wire.PONG,))["load"] == [0, 0]  # the connection and the peer live on
+            conn.send({"t": messages.WITHDRAW, "id": hostile})
+        result = next_message(conn, (messages.RESULT, messages.REJECT, messages.ERROR))
+        assert result["t"] == messages.RESULT and result["id"] == 1, result
+        conn.send(messages.ping())
+        assert next_message(conn, (messages.PONG,))["load"] == [0, 0]  # the connection and the peer live on
     finally:
         conn.close()
     assert (tmp_path / "running").read_text() == "quick\n"
@@ -128,17 +129,17 @@ def test_a_peer_with_a_free_slot_tells_the_other_contending_submitters(peers, tm
     first, second, watcher = (authenticated(quick, name) for name in ("first", "second", "watcher"))
 
     def busy() -> bool:
-        watcher.send(wire.ping())
-        return next_message(watcher, (wire.PONG,))["load"][0] == 1
+        watcher.send(messages.ping())
+        return next_message(watcher, (messages.PONG,))["load"][0] == 1
 
     try:
         submit(first, 1, tmp_path / "a", 0.3)
         wait_until(busy, 10)  # it started
         submit(second, 1, tmp_path / "b", 0.0)  # queued behind it: both contend for the slot
-        assert next_message(second, (wire.ACCEPT,))["id"] == 1
-        assert next_message(first, (wire.RESULT,))["id"] == 1
-        assert next_message(second, (wire.RESULT,))["id"] == 1  # then the slot is free, and nothing waits
-        notice = next_message(first, (wire.PONG,), timeout=5)
+        assert next_message(second, (messages.ACCEPT,))["id"] == 1
+        assert next_message(first, (messages.RESULT,))["id"] == 1
+        assert next_message(second, (messages.RESULT,))["id"] == 1  # then the slot is free, and nothing waits
+        notice = next_message(first, (messages.PONG,), timeout=5)
         assert notice.get("id") is None and notice["load"] == [0, 0]  # unasked: "a slot is free here"
     finally:
         for conn in (first, second, watcher):

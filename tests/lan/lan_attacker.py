@@ -37,8 +37,9 @@ from collections import Counter, defaultdict
 
 import msgpack
 
-from gpulayer import records, security, wire
+from gpulayer import security
 from gpulayer.errors import ProtocolError
+from gpulayer.protocol import framing, handshake, messages, records
 from gpulayer.resources.model import PROTOCOL_VERSION
 
 HEADER = struct.Struct(">I")
@@ -107,7 +108,7 @@ class Attacker:
         not open, or a frame the codec refuses, ends the reading with state "bad-records" or
         "bad-frames": the peer must never send either.
         """
-        reader = wire.MessageReader(1 << 22)
+        reader = framing.MessageReader(1 << 22)
         deadline = time.monotonic() + timeout
         state = "open"
         while True:
@@ -141,7 +142,7 @@ class Attacker:
 
     def hello(self, sock: socket.socket) -> dict:
         msgs, state = self.read(sock, 5, until_eof=False)
-        if not msgs or msgs[0].get("t") != wire.HELLO:
+        if not msgs or msgs[0].get("t") != messages.HELLO:
             raise RuntimeError(f"no HELLO from the peer ({state}): {msgs!r}")
         return msgs[0]
 
@@ -156,14 +157,14 @@ class Attacker:
         msgs, state = self.read(sock, timeout, opener=session.opener if session else None)
         sock.close()
         first = [m.get("t") for m in msgs]
-        while answered and msgs and msgs[0].get("t") == wire.PONG:
+        while answered and msgs and msgs[0].get("t") == messages.PONG:
             msgs, answered = msgs[1:], answered - 1
         kinds = [m.get("t") for m in msgs]
-        code = msgs[0].get("code") if msgs and msgs[0].get("t") == wire.ERROR else None
+        code = msgs[0].get("code") if msgs and msgs[0].get("t") == messages.ERROR else None
         self.stats[kind][f"{code or ','.join(kinds) or '-'}/{state}"] += 1
         if state in ("bad-records", "bad-frames"):
             self.violations.append(f"{kind}: the peer's reply did not open or decode ({state}) after {first}")
-        elif any(t in (wire.AUTH_OK, wire.RESULT, wire.ACCEPT, wire.LOG) for t in kinds):
+        elif any(t in (messages.AUTH_OK, messages.RESULT, messages.ACCEPT, messages.LOG) for t in kinds):
             self.violations.append(f"{kind}: the peer answered {kinds}")
         elif msgs and code not in codes:
             self.violations.append(f"{kind}: unexpected answer {msgs[0]!r} (allowed: {sorted(codes)})")
@@ -191,16 +192,16 @@ class Attacker:
     def authenticated(self) -> Session:
         """A connection that really authenticated (the attacker stole the key: only for post-auth input).
 
-        The protocol v2 handshake: AUTH proves the whole transcript (wire.auth), the peer's
+        The protocol v2 handshake: AUTH proves the whole transcript (handshake.auth), the peer's
         AUTH_OK must prove it too, and both sides then hold the session keys of this connection.
         """
         sock = self.connect()
         hello = self.hello(sock)
-        request, transcript = wire.auth(hello, self.key, "attacker", security.new_nonce())
+        request, transcript = handshake.auth(hello, self.key, "attacker", security.new_nonce())
         auth = message(**request)
         sock.sendall(auth)
         msgs, state = self.read(sock, 5, until_eof=False)  # AUTH_OK is the last frame in clear; nothing follows
-        if not msgs or msgs[0].get("t") != wire.AUTH_OK:
+        if not msgs or msgs[0].get("t") != messages.AUTH_OK:
             raise RuntimeError(f"the real key was refused: {msgs!r} {state}")
         if not security.proofs_equal(msgs[0].get("mac"), security.peer_proof(self.key, transcript)):
             self.violations.append("authenticated: AUTH_OK did not prove the transcript")
@@ -217,7 +218,7 @@ class Attacker:
         payload = self.rng.randbytes(size)
         sock.sendall(payload)
         (length,) = HEADER.unpack(payload[:4]) if size >= 4 else (None,)
-        if length is None or (length <= wire.PRE_AUTH_MAX_FRAME and size - 4 < length):
+        if length is None or (length <= framing.PRE_AUTH_MAX_FRAME and size - 4 < length):
             self.hold("random_bytes_incomplete", sock)  # an incomplete frame: the peer waits, then times out
         else:
             self.expect_refusal("random_bytes", sock, {"too-large", "protocol", "version", "auth"})
@@ -225,13 +226,13 @@ class Attacker:
     def random_frame(self) -> None:
         sock = self.connect()
         self.hello(sock)
-        sock.sendall(frame(self.rng.randbytes(self.rng.randint(0, wire.PRE_AUTH_MAX_FRAME))))
+        sock.sendall(frame(self.rng.randbytes(self.rng.randint(0, framing.PRE_AUTH_MAX_FRAME))))
         self.expect_refusal("random_frame", sock, {"protocol", "version", "auth"})
 
     def truncated(self) -> None:
         sock = self.connect()
         self.hello(sock)
-        whole = message(t=wire.AUTH, nonce=os.urandom(32), mac=os.urandom(32), client="x" * 30)
+        whole = message(t=messages.AUTH, nonce=os.urandom(32), mac=os.urandom(32), client="x" * 30)
         cut = self.rng.randint(1, len(whole) - 1)
         sock.sendall(whole[:cut])
         if self.rng.random() < 0.15:
@@ -243,7 +244,7 @@ class Attacker:
     def huge_length(self) -> None:
         sock = self.connect()
         self.hello(sock)
-        length = self.rng.choice([wire.PRE_AUTH_MAX_FRAME + 1, 1 << 20, 1 << 31, 0xFFFFFFFF])
+        length = self.rng.choice([framing.PRE_AUTH_MAX_FRAME + 1, 1 << 20, 1 << 31, 0xFFFFFFFF])
         sock.sendall(HEADER.pack(length) + self.rng.randbytes(self.rng.randint(0, 64)))
         self.expect_refusal("huge_length", sock, {"too-large"})
 
@@ -258,7 +259,7 @@ class Attacker:
         sock = self.connect()
         self.hello(sock)
         version = self.rng.choice([PROTOCOL_VERSION + 1, -1, "1", None, 2 ** 40])
-        sock.sendall(frame({"t": wire.AUTH, "v": version, "nonce": os.urandom(32), "mac": os.urandom(32)}))
+        sock.sendall(frame({"t": messages.AUTH, "v": version, "nonce": os.urandom(32), "mac": os.urandom(32)}))
         self.expect_refusal("wrong_version", sock, {"version"})
 
     def not_a_map(self) -> None:
@@ -271,22 +272,23 @@ class Attacker:
     def bad_buffer_count(self) -> None:
         sock = self.connect()
         self.hello(sock)
-        nb = self.rng.choice([-1, wire.MAX_BUFFERS + 1, 10 ** 9, "3", 2.5])
-        sock.sendall(message(t=wire.AUTH, nb=nb, nonce=os.urandom(32), mac=os.urandom(32)))
+        nb = self.rng.choice([-1, framing.MAX_BUFFERS + 1, 10 ** 9, "3", 2.5])
+        sock.sendall(message(t=messages.AUTH, nb=nb, nonce=os.urandom(32), mac=os.urandom(32)))
         self.expect_refusal("bad_buffer_count", sock, {"protocol", "auth"})
 
     def buffers_before_auth(self) -> None:
         """Out-of-band buffers before AUTH: refused at their message's header."""
         sock = self.connect()
         self.hello(sock)
-        sock.sendall(message(t=wire.SUBMIT, nb=4, id=1, fn=self.bomb, args=self.bomb)
+        sock.sendall(message(t=messages.SUBMIT, nb=4, id=1, fn=self.bomb, args=self.bomb)
                      + b"".join(frame(self.rng.randbytes(2000)) for _ in range(4)))
         self.expect_refusal("buffers_before_auth", sock, {"protocol", "auth"})
 
     def submit_before_auth(self) -> None:
         sock = self.connect()
         self.hello(sock)
-        kind = self.rng.choice([wire.SUBMIT, wire.STATUS, wire.PING, wire.CANCEL, wire.RESULT, wire.BYE])
+        kind = self.rng.choice([messages.SUBMIT, messages.STATUS, messages.PING, messages.CANCEL, messages.RESULT,
+                                messages.BYE])
         sock.sendall(message(t=kind, id=self.rng.randint(0, 2 ** 31), fn=self.bomb, args=self.bomb, req={},
                              data=self.bomb))
         self.expect_refusal(f"{kind}_before_auth", sock, {"auth"})
@@ -294,14 +296,14 @@ class Attacker:
     def bombs_in_auth(self) -> None:
         sock = self.connect()
         self.hello(sock)
-        sock.sendall(message(t=wire.AUTH, nonce=self.bomb[:32].ljust(32, b"\0"), mac=self.bomb, client=self.bomb))
+        sock.sendall(message(t=messages.AUTH, nonce=self.bomb[:32].ljust(32, b"\0"), mac=self.bomb, client=self.bomb))
         self.expect_refusal("bombs_in_auth", sock, {"auth"})
 
     def wrong_key(self) -> None:
         sock = self.connect()
         hello = self.hello(sock)
         key = self.rng.choice([b"wrong", self.key + b"x", self.key[:-1], b""])
-        request, _ = wire.auth(hello, key, "intruder", security.new_nonce())
+        request, _ = handshake.auth(hello, key, "intruder", security.new_nonce())
         sock.sendall(message(**request))
         self.expect_refusal("wrong_key", sock, {"auth"})
 
@@ -311,13 +313,13 @@ class Attacker:
         hello = self.hello(sock)
         choice = self.rng.randrange(4)
         if choice == 0:  # HELLO changed on the way (a relay advertising better resources)
-            request, _ = wire.auth({**hello, "advert": {**hello["advert"], "sl": "64"}}, self.key, "x")
+            request, _ = handshake.auth({**hello, "advert": {**hello["advert"], "sl": "64"}}, self.key, "x")
         elif choice == 1:  # another peer's id
-            request, _ = wire.auth({**hello, "peer": "someone-else"}, self.key, "x")
+            request, _ = handshake.auth({**hello, "peer": "someone-else"}, self.key, "x")
         elif choice == 2:  # another peer nonce (a HELLO of another connection)
-            request, _ = wire.auth({**hello, "nonce": security.new_nonce()}, self.key, "x")
+            request, _ = handshake.auth({**hello, "nonce": security.new_nonce()}, self.key, "x")
         else:  # the client name changed after the proof
-            request, _ = wire.auth(hello, self.key, "honest")
+            request, _ = handshake.auth(hello, self.key, "honest")
             request["client"] = "attacker"
         sock.sendall(message(**request))
         self.expect_refusal(f"spliced_auth_{choice}", sock, {"auth"})
@@ -347,7 +349,7 @@ class Attacker:
         elif choice == 2:
             data = message(t="frobnicate")
         elif choice == 3:  # a well-formed SUBMIT in clear, carrying bombs: what a relay would inject
-            data = message(t=wire.SUBMIT, id=1, fn=self.bomb, args=self.bomb, req={}, timeout=None, name="x")
+            data = message(t=messages.SUBMIT, id=1, fn=self.bomb, args=self.bomb, req={}, timeout=None, name="x")
         else:
             data = self.rng.randbytes(self.rng.choice([4, 20, 100]))
             data = HEADER.pack(self.rng.randint(0, 15)) + data  # shorter than a tag
@@ -365,14 +367,14 @@ class Attacker:
         elif choice == 2:
             data, codes = message(t="frobnicate"), {"protocol"}
         else:
-            data, codes = frame({"t": wire.PING, "v": self.rng.choice([1, PROTOCOL_VERSION + 1, None])}), {"version"}
+            data, codes = frame({"t": messages.PING, "v": self.rng.choice([1, PROTOCOL_VERSION + 1, None])}), {"version"}
         session.sock.sendall(session.seal(data))
         self.expect_refusal(f"post_auth_sealed_{choice}", session.sock, codes, session=session)
 
     def post_auth_bad_records(self) -> None:
         """Records that do not belong here: replayed, reordered, bit-flipped, reflected, of another connection."""
         session = self.authenticated()
-        ping = message(t=wire.PING, id=7)
+        ping = message(t=messages.PING, id=7)
         choice = self.rng.randrange(6)
         answered = 0
         if choice == 0:  # a record replayed: it opened once (a PONG may come), its counter is spent

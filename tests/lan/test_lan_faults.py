@@ -15,14 +15,14 @@ from pathlib import Path
 
 from lanlab import runs
 from support import wait_until
+from gpulayer.transport import sockets
 
-from gpulayer import wire
 
 LAN_PEERS = 3
 HEARTBEAT = 1.0
 # 3 silent intervals, plus up to one more for the heartbeat thread's tick, plus slack for a busy 2-CPU box
 DETECTION_BOUND = 4 * HEARTBEAT + 1.5
-UPLOAD_WAIT = wire.USER_TIMEOUT_MS / 1000 / 2  # 15 s: see the upload test
+UPLOAD_WAIT = sockets.USER_TIMEOUT_MS / 1000 / 2  # 15 s: see the upload test
 
 
 

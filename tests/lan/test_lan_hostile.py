@@ -23,9 +23,11 @@ from hypothesis import strategies as st
 from lanlab import HERE, BackgroundSampler, lan_env
 from support import built_or_refused, new_key, wait_until
 
-from gpulayer import security, wire
+from gpulayer import security
 from gpulayer.errors import GPULayerError, ProtocolError
+from gpulayer.protocol import framing, handshake, messages
 from gpulayer.resources.model import PROTOCOL_VERSION
+from gpulayer.transport import blocking
 
 LAN_PEERS = 1
 LAN_CONCURRENCY = 2
@@ -55,7 +57,7 @@ def no_unpickling(monkeypatch):
     assert not calls
 
 
-def feed_all(reader: wire.MessageReader, data: bytes, chunks: list[int]) -> list[dict]:
+def feed_all(reader: framing.MessageReader, data: bytes, chunks: list[int]) -> list[dict]:
     """Feed `data` in chunks of the given sizes (cycled); return the messages, or raise ProtocolError."""
     out = []
     pos, i = 0, 0
@@ -74,13 +76,13 @@ def feed_all(reader: wire.MessageReader, data: bytes, chunks: list[int]) -> list
 
 
 def valid_message(msg: dict) -> bool:
-    return isinstance(msg, dict) and msg.get("t") in wire.MESSAGE_TYPES and msg.get("v") == PROTOCOL_VERSION
+    return isinstance(msg, dict) and msg.get("t") in messages.MESSAGE_TYPES and msg.get("v") == PROTOCOL_VERSION
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=SLOW_OK)
 @given(data=st.binary(max_size=12_000), chunks=st.lists(st.integers(1, 5000), max_size=8))
 def test_any_bytes_before_auth_give_messages_or_a_protocol_error_and_nothing_else(no_unpickling, data, chunks):
-    reader = wire.MessageReader()  # the pre-auth limit
+    reader = framing.MessageReader()  # the pre-auth limit
     tracemalloc.start()
     try:
         try:
@@ -99,7 +101,7 @@ msgpack_leaves = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 
                   | st.text(max_size=40) | st.binary(max_size=40))
 msgpack_values = st.recursive(msgpack_leaves, lambda inner: st.lists(inner, max_size=4)
                               | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
-any_type = st.sampled_from(sorted(wire.MESSAGE_TYPES)) | st.text(max_size=12)
+any_type = st.sampled_from(sorted(messages.MESSAGE_TYPES)) | st.text(max_size=12)
 any_map = st.builds(lambda t, rest, v: {**rest, "t": t, "v": v}, any_type,
                     st.dictionaries(st.text(max_size=8), msgpack_values, max_size=5),
                     st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, PROTOCOL_VERSION + 1, None, "1"]))
@@ -125,7 +127,7 @@ def mutated_streams(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=SLOW_OK)
 @given(data=mutated_streams(), chunks=st.lists(st.integers(1, 64), max_size=6))
 def test_damaged_frames_give_valid_messages_or_a_protocol_error(no_unpickling, data, chunks):
-    reader = wire.MessageReader()
+    reader = framing.MessageReader()
     try:
         msgs = feed_all(reader, data, chunks)
     except ProtocolError:
@@ -142,8 +144,8 @@ HELLO_KEY = new_key().encode()
 def test_random_proofs_never_pass_auth(msg, nonce_s, mac, advert):
     """check_auth(AUTH, key, HELLO) with a proof that is not of this handshake (any nonce, any mac) fails."""
     key = HELLO_KEY
-    hello = wire.hello(os.urandom(32), "peer-1", security.cluster_id(key), advert)
-    assert wire.check_auth({**msg, "nonce": nonce_s, "mac": mac}, key, hello) is None
+    hello = handshake.hello(os.urandom(32), "peer-1", security.cluster_id(key), advert)
+    assert handshake.check_auth({**msg, "nonce": nonce_s, "mac": mac}, key, hello) is None
 
 
 @settings(max_examples=300, deadline=None)
@@ -153,21 +155,21 @@ def test_only_the_proof_of_this_whole_handshake_passes_auth(msg, nonce_s, client
     """check_auth(AUTH, key, HELLO): the right proof passes only for the HELLO it answered (its nonce, peer
     id and advert), its client name and the key, and gives the session keys."""
     key = HELLO_KEY
-    hello = wire.hello(os.urandom(32), "peer-1", security.cluster_id(key), advert)
-    request, transcript = wire.auth(hello, key, client, nonce_s)
+    hello = handshake.hello(os.urandom(32), "peer-1", security.cluster_id(key), advert)
+    request, transcript = handshake.auth(hello, key, client, nonce_s)
     good = {**msg, **request}  # any other fields the AUTH carries do not matter
-    checked = wire.check_auth(good, key, hello)
+    checked = handshake.check_auth(good, key, hello)
     assert checked is not None
     reply, (send_key, recv_key) = checked
-    assert reply["t"] == wire.AUTH_OK and reply["mac"] == security.peer_proof(key, transcript)
+    assert reply["t"] == messages.AUTH_OK and reply["mac"] == security.peer_proof(key, transcript)
     assert (recv_key, send_key) == security.session_keys(key, transcript, security.SUBMITTER)
     assert send_key != recv_key
     # a proof of this handshake fails every other one
-    assert wire.check_auth(good, key, {**hello, "nonce": os.urandom(32)}) is None  # replayed to another connection
-    assert wire.check_auth(good, key, {**hello, "peer": "peer-2"}) is None  # relayed to another peer
-    assert wire.check_auth(good, key, {**hello, "advert": {**advert, "sl": "64"}}) is None  # HELLO changed on the way
-    assert wire.check_auth({**good, "client": client + "x"}, key, hello) is None  # the client name changed
-    assert wire.check_auth(good, new_key().encode(), hello) is None  # another cluster's key
+    assert handshake.check_auth(good, key, {**hello, "nonce": os.urandom(32)}) is None  # replayed to another connection
+    assert handshake.check_auth(good, key, {**hello, "peer": "peer-2"}) is None  # relayed to another peer
+    assert handshake.check_auth(good, key, {**hello, "advert": {**advert, "sl": "64"}}) is None  # HELLO changed on the way
+    assert handshake.check_auth({**good, "client": client + "x"}, key, hello) is None  # the client name changed
+    assert handshake.check_auth(good, new_key().encode(), hello) is None  # another cluster's key
 
 
 @settings(max_examples=150, deadline=None)
@@ -194,7 +196,7 @@ def test_the_submitters_handshake_against_a_hostile_peer_fails_cleanly(replies, 
     thread.start()
     try:
         try:
-            wire.client_handshake(wire.BlockingConnection(ours), key, "me")
+            handshake.client_handshake(blocking.BlockingConnection(ours), key, "me")
         except (GPULayerError, ConnectionError, TimeoutError, socket.timeout):
             pass
         else:

@@ -1,6 +1,6 @@
-"""Unit tests of gpulayer.records: the secure channel's record layer (issue 9, item 1).
+"""Unit tests of gpulayer.protocol.records: the secure channel's record layer (issue 9, item 1).
 
-Round trips of many message shapes through Sealer -> Opener -> wire.MessageReader with arbitrary
+Round trips of many message shapes through Sealer -> Opener -> framing.MessageReader with arbitrary
 receive chunking, the record format itself, and the attacks of an on-path adversary without the
 session key: replay, reorder, drop, injection, bit flips anywhere, truncation, reflection (the
 wrong direction's key). Each must raise ChannelError and open nothing from the bad record on.
@@ -17,9 +17,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpulayer import records, security, wire
+from gpulayer import security
 from gpulayer.errors import ProtocolError
-from gpulayer.records import ChannelError, Opener, Sealer
+from gpulayer.protocol import framing, records
+from gpulayer.protocol.messages import RESULT
+from gpulayer.protocol.records import ChannelError, Opener, Sealer
 
 CLUSTER_KEY = b"0123456789abcdef" * 4
 TRANSCRIPT = security.handshake_transcript(2, b"p" * 32, b"s" * 32, "alpha", b"h" * 32, "client")
@@ -34,14 +36,14 @@ def payload(n: int, seed: int = 0) -> bytes:
 
 def messages(shapes) -> list[tuple[dict, list]]:
     """Messages numbered by "i", each with buffers of the given sizes."""
-    return [({"t": wire.RESULT, "i": i}, [payload(n, i * 31 + j) for j, n in enumerate(sizes)])
+    return [({"t": RESULT, "i": i}, [payload(n, i * 31 + j) for j, n in enumerate(sizes)])
             for i, sizes in enumerate(shapes)]
 
 
 def seal_all(sealer: Sealer, msgs, *, stream: bool = False) -> list[bytes]:
     out = []
     for msg, buffers in msgs:
-        parts = wire.encode(dict(msg), buffers)
+        parts = framing.encode(dict(msg), buffers)
         out.extend(bytes(r) for r in (sealer.stream(parts) if stream else sealer.seal(parts)))
     return out
 
@@ -58,7 +60,7 @@ def push(opener: Opener, data: bytes, chunks, sink) -> None:
         view = view[k:]
 
 
-class CountingReader(wire.MessageReader):
+class CountingReader(framing.MessageReader):
     """A MessageReader that counts the plaintext bytes it was given."""
 
     def __init__(self):
@@ -143,9 +145,9 @@ def test_byte_by_byte():
 
 def test_big_buffer_in_bounded_records_and_receive_views():
     big = payload(3 * records.RECORD_MAX + 12345)
-    sealed = [bytes(r) for r in Sealer(KEY).stream(wire.encode({"t": wire.RESULT, "i": 0}, [big]))]
+    sealed = [bytes(r) for r in Sealer(KEY).stream(framing.encode({"t": RESULT, "i": 0}, [big]))]
     assert max(len(r) for r in sealed) == records.RECORD_MAX + records.OVERHEAD
-    opener, reader = Opener(KEY), wire.MessageReader(1 << 30)
+    opener, reader = Opener(KEY), framing.MessageReader(1 << 30)
     for record in sealed:  # a big record is received on its own: the view ends where it ends
         view = opener.buffer()
         view[:4] = record[:4]
@@ -162,14 +164,14 @@ def test_the_receive_buffer_starts_small_and_grows_to_the_limit_only():
     sealer = Sealer(KEY)
     receiver = Receiver()
     receiver.opener = opener
-    receiver.receive(b"".join(bytes(r) for r in sealer.seal(wire.encode({"t": wire.RESULT, "i": 0}, [payload(1 << 20)]))))
+    receiver.receive(b"".join(bytes(r) for r in sealer.seal(framing.encode({"t": RESULT, "i": 0}, [payload(1 << 20)]))))
     assert len(opener._buf) <= records.RECORD_MAX + records.OVERHEAD
 
 
 # ---- the record format --------------------------------------------------------------------------------
 
 def test_a_small_message_is_one_record_of_one_aead_call():
-    parts = wire.encode({"t": wire.RESULT, "i": 1}, [b"x" * 1000, b"y" * 3000])
+    parts = framing.encode({"t": RESULT, "i": 1}, [b"x" * 1000, b"y" * 3000])
     sealer = Sealer(KEY)
     (record,) = sealer.seal(parts)
     plain = b"".join(bytes(p) for p in parts)
@@ -191,7 +193,7 @@ def test_the_counter_is_the_nonce_and_counts_records():
 
 def test_large_buffers_are_sealed_from_their_memory_in_pieces():
     buf = bytearray(payload(records.RECORD_MAX * 2 + 100))
-    parts = wire.encode({"t": wire.RESULT, "i": 0}, [buf, b"tail"])
+    parts = framing.encode({"t": RESULT, "i": 0}, [buf, b"tail"])
     sealed = Sealer(KEY).seal(parts)
     # [frame + header of buf], 2 full pieces of buf, [its last 100 bytes + header + "tail"]
     assert [len(r) - records.OVERHEAD for r in sealed] == [len(parts[0]) + 4, records.RECORD_MAX,
@@ -475,6 +477,7 @@ def test_a_worker_imports_nothing_of_cryptography():
     import subprocess
     import sys
 
-    code = "import sys, gpulayer.peer.worker; print('cryptography' in sys.modules or 'gpulayer.records' in sys.modules)"
+    code = ("import sys, gpulayer.peer.worker; "
+            "print('cryptography' in sys.modules or 'gpulayer.protocol.records' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpulayer import wire
+from gpulayer.protocol import messages
 from gpulayer.matching import Requirements
 from gpulayer.peer.scheduler_state import (
     IDLE_NOTICE_GAP_S, SPARE_IDLE_S, EndActor, Replace, RunAlone, SchedulerState, StopWorker, TellIdle, ToWorker)
@@ -46,7 +46,7 @@ def slots(count=1, device="cpu", memory_gb=None):
 
 
 def task(client_id=1, owner=ALICE, timeout=None, env=None, **req):
-    msg = {"t": wire.SUBMIT, "id": client_id, "fn": b"fn", "args": b"args", "name": f"f{client_id}"}
+    msg = {"t": messages.SUBMIT, "id": client_id, "fn": b"fn", "args": b"args", "name": f"f{client_id}"}
     if env:
         msg["env"] = env
     return TaskHolder(owner=owner, client_id=client_id, msg=msg, buffers=[b"buffer"],
@@ -54,7 +54,7 @@ def task(client_id=1, owner=ALICE, timeout=None, env=None, **req):
 
 
 def actor(client_id=7):
-    msg = {"t": wire.ACTOR, "id": client_id, "cls": b"cls", "args": b"args", "name": "Counter", "conc": 1}
+    msg = {"t": messages.ACTOR, "id": client_id, "cls": b"cls", "args": b"args", "name": "Counter", "conc": 1}
     return ActorHolder(owner=ALICE, client_id=client_id, msg=msg, buffers=[], req=Requirements.build(),
                        timeout=None, class_name="Counter")
 
@@ -71,7 +71,7 @@ def test_a_task_on_a_free_slot_starts_at_once_on_its_warm_worker():
     started, run = actions
     assert (started.holder, started.name, started.device) == (first, "f1", "cpu")
     assert run.worker is state.slots[0].worker and run.buffers == [b"buffer"]
-    assert run.msg == {"t": wire.SUBMIT, "id": 1, "fn": b"fn", "args": b"args", "owner": "alice"}
+    assert run.msg == {"t": messages.SUBMIT, "id": 1, "fn": b"fn", "args": b"args", "owner": "alice"}
     assert state.slots[0].task is first and first.msg is None  # the SUBMIT is not kept once sent
     assert (state.busy, state.queued, state.load()) == (1, 0, [1, 0])
 
@@ -81,11 +81,11 @@ def test_a_result_answers_once_frees_the_slot_and_starts_the_next_in_line():
     first, second = task(1), task(2)
     state.task_arrived(first, now=10.0)
     assert state.task_arrived(second, now=10.5) == [] and state.queued == 1
-    actions = state.task_replied(first, {"t": wire.RESULT, "id": 1}, [b"result"], now=12.25)
+    actions = state.task_replied(first, {"t": messages.RESULT, "id": 1}, [b"result"], now=12.25)
     assert kinds(actions) == ["StopTimer", "Answer", "Started", "Run"]
     answer = actions[1]
     assert answer.task is first and answer.buffers == [b"result"]
-    assert answer.reply == {"t": wire.RESULT, "id": 1, "ran": 2.25}
+    assert answer.reply == {"t": messages.RESULT, "id": 1, "ran": 2.25}
     assert actions[3].task is second and state.slots[0].task is second and state.tasks_done == 1
     # a second outcome of the same task (a late one) is not sent again
     assert state.cancel(first, "cancelled", "too late", notify=True, now=13.0) == []
@@ -95,7 +95,7 @@ def test_output_and_other_messages_of_a_worker_decide_nothing():
     state = SchedulerState(slots())
     first = task()
     state.task_arrived(first, now=0.0)
-    assert state.task_replied(first, {"t": wire.STATUS, "served": 3}, [], now=1.0) == []
+    assert state.task_replied(first, {"t": messages.STATUS, "served": 3}, [], now=1.0) == []
     assert state.slots[0].task is first
 
 
@@ -153,7 +153,7 @@ def test_a_variable_read_at_load_gets_a_bare_worker_of_its_own():
     assert fresh.one_off and alone.old is warm and state.slots[0].worker is None  # until the shell makes one
     state.slots[0].worker = Up()
     # its answer gives the slot a warm worker again
-    actions = state.task_replied(fresh, {"t": wire.RESULT, "id": 1}, [], now=1.0)
+    actions = state.task_replied(fresh, {"t": messages.RESULT, "id": 1}, [], now=1.0)
     assert kinds(actions) == ["StopTimer", "Replace", "Answer"]
     assert actions[1].why == "its task needed a worker of its own"
 
@@ -183,9 +183,9 @@ def test_an_actor_holds_its_slot_once_its_constructor_returned():
     state = SchedulerState(slots())
     creation = actor()
     started, alone = state.task_arrived(creation, now=0.0)
-    assert isinstance(alone, RunAlone) and alone.msg["t"] == wire.ACTOR and alone.msg["actor"] == creation.actor_id
+    assert isinstance(alone, RunAlone) and alone.msg["t"] == messages.ACTOR and alone.msg["actor"] == creation.actor_id
     state.slots[0].worker = own = Up()
-    reply = {"t": wire.RESULT, "id": 7}
+    reply = {"t": messages.RESULT, "id": 7}
     actions = state.task_replied(creation, reply, [], now=1.0)
     assert kinds(actions) == ["StopTimer", "GoLive", "Answer"]
     assert (actions[1].worker, actions[1].reply) == (own, reply)
@@ -199,7 +199,7 @@ def test_an_actor_whose_constructor_failed_leaves_the_slot_to_a_warm_worker():
     creation = actor()
     state.task_arrived(creation, now=0.0)
     state.slots[0].worker = own = Up()
-    actions = state.task_replied(creation, {"t": wire.ERROR, "id": 7, "code": "exception"}, [], now=1.0)
+    actions = state.task_replied(creation, {"t": messages.ERROR, "id": 7, "code": "exception"}, [], now=1.0)
     assert kinds(actions) == ["StopTimer", "Replace", "Answer"] and state.slots[0].task is None
     assert actions[1].old is own
 
@@ -214,7 +214,7 @@ def test_a_worker_that_dies_fails_its_task_or_ends_its_actor():
     creation = actor()
     state.task_arrived(creation, now=2.0)
     creation.slot.worker = Up()
-    state.task_replied(creation, {"t": wire.RESULT, "id": 7}, [], now=3.0)
+    state.task_replied(creation, {"t": messages.RESULT, "id": 7}, [], now=3.0)
     creation.actor = live = object()
     slot = creation.slot
     assert [(type(a), a.actor, a.reason) for a in state.worker_died(slot, 99, "exit code 1", now=4.0)] == [
@@ -230,11 +230,11 @@ def test_a_lease_takes_a_slot_only_when_nothing_waits_and_yields_it_to_the_queue
     worker = state.slots[0].worker
     waiting = task(1)
     actions = state.task_arrived(waiting, now=1.0)  # its slot would let a queued task start: asked to end
-    assert [(type(a), a.worker, a.msg) for a in actions] == [(ToWorker, worker, {"t": wire.LEASE_END})]
+    assert [(type(a), a.worker, a.msg) for a in actions] == [(ToWorker, worker, {"t": messages.LEASE_END})]
     assert state.task_arrived(task(2), now=1.0) == []  # asked once
     other = LeaseHolder(req=Requirements.build(), lease_id="cd", submitter=BOB.address, submitter_id="bob")
     assert state.lease(other, now=1.0) == "tasks wait in the queue"
-    actions = state.lease_reported(lease, {"t": wire.STATUS, "lease_end": True, "served": 5}, now=2.0)
+    actions = state.lease_reported(lease, {"t": messages.STATUS, "lease_end": True, "served": 5}, now=2.0)
     assert kinds(actions) == ["ToWorker", "Ended", "Started", "Run"] and actions[2].holder is waiting
     assert state.tasks_done == 5 and state.leases == {} and lease.answered
 
@@ -245,8 +245,8 @@ def test_only_the_lease_holder_cancels_a_task_on_its_lease():
     state.lease(lease, now=0.0)
     assert state.cancel_leased("ab", "mallory", 3) == [] and state.cancel_leased("zz", "bob", 3) == []
     [cancel] = state.cancel_leased("ab", "bob", 3)
-    assert cancel.msg == wire.cancel(3)
-    [replace] = [a for a in state.lease_reported(lease, {"t": wire.BYE, "kill": True, "reason": "timeout"}, now=1.0)
+    assert cancel.msg == messages.cancel(3)
+    [replace] = [a for a in state.lease_reported(lease, {"t": messages.BYE, "kill": True, "reason": "timeout"}, now=1.0)
                  if isinstance(a, Replace)]
     assert replace.why == "its leased task was stopped: timeout" and state.leases == {}
 
@@ -287,12 +287,12 @@ def test_other_contenders_hear_that_a_slot_is_free_at_most_once_a_gap():
     state.task_arrived(mine, now=0.0)
     state.task_arrived(theirs, now=0.0)
     assert state.submitters(now=0.0) == 2
-    actions = state.task_replied(mine, {"t": wire.RESULT, "id": 1}, [], now=1.0)
+    actions = state.task_replied(mine, {"t": messages.RESULT, "id": 1}, [], now=1.0)
     [tell] = [a for a in actions if isinstance(a, TellIdle)]
     assert tell.owners == frozenset({BOB})  # ALICE knows from her answer
     again = task(3, owner=ALICE)
     state.task_arrived(again, now=1.0)
-    actions = state.task_replied(again, {"t": wire.RESULT, "id": 3}, [], now=1.0 + IDLE_NOTICE_GAP_S / 2)
+    actions = state.task_replied(again, {"t": messages.RESULT, "id": 3}, [], now=1.0 + IDLE_NOTICE_GAP_S / 2)
     assert not any(isinstance(a, TellIdle) for a in actions)
 
 
@@ -302,4 +302,4 @@ def test_a_lease_counts_as_a_contending_submitter():
     state.lease(lease, now=0.0)
     state.task_arrived(task(1), now=0.0)
     assert state.submitters(now=0.5) == 2
-    assert state.report({"t": wire.PONG}, now=0.5) == {"t": wire.PONG, "load": [2, 0], "submitters": 2}
+    assert state.report({"t": messages.PONG}, now=0.5) == {"t": messages.PONG, "load": [2, 0], "submitters": 2}

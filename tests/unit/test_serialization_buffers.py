@@ -16,7 +16,8 @@ import warnings
 import numpy as np
 import pytest
 
-from gpulayer import serialization, wire
+from gpulayer import serialization
+from gpulayer.protocol import framing, messages
 from gpulayer.serialization import OUT_OF_BAND_MIN, dumps, loads
 
 torch = pytest.importorskip("torch")
@@ -180,8 +181,8 @@ def test_a_pickle_buffer_travels_out_of_band():
 def test_arrays_received_over_the_wire_are_writable(n_floats):
     arr = np.zeros(n_floats)
     data, buffers = dumps(arr)
-    stream = b"".join(bytes(p) for p in wire.encode({"t": wire.RESULT, "data": data}, buffers))
-    reader = wire.MessageReader(1 << 20)
+    stream = b"".join(bytes(p) for p in framing.encode({"t": messages.RESULT, "data": data}, buffers))
+    reader = framing.MessageReader(1 << 20)
     target = reader.buffer()
     target[:len(stream)] = stream
     reader.feed(len(stream))
@@ -194,8 +195,8 @@ def test_arrays_received_over_the_wire_are_writable(n_floats):
 def test_arrays_received_over_the_wire_small_or_big_are_writable(n_floats):
     arr = np.zeros(n_floats)
     data, buffers = dumps(arr)
-    parts = wire.encode({"t": wire.RESULT, "data": data}, buffers)
-    reader = wire.MessageReader(1 << 22)
+    parts = framing.encode({"t": messages.RESULT, "data": data}, buffers)
+    reader = framing.MessageReader(1 << 22)
     for part in parts:
         part = memoryview(part)
         while part.nbytes:

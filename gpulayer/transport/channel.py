@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
-from .. import records, wire
 from ..errors import ProtocolError
+from ..protocol import framing, messages, records
 
 _IOV = 64  # parts per sendmsg call
 _READS_PER_EVENT = 16  # then let other connections have a turn
@@ -30,7 +30,7 @@ OnClosed = Callable[[str, "ProtocolError | None"], None]  # why it closed; the e
 
 
 _DISCARD = memoryview(bytearray(1 << 16))  # where closing channels drop their input: one for all, on one loop
-_CLOSED_READER = wire.MessageReader()  # what a closed channel keeps: nothing is fed to it
+_CLOSED_READER = framing.MessageReader()  # what a closed channel keeps: nothing is fed to it
 
 
 def _ignore(*_args: Any) -> None:
@@ -43,7 +43,7 @@ class AsyncChannel:
     def __init__(self, sock: socket.socket, max_frame: int, on_message: OnMessage, on_closed: OnClosed):
         sock.setblocking(False)
         self.sock = sock
-        self.reader = wire.connection_reader(max_frame)
+        self.reader = framing.connection_reader(max_frame)
         self.closed = False
         self.on_message = on_message
         self.on_closed = on_closed
@@ -67,7 +67,7 @@ class AsyncChannel:
         """Seal what is written and open what is read from now on, with the post-auth message limit."""
         self._sealer, self._opener = records.Sealer(send_key), records.Opener(recv_key)
         self._keys = (send_key, recv_key)
-        self.reader.allow(wire.max_message_bytes())
+        self.reader.allow(framing.max_message_bytes())
         try:
             self._opener.feed_bytes_into(self.reader.take_unread(), self.reader)
         except ProtocolError as exc:
@@ -121,11 +121,11 @@ class AsyncChannel:
 
     # ---- writing ----------------------------------------------------------------------------------
 
-    def write(self, msg: wire.Outgoing, buffers: wire.Buffers = ()) -> None:
+    def write(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         """Queue a message and send as much as the socket takes now; never blocks."""
         if self.closed:
             return
-        parts = wire.encode(msg, buffers)
+        parts = framing.encode(msg, buffers)
         if self._sealer is None:
             self._queue(parts)
         else:

@@ -42,8 +42,9 @@ import threading
 import time
 import weakref
 from typing import Any, Iterable
+from ..protocol.framing import MAX_BUFFERS
 
-MAX_BUFFERS = 4096  # out-of-band buffers of one message, inline and by descriptor (wire checks frames against it)
+
 SHM_MIN = 1 << 20  # buffers this big travel by descriptor over a local link
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 MAX_FDS_PER_SEND = 250  # under the kernel's SCM_MAX_FD (253)

@@ -9,11 +9,11 @@ After the handshake, each direction of a connection carries records instead of b
 
 Each direction has its own key (`security.session_keys`), so a counter never repeats under a key
 and a record sent one way cannot be reflected back. The plaintext is a piece of the byte stream
-that `wire.encode` makes; records need not line up with frames. A `Sealer` turns parts into
+that `framing.encode` makes; records need not line up with frames. A `Sealer` turns parts into
 records: small parts are gathered into one record (a small message costs one AEAD call), large
 buffers are sealed straight from their memory in pieces of at most `RECORD_MAX` bytes, so that
 neither side holds more than a record or blocks its event loop for long. An `Opener` is fed
-ciphertext like `wire.MessageReader` (`buffer()`, then `feed(n)`) and gives back the plaintext,
+ciphertext like `framing.MessageReader` (`buffer()`, then `feed(n)`) and gives back the plaintext,
 or opens it straight into a MessageReader (`feed_into`).
 
 Any failure (a tag that does not verify, a length outside the limit, a counter at its end, a
@@ -29,7 +29,7 @@ from typing import Iterable, Iterator, NoReturn, Protocol, Union
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 AEAD = AESGCM  # chosen by bench/aead.py (ADR 0008): 2.3x ChaCha20-Poly1305 on small frames, 3.7x on 1 MiB here
 KEY_BYTES = 32
@@ -49,7 +49,7 @@ BytesLike = Union[bytes, bytearray, memoryview]
 
 
 class Reader(Protocol):
-    """Where plaintext goes: what `wire.MessageReader` offers."""
+    """Where plaintext goes: what `framing.MessageReader` offers."""
 
     def buffer(self) -> memoryview: ...
 
@@ -86,7 +86,7 @@ class Sealer:
         self._scratch: bytearray | None = None
 
     def seal(self, parts: Iterable[BytesLike]) -> list[bytearray]:
-        """The records of `parts` (bytes-like, e.g. what `wire.encode` returns), to send in this order.
+        """The records of `parts` (bytes-like, e.g. what `framing.encode` returns), to send in this order.
 
         Each record is a bytearray of its own. For large buffers prefer `stream`, which holds one
         record at a time.
@@ -228,7 +228,7 @@ class Opener:
         return pieces
 
     def feed_into(self, n: int, reader: Reader) -> int:
-        """Like `feed`, but each plaintext goes into `reader` (a `wire.MessageReader`); returns its bytes.
+        """Like `feed`, but each plaintext goes into `reader` (a `framing.MessageReader`); returns its bytes.
 
         A record is opened straight into the reader's buffer when it fits there, else copied in.
         The reader's ProtocolError on what the plaintext says propagates.
@@ -320,7 +320,7 @@ class Opener:
 
 
 def deliver(reader: Reader, data: BytesLike) -> None:
-    """Copy `data` into `reader` (anything with wire.MessageReader's `buffer()` and `feed(n)`)."""
+    """Copy `data` into `reader` (anything with framing.MessageReader's `buffer()` and `feed(n)`)."""
     view = _byte_view(data)
     while view:
         dest = reader.buffer()

@@ -1,0 +1,329 @@
+"""The message vocabulary: every message type, its TypedDict and builder, and its validator.
+
+A message is a msgpack map {"t": type, "v": version, ...} (framing.py carries it); docs/wire.md has the
+full table. A builder makes the map a sender passes to its connection; a validator (`check_*`) says what
+is wrong with one that was read, or None, and is the one check of that message wherever it is read
+(ADR 0015 names the messages still checked where they are handled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypedDict, Union
+
+from .. import held
+from ..checks import check_concurrency, check_timeout
+from ..taskenv import check_env, read_at_load
+
+PROTOCOL_VERSION = 2  # in every message ("v") and every advert ("ver"); bump on any incompatible change
+
+HELLO, AUTH, AUTH_OK = "hello", "auth", "auth_ok"
+SUBMIT, ACCEPT, REJECT = "submit", "accept", "reject"
+LOG, RESULT, ERROR, CANCEL = "log", "result", "error", "cancel"
+PING, PONG, STATUS, BYE = "ping", "pong", "status", "bye"
+ACTOR, CALL, CLOSE, ACTOR_END = "actor", "call", "close", "actor_end"  # actors (docs/actors.md)
+FETCH, RELEASE = "fetch", "release"  # held results (docs/data.md)
+LOCAL = "local"  # the peer's offer of a local link for shared memory (transport/shm.py, ADR 0009)
+WITHDRAW = "withdraw"  # the submitter takes back a task still queued on the peer (ADR 0011)
+DIRECT = "direct"  # the submitter asks that this connection be handed to an actor's worker (ADR 0012)
+LEASE, LEASE_END = "lease", "lease_end"  # a warm worker lent to one submitter's connection (ADR 0013)
+WAIT = "wait"  # a worker's task blocks on a future, or goes on: its slot is lent meanwhile (ADR 0014)
+MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
+                           CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
+                           LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END, WAIT})
+
+# The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
+# STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
+Message = dict[str, Any]  # any decoded message: check "t" before reading the rest
+
+
+class Envelope(TypedDict, total=False):
+    """The keys any message may carry; `encode` sets "v" and "nb"."""
+
+    v: int  # the protocol version
+    nb: int  # how many out-of-band buffer frames follow
+    fds: list[list[int]]  # [position, size] of the buffers that came first on the local link (shm.py)
+    id: int | None
+    load: list[int]
+    free: float  # on a GPU peer's replies: the most GB one task may take now on one device
+    submitters: int  # on the peer's replies: how many submitters contend for its slots (ADR 0011)
+    ran: float  # on a task's outcome: the seconds it ran (ADR 0011)
+    w: bool  # on an ACCEPT: the task is queued, and WITHDRAW may take it back until it starts (ADR 0011)
+
+
+class _SubmitOptions(TypedDict, total=False):
+    env: dict[str, str]  # the task's environment variables (check_env); omitted when there are none
+    keep: str  # keep the result on the peer under this id (held.new_result_id; docs/data.md)
+    refs: list[dict[str, Any]]  # the held results among its arguments (`ref` entries)
+
+
+class SubmitMessage(Envelope, _SubmitOptions):
+    t: str
+    fn: bytes  # the pickled function
+    args: bytes  # the pickled (args, kwargs), with "nb" out-of-band buffers after it
+    req: dict[str, Any]  # Requirements.to_wire()
+    timeout: float | None
+    name: str
+
+
+class ErrorMessage(Envelope, total=False):
+    t: str
+    code: str  # auth, protocol, too-large, version, bad-request, timeout, cancelled, exception, worker-died, ...
+    message: str
+    type: str  # for "exception": the qualified type name; "exc" the pickled exception, "tb" the traceback
+    exc: bytes | None
+    tb: str
+
+
+class RejectMessage(Envelope):
+    t: str
+    code: str  # busy, no-match, bad-request
+    message: str
+
+
+class LogMessage(Envelope):
+    t: str
+    stream: str  # "out" or "err"
+    data: bytes
+
+
+class HelloMessage(Envelope):
+    t: str
+    nonce: bytes
+    peer: str
+    cluster: str
+    advert: dict[str, str]
+
+
+# Union, not "|": a job interpreter may be a Python older than 3.10 (see docs/apple-silicon.md)
+Outgoing = Union[Message, Envelope]  # what the senders take: a typed message or a plain map
+Buffers = Union[list[Any], tuple[Any, ...]]  # out-of-band buffers: anything with the buffer protocol
+
+
+def submit(task_id: int, fn: bytes, args: bytes, req: dict[str, Any], timeout: float | None,
+           name: str, env: Mapping[str, str] | None = None, keep: str | None = None,
+           refs: list[dict[str, Any]] | None = None) -> SubmitMessage:
+    msg: SubmitMessage = {"t": SUBMIT, "id": task_id, "fn": fn, "args": args, "req": req, "timeout": timeout,
+                          "name": name}
+    if env:
+        msg["env"] = dict(env)
+    if keep is not None:
+        msg["keep"] = keep
+    if refs:
+        msg["refs"] = refs
+    return msg
+
+
+ACTOR_ID_HEX = 32  # an actor id: 16 random bytes in hex, unguessable
+
+
+def actor(task_id: int, cls: bytes, args: bytes, req: dict[str, Any], timeout: float | None, name: str,
+          concurrency: int, env: Mapping[str, str] | None = None) -> Message:
+    """Create an actor: like SUBMIT, with the pickled class in "cls" and its max_concurrency in "conc"."""
+    msg: Message = {"t": ACTOR, "id": task_id, "cls": cls, "args": args, "req": req, "timeout": timeout,
+                    "name": name, "conc": concurrency}
+    if env:
+        msg["env"] = dict(env)
+    return msg
+
+
+def call(call_id: int, actor_id: str, method: str, args: bytes, timeout: float | None) -> Message:
+    """Call a method of a live actor; answered like a task (LOG, RESULT, ERROR), matched by "id"."""
+    return {"t": CALL, "id": call_id, "actor": actor_id, "method": method, "args": args, "timeout": timeout}
+
+
+def direct(request_id: int, actor_id: str) -> Message:
+    """Ask, as the first message after AUTH_OK, that the connection go to the actor's worker (ADR 0012)."""
+    return {"t": DIRECT, "id": request_id, "actor": actor_id}
+
+
+BEAT_MIN, BEAT_MAX = 0.05, 60.0  # seconds between a leased worker's signs of life, at least and at most
+
+
+def lease(request_id: int, req: dict[str, Any], beat: float) -> Message:
+    """Ask, as the first message after AUTH_OK, that the connection go to a warm worker that runs this
+    submitter's tasks of requirements `req` until the lease ends, and that says it is alive every
+    `beat` seconds while a task runs (ADR 0013)."""
+    return {"t": LEASE, "id": request_id, "req": req, "beat": beat}
+
+
+def close(request_id: int, actor_id: str) -> Message:
+    return {"t": CLOSE, "id": request_id, "actor": actor_id}
+
+
+def actor_end(actor_id: str, code: str, reason: str, served: int, request_id: int | None = None) -> Message:
+    """The peer's word that an actor ended: code "closed" or "died", with the calls it answered."""
+    return {"t": ACTOR_END, "id": request_id, "actor": actor_id, "code": code, "message": reason, "served": served}
+
+
+def check_actor_id(value: Any) -> str | None:
+    """Why `value` is not an actor id (ACTOR_ID_HEX lowercase hex digits), or None."""
+    if not isinstance(value, str) or len(value) != ACTOR_ID_HEX or value.strip("0123456789abcdef"):
+        return f"an actor id is {ACTOR_ID_HEX} lowercase hex digits, not {printable(repr(value), 60)}"
+    return None
+
+
+def check_method(value: Any) -> str | None:
+    """Why `value` may not be called as an actor's method (an identifier, not a dunder), or None."""
+    if not isinstance(value, str) or not value.isidentifier() or value.startswith("__"):
+        return f"an actor method is an identifier not starting with '__', not {printable(repr(value), 60)}"
+    return None
+
+
+def check_call(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with a CALL's method, arguments or timeout, or None."""
+    problem = check_method(msg.get("method"))
+    if problem is None and not isinstance(msg.get("args"), bytes):
+        problem = "a CALL needs 'args' as a binary pickle"
+    return problem or _timeout_problem(msg.get("timeout"))
+
+
+def _timeout_problem(value: Any) -> str | None:
+    """Why `value` is not a task's or call's "timeout" (check_timeout), or None."""
+    try:
+        check_timeout(value)
+    except ValueError:
+        return f"bad timeout {printable(repr(value), 60)}: a positive, finite number of seconds or nil"
+    return None
+
+
+def _id_problem(what: str, task_id: Any) -> str | None:
+    """Why `task_id` is not the "id" of `what` (a message that starts a task: a positive integer), or None."""
+    if not isinstance(task_id, int) or isinstance(task_id, bool) or task_id < 1:
+        return f"{what} needs a positive integer 'id'"
+    return None
+
+
+def check_actor(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with an ACTOR (the creation of an actor), or None."""
+    problem = _id_problem("an ACTOR", msg.get("id"))
+    if problem is None and (not isinstance(msg.get("cls"), bytes) or not isinstance(msg.get("args"), bytes)):
+        problem = "an ACTOR needs 'cls' and 'args' as binary pickles"
+    if problem is None and not isinstance(msg.get("name"), str):
+        problem = "an ACTOR needs its class's 'name'"
+    if problem is None:
+        try:
+            check_concurrency(msg.get("conc"))
+        except ValueError as exc:
+            problem = str(exc)
+    return problem or _timeout_problem(msg.get("timeout"))
+
+
+MAX_REFS = 256  # held results one task may take as arguments
+MAX_REF_ADDRESSES = 8  # addresses of the peer holding one
+
+
+def check_result_id(value: Any) -> str | None:
+    """Why `value` is not a held result's id (RESULT_ID_HEX lowercase hex digits), or None."""
+    if not isinstance(value, str) or len(value) != held.RESULT_ID_HEX or value.strip("0123456789abcdef"):
+        return f"a result id is {held.RESULT_ID_HEX} lowercase hex digits, not {printable(repr(value), 60)}"
+    return None
+
+
+def ref(result_id: str, peer_id: str, addresses: list[tuple[str, int]]) -> dict[str, Any]:
+    """A SUBMIT's "refs" entry: a held result it takes as an argument, and the peer that holds it."""
+    return {"ref": result_id, "peer": peer_id, "at": [[host, port] for host, port in addresses]}
+
+
+def _address(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and len(value[0]) <= 255 \
+        and isinstance(value[1], int) and not isinstance(value[1], bool) and 0 < value[1] < 65536
+
+
+def check_refs(value: Any) -> str | None:
+    """Why a SUBMIT's "refs" is not a list of `ref` entries (at most MAX_REFS), or None."""
+    if not isinstance(value, list) or len(value) > MAX_REFS:
+        return f"'refs' must be a list of at most {MAX_REFS} held results"
+    for entry in value:
+        if not isinstance(entry, dict):
+            return "each of 'refs' must be a map with 'ref', 'peer' and 'at'"
+        problem = check_result_id(entry.get("ref"))
+        if problem is not None:
+            return problem
+        at = entry.get("at")
+        if not isinstance(entry.get("peer"), str) or not isinstance(at, list) \
+                or not 0 < len(at) <= MAX_REF_ADDRESSES or not all(_address(a) for a in at):
+            return f"a held result's 'peer' is its peer id and 'at' 1 to {MAX_REF_ADDRESSES} [host, port] pairs"
+    return None
+
+
+def check_submit(msg: Mapping[str, Any], leased: bool = False) -> str | None:
+    """What is wrong with a SUBMIT, or None: the peer asks it at admission, a leased worker (`leased`) before
+    it runs the task; then it must also be one that a lease runs (`lease_refusal`). The scheduler checks
+    `env` of what goes through the peer (an ACTOR's too)."""
+    problem = _id_problem("a SUBMIT", msg.get("id"))
+    if problem is None and (not isinstance(msg.get("fn"), bytes) or not isinstance(msg.get("args"), bytes)):
+        problem = "a SUBMIT needs 'fn' and 'args' as binary pickles"
+    problem = problem or _timeout_problem(msg.get("timeout"))
+    if problem is None and "keep" in msg and (problem := check_result_id(msg["keep"])) is not None:
+        problem = f"bad 'keep': {problem}"
+    if problem is None and "refs" in msg:
+        problem = check_refs(msg["refs"])
+    if problem is None and leased:
+        problem = lease_refusal(msg)
+    return problem
+
+
+def lease_refusal(msg: Mapping[str, Any]) -> str | None:
+    """Why a SUBMIT goes through the peer rather than on a lease (ADR 0013), or None: a task that keeps its
+    result or takes held ones (the peer holds and fetches them), or whose `env` needs a fresh worker. The
+    leased worker refuses such a SUBMIT with it; the submitter asks it before it sends a task there."""
+    if msg.get("keep") is not None or msg.get("refs"):
+        return "a task that keeps its result or takes held ones goes through the peer, not on a lease"
+    try:
+        env = check_env(msg.get("env"))
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if any(read_at_load(name) for name in env):
+        return "a task whose env needs a fresh worker goes through the peer, not on a lease"
+    return None
+
+
+def fetch(request_id: int, result_id: str, owner: str | None = None) -> Message:
+    """Ask for a held result; answered with a RESULT (its pickle and buffers) or ERROR "no-result".
+
+    A peer fetching for a task names the submitter that owns the result in "for"."""
+    msg: Message = {"t": FETCH, "id": request_id, "ref": result_id}
+    if owner is not None:
+        msg["for"] = owner
+    return msg
+
+
+def release(result_id: str) -> Message:
+    """The submitter no longer needs a held result: its peer frees it (no answer)."""
+    return {"t": RELEASE, "ref": result_id}
+
+
+def reject(task_id: int | None, code: str, message: str) -> RejectMessage:
+    return {"t": REJECT, "id": task_id, "code": code, "message": message}
+
+
+def log(task_id: int, stream: str, data: bytes) -> LogMessage:
+    return {"t": LOG, "id": task_id, "stream": stream, "data": data}
+
+
+def cancel(task_id: int) -> Message:
+    return {"t": CANCEL, "id": task_id}
+
+
+def withdraw(task_id: int) -> Message:
+    """Take back a queued task: REJECT "withdrawn" if it had not started, else nothing (it runs)."""
+    return {"t": WITHDRAW, "id": task_id}
+
+
+def ping() -> Message:
+    return {"t": PING}
+
+
+def status_request() -> Message:
+    return {"t": STATUS}
+
+
+def error(code: str, message: str, task_id: int | None = None) -> ErrorMessage:
+    return {"t": ERROR, "id": task_id, "code": code, "message": message}
+
+
+def printable(value: object, limit: int = 200) -> str:
+    """Peer-supplied text fit for a terminal: no control characters, at most `limit` characters."""
+    return "".join(ch for ch in str(value) if ch.isprintable())[:limit]
+
