@@ -7,15 +7,16 @@ The API is loaded on first use, so that workers and `gpulayer.torch` import this
 without the discovery stack.
 """
 
-from .errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError,
-                     RemoteError, TaskRejected, TaskTimeout, WaitCycle, WorkerDied)
+from . import distributed  # gl.distributed.init() inside a gang's rank (torch and MLX load only then)
+from .errors import (ActorDied, AuthError, ConfigError, GangFailed, GPULayerError, NoMatchingPeer, PeerLost,
+                     ProtocolError, RemoteError, TaskRejected, TaskTimeout, WaitCycle, WorkerDied)
 from .taskenv import task_folder
 
 __version__ = "0.1.0"
 _API = ("run", "submit", "map", "options", "remote", "peers", "device", "actors", "configure", "default_client",
-        "RemoteFunction", "ActorClass", "Options")
+        "RemoteFunction", "ActorClass", "Options", "submit_job", "job", "jobs")
 
-__all__ = [*_API, "ActorDied", "AuthError", "ConfigError", "GPULayerError", "NoMatchingPeer", "PeerLost",
+__all__ = [*_API, "ActorDied", "AuthError", "ConfigError", "GangFailed", "GPULayerError", "NoMatchingPeer", "PeerLost",
            "ProtocolError", "RemoteError", "TaskRejected", "TaskTimeout", "WaitCycle", "WorkerDied", "task_folder"]
 
 

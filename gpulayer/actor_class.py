@@ -45,6 +45,8 @@ class ActorClass:
         self.__gpulayer_class__ = cls
         self._options = options
         self._parsed = TaskOptions.parse({k: v for k, v in options.items() if k not in ACTOR_OPTIONS})
+        if self._parsed.nodes is not None:
+            raise ValueError("nodes= makes a gang of a function's ranks (gl.run(fn, nodes=N)), not of an actor")
         self._concurrency = check_concurrency(options.get("max_concurrency", 1))
         self._restarts = check_restarts(options.get("restarts", 0))
         functools.update_wrapper(self, cls, updated=())

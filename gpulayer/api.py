@@ -12,16 +12,32 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .actor_class import ActorClass
 from .runtime import configure as configure, default_client as default_client, shutdown as shutdown
+from .errors import ConfigError
 from .task_options import TaskOptions, check_arguments, no_keep, split_call
+
+if TYPE_CHECKING:
+    from .client.jobs import Job, Jobs as JobsApi
 
 
 def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> Future[Any]:
+    if options.nodes is not None:  # a gang: its future's result is the ranks' results (docs/gangs.md)
+        return _gang(fn, args, kwargs, options)
     return default_client().submit(fn, args, kwargs, req=options.requirements, timeout=options.timeout,
                                    retries=options.retries, env=options.env, keep=options.keep)
+
+
+def _gang(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> Future[Any]:
+    backend = default_client()
+    submit_gang = getattr(backend, "submit_gang", None)
+    if submit_gang is None:
+        raise ConfigError("a gang (nodes=) runs on the LAN's peers; this backend has no gangs")
+    future: Future[Any] = submit_gang(fn, args, kwargs, req=options.requirements, nodes=options.nodes,
+                                      timeout=options.timeout, retries=options.retries, env=options.env)
+    return future
 
 
 def _map(fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], progress: bool | None,
@@ -29,6 +45,8 @@ def _map(fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], progress:
     if not iterables:
         raise TypeError("map() needs at least one iterable")
     no_keep(options, "gl.map()")
+    if options.nodes is not None:
+        raise ValueError("nodes= makes a gang of one call: use gl.run or gl.submit, not gl.map")
     calls = list(zip(*iterables))
     if calls:
         check_arguments(fn, calls[0], {})  # a wrong count fails here, not on every peer
@@ -36,7 +54,7 @@ def _map(fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], progress:
                                 retries=options.retries, env=options.env, progress=progress)
 
 
-def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
+def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any] | Job:
     """Run fn(*args, **kwargs) on a matching peer; returns a concurrent.futures.Future.
 
     Keyword arguments named like a task option are task options; the others go to fn. The call is
@@ -46,11 +64,20 @@ def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
     from peer to peer, not through here (docs/data.md).
 
     Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
-    (what the peer must offer); timeout, retries, env, keep (how the task runs). A function that
+    (what the peer must offer); timeout, retries, env, keep, nodes (how the task runs; nodes=N: a gang
+    of N ranks on N peers, whose future's result is their results in rank order). A function that
     takes one of these names itself is called with `gl.options(...).submit(fn, ...)`, where
     every keyword goes to fn.
+
+    With detach=True the call runs as a job (docs/jobs.md): it goes on when this process ends, and
+    the `Job` returned gives its result later, from any process (`gl.job(job.id).result()`).
     """
+    detach = kwargs.pop("detach", False)
     options, kwargs = split_call(fn, args, kwargs)
+    if detach:
+        no_keep(options, "gl.submit(..., detach=True)")
+        return _jobs().submit_function(fn, args, kwargs, options.requirements, timeout=options.timeout,
+                                       retries=options.retries, env=options.env)
     return _submit(fn, args, kwargs, options)
 
 
@@ -58,7 +85,8 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run fn(*args, **kwargs) on a matching peer and return its result (or raise its exception).
 
     Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
-    (what the peer must offer); timeout, retries, env (how the task runs). The other keywords go
+    (what the peer must offer); timeout, retries, env, nodes (how the task runs; nodes=N runs fn as a
+    gang of N ranks on N distinct peers and returns their results in rank order, docs/gangs.md). The other keywords go
     to fn; the call is checked against fn's signature before anything is sent, and a keyword
     that fn also takes is refused as ambiguous: `gl.options(timeout=5).run(fn, ..., timeout=...)`
     gives the task option and fn's own argument apart.
@@ -154,6 +182,44 @@ def _remote(obj: Any, options: dict[str, Any]) -> RemoteFunction | ActorClass:
 def actors() -> list[dict[str, Any]]:
     """This submitter's live actors (actor id, class, peer, address, slot, calls served, calls pending)."""
     return default_client().live_actors()
+
+
+def _jobs() -> JobsApi:
+    """The jobs of the process-wide backend's cluster (client/jobs.py)."""
+    from .client.jobs import Jobs
+
+    return Jobs(default_client())
+
+
+def submit_job(command: list[str] | str, working_dir: str | None = ".", *, excludes: Iterable[str] = (),
+               name: str = "", limit_mb: int | None = None, **options: Any) -> Job:
+    """Run `command` (a list of arguments, or one string split as a shell would) as a job on a matching
+    peer, in a copy of `working_dir` (honouring .gitignore and `excludes`); returns its `Job` once a peer
+    has recorded it. The job goes on when this process ends (docs/jobs.md).
+
+    Options as for tasks: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
+    (what the peer must offer), timeout, retries, env.
+    """
+    import shlex
+
+    parsed = TaskOptions.parse(options)
+    no_keep(parsed, "gl.submit_job()")
+    argv = shlex.split(command) if isinstance(command, str) else list(command)
+    if not argv:
+        raise ValueError("a job needs a command")
+    return _jobs().submit(argv, working_dir, parsed.requirements, excludes=tuple(excludes), name=name,
+                          env=parsed.env, timeout=parsed.timeout, retries=parsed.retries,
+                          limit_bytes=(limit_mb << 20) if limit_mb is not None else None)
+
+
+def job(job_id: str) -> Job:
+    """The job of that id, from any process of any machine of the cluster: its state, logs, result."""
+    return _jobs().job(job_id)
+
+
+def jobs(all: bool = False) -> list[dict[str, Any]]:
+    """Every job that the cluster's peers know (each peer is asked): the last day's, or `all`."""
+    return _jobs().rows(include_old=all)
 
 
 def peers(wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]:

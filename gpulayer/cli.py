@@ -1,4 +1,5 @@
-"""`gpulayer`: resources detect | peers | join | ray-node | demo | bench | dashboard | key init | key id."""
+"""`gpulayer`: resources detect | peers | join | invite | ray-node | demo | bench | dashboard | key init | key id,
+and the job commands (jobs_cli.py): submit | jobs | logs | wait | stop | fetch | rm."""
 
 from __future__ import annotations
 
@@ -72,6 +73,42 @@ def _join(args) -> int:
     return run(args)
 
 
+def _invite(args) -> int:
+    from . import api, invite
+    from .discovery import advertised_addresses
+
+    client = api.default_client()
+    if getattr(client, "directory", None) is None:
+        raise ConfigError("invite codes need GPUlayer's own peers (the Ray backend has none)")
+    client.peers(wait=args.wait, probe=False)
+    records = client.directory.records()
+    if args.peer:
+        chosen = [r for r in records if args.peer in (r.advert.name, r.advert.peer_id)]
+    else:  # the peer of this machine
+        here = set(advertised_addresses(None)) | {"127.0.0.1"}
+        chosen = [r for r in records if any(host in here for host, _ in r.addresses)]
+    if not chosen:
+        raise ConfigError(f"no peer {'named ' + repr(args.peer) if args.peer else 'of this machine'} was found "
+                          "(`gpulayer peers` lists them; name one with --peer)")
+    record = chosen[0]
+    reply = invite.request(client.key, record.addresses[0], args.ttl, args.uses)
+    code = reply["code"]
+    print(f"invite code: {code}  (peer {record.advert.name} at {record.address}; valid {args.ttl:.0f} s, "
+          f"{reply['uses']} use{'s' if reply['uses'] > 1 else ''})")
+    print(f"on the new machine: gpulayer join --invite {code}")
+    print(f"where mDNS does not reach:  gpulayer join --invite {code} --seed {record.address}")
+    return 0
+
+
+def _ttl(text: str) -> float:
+    from .invite import parse_ttl
+
+    try:
+        return parse_ttl(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _key_id(args) -> int:
     from .security import cluster_id, load_key
 
@@ -118,6 +155,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from .benchmark import add_arguments as add_bench_arguments
+    from .jobs_cli import add_commands as add_job_commands
     from .peer.__main__ import add_arguments
 
     parser = argparse.ArgumentParser(prog="gpulayer", description="Peer-to-peer scheduler for the GPUs on a LAN.")
@@ -140,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     join = sub.add_parser("join", help="run this machine's peer (same as python -m gpulayer.peer)")
     add_arguments(join)
     join.set_defaults(func=_join)
+
+    invite = sub.add_parser("invite", help="print a short code with which a new machine joins (gpulayer join --invite)")
+    invite.add_argument("--ttl", type=_ttl, default=600.0, help="how long the code is valid: 90s, 10m, 2h (default "
+                                                                "10m, at most 24h)")
+    invite.add_argument("--uses", type=int, default=1, help="machines that may join with it (default 1)")
+    invite.add_argument("--peer", default=None, help="the peer that serves the code, by name or id (default: the "
+                                                     "peer of this machine)")
+    invite.add_argument("--wait", type=float, default=None, help="seconds to listen for mDNS answers (default 1.5)")
+    invite.set_defaults(func=_invite)
 
     demo = sub.add_parser("demo", help="start a local peer on loopback and run real tasks on it")
     demo.add_argument("--tasks", type=int, default=16, help="items in the demo gl.map")
@@ -183,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     key_id.add_argument("--key-file", default=None, help="the key file (default: GPULAYER_KEY, else "
                                                          "~/.config/gpulayer/key)")
     key_id.set_defaults(func=_key_id)
+    add_job_commands(sub)
     return parser
 
 

@@ -10,23 +10,28 @@ listed for up to about 19 minutes, so liveness is the client's job.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
 import logging
 import os
 import secrets
 import selectors
 import socket
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ifaddr
-from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, InterfaceChoice, IPVersion,
-                      ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf)
+import zeroconf._core as zeroconf_core
+import zeroconf._utils.net as zeroconf_net
+from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, DNSRecord, InterfaceChoice, IPVersion,
+                      ServiceBrowser, ServiceInfo, ServiceListener, ServiceStateChange, Zeroconf)
 
 from .errors import ConfigError
 from .resources.model import TXT_VALUE_MAX, Advert
@@ -38,6 +43,7 @@ INTERFACES_ENV = "GPULAYER_INTERFACES"
 PEERS_ENV = "GPULAYER_PEERS"
 CACHE_ENV = "GPULAYER_CACHE"
 _MDNS_GROUP = "224.0.0.251"
+_MDNS_PORT = 5353
 _TYPE_PTR, _CLASS_IN = 12, 1
 MAX_RECORDS = 1024  # unverified claims a directory holds at most
 MAX_CLAIMS = 8  # unverified claims to one peer id at most (each costs a handshake when the peer is needed)
@@ -45,6 +51,10 @@ LABEL_MAX = 63  # bytes in one DNS label (RFC 1035): a peer's mDNS instance name
 MAX_LOOKUPS = 32  # mDNS service-info look-ups outstanding at once; more names wait for the next announcement
 LOOKUP_TIMEOUT_MS = 1500
 MAX_FOREIGN = 256  # peers of other clusters counted at most (their ids only)
+AGE_OUT = 10.0  # seconds after its last verification anywhere that gossip drops a peer (ADR 0017)
+MAX_LIST = 256  # entries of one gossiped list, sent or taken
+MAX_ADDRESSES = 8  # addresses of one entry
+Address = tuple[str, int]
 
 
 def configured_interfaces(interfaces: list[str] | None = None) -> list[str] | None:
@@ -56,10 +66,79 @@ def configured_interfaces(interfaces: list[str] | None = None) -> list[str] | No
 
 
 def _zeroconf(interfaces: list[str] | None) -> Zeroconf:
-    """A Zeroconf on its own thread, even when called from inside a running event loop."""
+    """A Zeroconf on its own thread, even when called from inside a running event loop, with its
+    sockets bound to the mDNS group where the system allows it (`group_sockets`)."""
     choice = interfaces if interfaces else InterfaceChoice.All
+
+    def make() -> Zeroconf:
+        if not GROUP_BOUND:
+            return Responder(interfaces=choice, ip_version=IPVersion.V4Only)
+        with _SOCKETS_LOCK:  # zeroconf looks its socket factory up by name when it starts
+            setattr(zeroconf_core, "create_sockets", group_sockets)
+            try:
+                return Responder(interfaces=choice, ip_version=IPVersion.V4Only)
+            finally:
+                setattr(zeroconf_core, "create_sockets", zeroconf_net.create_sockets)
+
     with ThreadPoolExecutor(1) as pool:  # no event loop runs there, so zeroconf starts its own thread
-        return pool.submit(Zeroconf, interfaces=choice, ip_version=IPVersion.V4Only).result()
+        return pool.submit(make).result()
+
+
+LEGACY_UNICAST_TTL = 10  # seconds at most in an answer to a query from a port other than 5353 (RFC 6762 6.7)
+
+
+class Responder(Zeroconf):
+    """zeroconf's Zeroconf, whose answers to legacy unicast queries (sent from a port other than 5353,
+    as `dig` and our own `query_now` do) carry TTLs of at most LEGACY_UNICAST_TTL: such a querier is
+    no full mDNS resolver, and would keep a record for an hour (RFC 6762 section 6.7)."""
+
+    def async_send(self, out: DNSOutgoing, addr: str | None = None, port: int = _MDNS_PORT,
+                   v6_flow_scope: tuple[()] | tuple[int, int] = (),
+                   transport: Any = None) -> None:
+        if addr is not None and port != _MDNS_PORT:
+            out.answers = [(_capped(record), when) for record, when in out.answers]
+            out.additionals = [_capped(record) for record in out.additionals]
+        super().async_send(out, addr, port, v6_flow_scope, transport)
+
+
+def _capped(record: DNSRecord) -> DNSRecord:
+    """The record, or a copy of it with a TTL of LEGACY_UNICAST_TTL when its own is longer."""
+    if record.ttl <= LEGACY_UNICAST_TTL:
+        return record
+    capped = copy.copy(record)  # the registry's record keeps its TTL for multicast answers
+    capped.ttl = LEGACY_UNICAST_TTL
+    return capped
+
+
+GROUP_BOUND = sys.platform.startswith(("linux", "darwin"))  # systems that bind a socket to a multicast group
+_SOCKETS_LOCK = threading.Lock()
+_IP_MULTICAST_ALL = 49  # Linux: deliver to a socket only the groups it joined itself (0)
+
+
+def group_sockets(interfaces: zeroconf_net.InterfacesType, unicast: bool, ip_version: IPVersion,
+                  apple_p2p: bool = False) -> tuple[socket.socket | None, list[socket.socket]]:
+    """zeroconf's sockets (`create_sockets`), bound to 224.0.0.251:5353 instead of the wildcard and
+    each interface's address: they receive what is sent to the mDNS group and nothing sent to this
+    host's own addresses, so that unicast queries to port 5353 (RFC 6762 section 6.7; `dig -p 5353
+    @HOST`) reach the system's responder (avahi, mDNSResponder), which binds the wildcard. Bound to a
+    group, a socket sends from the address of the interface that IP_MULTICAST_IF picks, from port
+    5353. The listen socket joins the group on every interface; each interface's responder only sends."""
+    listen = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP,), ip_version=IPVersion.V4Only, apple_p2p=apple_p2p)
+    if listen is None:
+        return zeroconf_net.create_sockets(interfaces, unicast, ip_version, apple_p2p)
+    responders = []
+    for interface in zeroconf_net.normalize_interface_choice(interfaces, IPVersion.V4Only):
+        if not zeroconf_net.add_multicast_member(listen, interface):
+            continue
+        sock = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP,), ip_version=IPVersion.V4Only, apple_p2p=apple_p2p)
+        if sock is None:
+            continue
+        if sys.platform.startswith("linux"):
+            sock.setsockopt(socket.IPPROTO_IP, _IP_MULTICAST_ALL, 0)  # no copy of what the listen socket gets
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(str(interface)))
+        zeroconf_net.set_respond_socket_multicast_options(sock, IPVersion.V4Only)
+        responders.append(sock)
+    return listen, responders
 
 
 def advertised_addresses(interfaces: list[str] | None) -> list[str]:
@@ -92,8 +171,17 @@ def instance_label(name: str, peer_id: str) -> str:
     return shown.encode()[:room].decode("utf-8", "ignore") + suffix
 
 
+ANNOUNCEMENTS = 3  # of a record, and of each update (RFC 6762 section 8.3: at least 2, at most 8)
+ANNOUNCE_PAUSE = 1.0  # seconds from the first to the second; each later pause doubles the last gap
+
+
 class Advertiser:
-    """Publishes one peer's advert over mDNS until `close()`, which sends a goodbye."""
+    """Publishes one peer's advert over mDNS until `close()`, which sends a goodbye.
+
+    The record is announced ANNOUNCEMENTS times, at once, then after 1 s, then after twice the last
+    gap (RFC 6762 section 8.3: at least one second apart, the interval doubling), and again so for each
+    update; it answers queries from the
+    first announcement on. No probing: the name holds the peer id."""
 
     def __init__(self, advert: Advert, port: int, interfaces: list[str] | None = None):
         self.zc = _zeroconf(interfaces)
@@ -105,16 +193,48 @@ class Advertiser:
             server=f"gpulayer-{advert.peer_id}.local.",
             parsed_addresses=advertised_addresses(interfaces),
         )
-        self.zc.register_service(self.info, cooperating_responders=True)
+        self._announcing: asyncio.Task[None] | None = None
+        self._on_loop(self._publish(self.info, new=True))
+
+    def _on_loop(self, coro: Coroutine[Any, Any, None]) -> None:
+        assert self.zc.loop is not None
+        asyncio.run_coroutine_threadsafe(coro, self.zc.loop).result(LOOKUP_TIMEOUT_MS / 1000)
+
+    async def _publish(self, info: ServiceInfo, new: bool) -> None:
+        """Put `info` in the registry (it answers queries), announce it now, and later on the schedule."""
+        if new:
+            info.set_server_if_missing()
+            await self.zc.async_wait_for_start()
+            self.zc.registry.async_add(info)
+        else:
+            self.zc.registry.async_update(info)
+        if self._announcing is not None:
+            self._announcing.cancel()
+        out = self.zc.generate_service_broadcast(info, None)
+        self.zc.async_send(out)
+        self._announcing = asyncio.ensure_future(self._announce_later(out, time.monotonic()))
+
+    async def _announce_later(self, out: DNSOutgoing, last: float) -> None:
+        pause = ANNOUNCE_PAUSE
+        for _ in range(ANNOUNCEMENTS - 1):
+            await asyncio.sleep(pause)
+            now = time.monotonic()
+            self.zc.async_send(out)
+            pause, last = 2 * (now - last), now  # a late wake-up stretches the next pause too
+
+    async def _stop_announcing(self) -> None:
+        if self._announcing is not None:
+            self._announcing.cancel()
 
     def update(self, advert: Advert) -> None:
         """Publish a new TXT record for the same service (what a new probe found)."""
         self.info = ServiceInfo(SERVICE_TYPE, self.info.name, port=self.info.port, properties=advert.to_txt(),
                                 server=self.info.server, addresses=self.info.addresses)
-        self.zc.update_service(self.info)
+        self._on_loop(self._publish(self.info, new=False))
 
     def close(self) -> None:
         try:
+            self._on_loop(self._stop_announcing())
             self.zc.unregister_service(self.info)
         finally:
             self.zc.close()
@@ -352,6 +472,60 @@ def parse_address(item: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"bad peer address {item!r}: expected host:port")
     return host.strip("[]"), int(port)
+
+
+def every_peer(wait: float, interfaces: list[str] | None = None) -> list[tuple[str, int]]:
+    """The addresses of the peers of any cluster heard over mDNS within `wait` seconds (MAX_LOOKUPS names
+    at most): where a machine without a key looks for the peer of an invite (invite.py)."""
+    names: list[str] = []
+
+    def heard(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+        if state_change is ServiceStateChange.Added and name not in names and len(names) < MAX_LOOKUPS:
+            names.append(name)
+
+    zc = _zeroconf(interfaces)
+    try:
+        browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[heard], question_type=DNSQuestionType.QM)
+        threading.Event().wait(wait)
+        browser.cancel()
+        found = []
+        for name in list(names):
+            info = zc.get_service_info(SERVICE_TYPE, name, timeout=LOOKUP_TIMEOUT_MS)
+            if info is not None and info.port:
+                found += [(address, info.port) for address in info.parsed_addresses(IPVersion.V4Only)]
+        return found
+    finally:
+        zc.close()
+
+
+def gossip_entries(value: Any) -> list[tuple[str, list[Address], float]]:
+    """The well-formed entries of a gossiped list (ADR 0017), MAX_LIST at most: (peer id, addresses, age
+    in seconds); the others are skipped (a list comes from a key holder, but of another version, maybe)."""
+    out = []
+    for entry in value[:MAX_LIST] if isinstance(value, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        peer_id, addresses, age = entry.get("id"), entry.get("a"), entry.get("age")
+        if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 64 or not peer_id.isalnum():
+            continue
+        if isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age <= AGE_OUT:
+            continue
+        good = [(a[0], a[1]) for a in (addresses[:MAX_ADDRESSES] if isinstance(addresses, list) else [])
+                if isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and 0 < len(a[0]) <= 255
+                and port_of(a[1]) is not None]
+        if good:
+            out.append((peer_id, good, float(age)))
+    return out
+
+
+def gossip_entry(peer_id: str, addresses: list[Address], age: float) -> dict[str, Any]:
+    """One entry of a gossiped list."""
+    return {"id": peer_id, "a": [list(a) for a in addresses], "age": round(age, 3)}
+
+
+def port_of(value: Any) -> int | None:
+    """A TCP port from the wire, or None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else None
 
 
 class Browser(ServiceListener):

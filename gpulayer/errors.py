@@ -77,6 +77,16 @@ class ActorDied(GPULayerError):
     was created with `restarts=N` (then a later call re-creates it)."""
 
 
+class GangFailed(GPULayerError):
+    """A rank of a gang failed, died or lost its peer; the other ranks were stopped (docs/gangs.md).
+    `rank`, `peer` (its peer's name) and `cause` (the rank's own error) say which and why."""
+
+    def __init__(self, rank: int, peer: str, cause: BaseException):
+        self.rank, self.peer, self.cause = rank, peer, cause
+        super().__init__(f"rank {rank} of the gang, on peer {peer}, failed: {type(cause).__name__}: {cause}; "
+                         "the other ranks were stopped")
+
+
 class RemoteError(GPULayerError):
     """A remote exception that could not be rebuilt here; carries its type name and traceback."""
 

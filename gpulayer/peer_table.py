@@ -32,16 +32,17 @@ GREY, PLAIN = "\x1b[2m", "\x1b[0m"
 
 def format_peers(rows: list[dict[str, Any]], grey: bool = False) -> str:
     """One line per row under a header, columns padded to their widest cell. VERIFIED says whether a
-    handshake with the cluster key proved the row's peer at its address (else it is an advert's claim).
+    handshake with the cluster key proved the row's peer at its address (else it is an advert's claim);
+    FOUND how this submitter heard of it: mdns, static (GPULAYER_PEERS), gossip (ADR 0017) or cache.
     A peer of another cluster (a row with "cluster") shows its ids only, greyed when `grey` (a terminal)."""
-    header = ("NAME", "ADDRESS", "VERIFIED", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "STATE")
+    header = ("NAME", "ADDRESS", "VERIFIED", "FOUND", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "STATE")
     lines = [header]
     for r in rows:
         if "cluster" in r:
-            lines.append((r["peer_id"], "-", "no", "?", "?", "?", "?", "-", "-", f"other cluster {r['cluster']}"))
+            lines.append((r["peer_id"], "-", "no", "mdns", "?", "?", "?", "?", "-", "-", f"other cluster {r['cluster']}"))
             continue
         if "accelerator" not in r:  # an unreachable static peer
-            lines.append((r["name"], r["address"], "no", "?", "?", "?", "?", "-", "-", f"down: {r['error']}"))
+            lines.append((r["name"], r["address"], "no", "static", "?", "?", "?", "?", "-", "-", f"down: {r['error']}"))
             continue
         mem = r["device_memory_gb"]
         memory = f"{max(mem):g} GB {r['memory_kind']}" if mem else f"{r['ram_gb']:g} GB host"
@@ -52,7 +53,8 @@ def format_peers(rows: list[dict[str, Any]], grey: bool = False) -> str:
         actors = f" ({r['actors']} held by actors)" if r.get("actors") else ""
         state = r["state"] if r["state"] == "up" else f"down: {r['error']}"
         frameworks = " ".join(f"{k} {v}" for k, v in sorted(r["frameworks"].items())) or "-"
-        lines.append((r["name"], r["address"], "yes" if r.get("verified") else "no", r["accelerator"], memory, frameworks,
+        lines.append((r["name"], r["address"], "yes" if r.get("verified") else "no", r.get("source", "?"), r["accelerator"],
+                      memory, frameworks,
                       f"{busy}/{r['slots']}{queued}{actors}", format_util(r.get("util")),
                       format_bytes(r.get("held_bytes")), state))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]

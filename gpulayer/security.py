@@ -218,6 +218,14 @@ def session_keys(key: bytes, transcript: bytes, role: str) -> tuple[bytes, bytes
     return (to_peer, to_submitter) if role == SUBMITTER else (to_submitter, to_peer)
 
 
+def invite_keys(shared: bytes, transcript: bytes) -> tuple[bytes, bytes, bytes]:
+    """(joiner's proof key, peer's proof key, seal key) of an invite's exchange (invite.py): HKDF-SHA256
+    of the SPAKE2 key with SHA-256 of the exchange's transcript as salt, under a label of its own."""
+    okm = _hkdf(shared, 3 * SESSION_KEY_BYTES, b"gpulayer/v1/invite proof joiner, proof peer, seal",
+                salt=hashlib.sha256(transcript).digest())
+    return okm[:SESSION_KEY_BYTES], okm[SESSION_KEY_BYTES:2 * SESSION_KEY_BYTES], okm[2 * SESSION_KEY_BYTES:]
+
+
 def ray_token(key: bytes) -> str:
     """The cluster's token for Ray's token authentication (docs/ray.md): 64 hex digits, HKDF-SHA256
     of the cluster key under a label of its own. Every key holder derives the same token, and

@@ -22,7 +22,7 @@ from .taskenv import check_env
 REQUIREMENTS: dict[str, Any] = {"accelerator": None, "gpu_memory_gb": None, "frameworks": None,
                                 "capabilities": None, "peer": None, "devices": 1, "python": None}
 # How the submitter runs the task, with defaults.
-EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0, "env": None, "keep": False}
+EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0, "env": None, "keep": False, "nodes": None}
 NAMES = frozenset(REQUIREMENTS) | frozenset(EXECUTION)
 
 
@@ -47,6 +47,13 @@ def check_retries(retries: Any) -> int:
     return retries
 
 
+def check_nodes(nodes: Any) -> int | None:
+    """None (one task), or a positive integer: a gang of that many ranks on distinct peers (docs/gangs.md)."""
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
+        raise ValueError(f"nodes must be a positive integer (the ranks of a gang), not {nodes!r}")
+    return nodes
+
+
 @dataclass(frozen=True)
 class TaskOptions:
     """Validated task options: what a peer must offer, how long and how often to try, and the task's env."""
@@ -56,6 +63,7 @@ class TaskOptions:
     retries: int = 0
     env: dict[str, str] = field(default_factory=dict)  # variables the task runs with (taskenv.check_env)
     keep: bool = False  # the result stays on its peer until asked for (docs/data.md)
+    nodes: int | None = None  # a gang of this many ranks on distinct peers (docs/gangs.md)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> TaskOptions:
@@ -65,8 +73,13 @@ class TaskOptions:
             raise TypeError(f"unknown remote option(s): {', '.join(sorted(unknown))}; "
                             f"the options are {', '.join(sorted(NAMES))}")
         req = Requirements.build(**{name: options.get(name, default) for name, default in REQUIREMENTS.items()})
-        return cls(req, check_timeout(options.get("timeout")), check_retries(options.get("retries", 0)),
-                   check_env(options.get("env")), check_keep(options.get("keep", False)))
+        parsed = cls(req, check_timeout(options.get("timeout")), check_retries(options.get("retries", 0)),
+                     check_env(options.get("env")), check_keep(options.get("keep", False)),
+                     check_nodes(options.get("nodes")))
+        if parsed.nodes is not None and (parsed.keep or req.peer is not None):
+            raise ValueError("a gang (nodes=) returns its ranks' results and runs on several peers: "
+                             "keep= and peer= do not apply to it")
+        return parsed
 
 
 def split_call(fn: Callable[..., Any], args: tuple[Any, ...],

@@ -36,6 +36,7 @@ def _private_dirs(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     os.environ["XDG_CONFIG_HOME"] = str(home / "config")
     os.environ["XDG_CACHE_HOME"] = str(home / "cache")
+    os.environ["XDG_STATE_HOME"] = str(home / "state")  # the peers' jobs (peer/jobs.py)
     yield
 
 

@@ -17,14 +17,15 @@ PACKAGE = ROOT / "gpulayer"
 # import only themselves (and the layers below). A module is placed by its longest listed prefix.
 LAYERS: list[dict[str, set[str]]] = [
     {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
-                "records", "security", "progress", "peer_table"}},
+                "distributed", "records", "security", "progress", "peer_table", "jobs", "jobs.folder"}},
     {"protocol": {"protocol"}},
-    {"transport": {"transport", "lending"}},
+    {"transport": {"transport", "lending", "invite", "jobs.transfer"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
     {"worker": {"peer.worker", "peer.actor_worker", "peer.lease_worker", "peer.running", "peer.spawning"},
      "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
     {"backends": {"backends"}},
-    {"surface": {"", "__main__", "runtime", "api", "actor_class", "cli", "dashboard", "demo", "benchmark"}},
+    {"surface": {"", "__main__", "runtime", "api", "actor_class", "cli", "dashboard", "demo", "benchmark",
+                 "jobs_cli"}},
 ]
 # Edges the layers would allow that stay out all the same (prefixes of module names): the Ray backend
 # runs tasks without the peer's code; the option table needs no transport.

@@ -256,7 +256,7 @@ class PeerConnection:
                 self.on_cancel(task.task_id)
 
     def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send a STATUS or PING and wait for the reply with the same id."""
+        """Send a STATUS, PING or PEERS and wait for the reply with the same id."""
         waiter: Future[dict[str, Any]] = Future()
         with self._lock:
             msg["id"] = next(self._ids)
@@ -311,7 +311,7 @@ class PeerConnection:
             self.load = tuple(msg["load"][:2])
             self._load_base = len(self.pending)
             self.free = finite(msg.get("free"), 0, MAX_GB)
-        if kind in (messages.PONG, messages.STATUS, messages.LOCAL):
+        if kind in (messages.PONG, messages.STATUS, messages.LOCAL, messages.PEERS):
             waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)

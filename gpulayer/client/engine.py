@@ -34,6 +34,7 @@ from ..security import cluster_id, load_key
 from ..taskenv import check_env
 from . import inference
 from .connection import CONNECT_TIMEOUT, PeerConnection, send_quietly
+from .gossip import Gossip
 from .leases import Leases
 from .placement import Placement
 from .tasks import HeldResult, SubmittedTask, TaskFuture
@@ -137,6 +138,7 @@ class Client:
         self._received_before = 0  # bytes read on connections closed since
         self._closed = threading.Event()
         self._started = False
+        self.gossip = Gossip(self, self._closed, self._helpers.submit)  # lists of verified peers (ADR 0017)
 
     @property
     def closed(self) -> bool:
@@ -156,6 +158,7 @@ class Client:
         for address in self.static:
             self._helpers.submit(self._probe_static, address)
         threading.Thread(target=self._heartbeat_loop, name="gpulayer-heartbeat", daemon=True).start()
+        threading.Thread(target=self.gossip.run, name="gpulayer-gossip", daemon=True).start()
 
     def _probe_static(self, address: tuple[str, int]) -> None:
         label = "%s:%d" % address
@@ -164,6 +167,16 @@ class Client:
             self.static_errors.pop(label, None)
         except (OSError, GPULayerError) as exc:
             self.static_errors[label] = str(exc)
+
+    def learn(self, addresses: list[tuple[str, int]]) -> bool:
+        """A peer that a key holder's list named (client/gossip.py): a hint until a handshake there proves
+        it; then its record has source "gossip". False when none did."""
+        try:
+            self._open(addresses, "gossip")
+        except (OSError, GPULayerError) as exc:
+            log.debug("no peer proved at %s: %s", addresses, exc)
+            return False
+        return True
 
     def _wait_for_match(self, req: Requirements, excluded: Collection[str]) -> None:
         self.start()
@@ -209,6 +222,16 @@ class Client:
         for future in pending:
             future.add_done_callback(waiting.tick)
         return task.future
+
+    def submit_gang(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                    req: Requirements, nodes: int, timeout: float | None = None, retries: int = 0,
+                    env: dict[str, str] | None = None) -> Future[list[Any]]:
+        """fn(*args, **kwargs) as a gang of `nodes` ranks on distinct peers (client/gangs.py, ADR 0018);
+        the future's result is the ranks' results in rank order."""
+        from .gangs import submit_gang
+
+        return submit_gang(self, fn, args, kwargs, req=req, nodes=nodes, timeout=check_timeout(timeout),
+                           retries=check_retries(retries), env=check_env(env))
 
     def _prepare(self, task: SubmittedTask, fn: Callable[..., Any], data: bytes, buffers: list[Any],
                  deps: list[TaskFuture]) -> None:
@@ -422,7 +445,8 @@ class Client:
     def _open(self, addresses: list[tuple[str, int]], source: str) -> PeerConnection:
         """Connect and authenticate; the peer's HELLO refreshes (or creates) its directory record."""
         conn = PeerConnection(self, addresses, self.key, self.client_id)
-        fresh = discovery.PeerRecord(conn.advert, addresses, "static" if source == "static" else "mdns", verified=True)
+        fresh = discovery.PeerRecord(conn.advert, addresses, source if source in ("static", "gossip") else "mdns",
+                                     verified=True)
         if not self.directory.upsert(fresh):
             conn.fail("the peer belongs to another cluster")
             raise AuthError(f"{conn.address} belongs to another cluster")

@@ -123,10 +123,10 @@ class Monitor:
             return sorted((_peer_row(v) for v in self._views.values()), key=lambda r: (r["name"], r["peer_id"]))
 
     def tasks(self) -> dict[str, Any]:
-        """Running tasks and actors, finished tasks (oldest first) and refusals, in this machine's time."""
+        """Running tasks and actors, finished tasks (oldest first), refusals and jobs, in this machine's time."""
         now = time.time()
         with self._lock:
-            running, refusals = [], []
+            running, refusals, jobs = [], [], []
             for view in self._views.values():
                 if view.state != "up":
                     continue
@@ -137,9 +137,10 @@ class Monitor:
                                     "elapsed_s": round(max(now - start, 0.0), 3)})
                 running += [{**actor, **where, "kind": "actor"} for actor in view.status["actors"]]
                 refusals += [{**r, **where, "t": r["t"] + view.offset} for r in view.status["refusals"]]
+                jobs += [_job_row(job, where, view.offset, now) for job in view.status["jobs"]]
             finished = sorted(self._timeline.values(), key=lambda t: t["end"])
         return {"now": now, "running": running, "finished": finished,
-                "refusals": sorted(refusals, key=lambda r: r["t"]),
+                "refusals": sorted(refusals, key=lambda r: r["t"]), "jobs": sorted(jobs, key=lambda j: j["submitted"]),
                 "submitter_refusals": self.client.placement.refusal_reasons()}
 
     def trace(self) -> dict[str, Any]:
@@ -163,6 +164,14 @@ class Monitor:
                            "ts": round(task["start"] * 1e6), "dur": round(max(end - task["start"], 0.0) * 1e6),
                            "args": {"submitter": task["submitter"], "outcome": task.get("outcome", "running")}})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _job_row(job: dict[str, Any], where: dict[str, str], offset: float, now: float) -> dict[str, Any]:
+    """A job of a peer's STATUS in this machine's time, with how long it ran (or has run)."""
+    moved = {k: job[k] + offset if job[k] is not None else None for k in ("submitted", "started", "ended")}
+    started, ended = moved["started"], moved["ended"] or now
+    elapsed = round(max(ended - started, 0.0), 3) if started is not None else None
+    return {**job, **moved, **where, "elapsed_s": elapsed}
 
 
 def _peer_row(view: PeerView) -> dict[str, Any]:

@@ -62,6 +62,23 @@ def _actor(entry: dict[str, Any]) -> dict[str, Any]:
             "slot": number(entry.get("slot"), 0, RUNNING_MAX), "served": number(entry.get("served"), 0, 1e15)}
 
 
+JOB_STATES = ("queued", "running", "succeeded", "failed", "stopped", "lost")
+TAIL_MAX = 2000  # characters of a job's log tail
+
+
+def _job(entry: dict[str, Any]) -> dict[str, Any] | None:
+    submitted, state = number(entry.get("submitted")), entry.get("state")
+    if submitted is None or state not in JOB_STATES:
+        return None
+    tail = entry.get("tail")
+    return {"id": text(entry.get("id"), 40), "name": text(entry.get("name")), "state": state,
+            "submitter": text(entry.get("submitter")), "submitted": submitted,
+            "started": number(entry.get("started")), "ended": number(entry.get("ended")),
+            "exit_code": number(entry.get("exit_code"), -255, 255), "reason": text(entry.get("reason"), MESSAGE_MAX),
+            "tail": "".join(ch for ch in tail[-TAIL_MAX:] if ch.isprintable() or ch == "\n")
+            if isinstance(tail, str) else ""}
+
+
 def _unreserved(value: Any) -> dict[str, float]:
     """Per device name, the GB its running tasks have not reserved."""
     if not isinstance(value, dict):
@@ -82,7 +99,7 @@ def _load(value: Any) -> tuple[float | None, float | None]:
 
 
 def clean_status(msg: Any) -> dict[str, Any]:
-    """The dashboard's view of one STATUS reply: load, activity, actors and the utilisation sample."""
+    """The dashboard's view of one STATUS reply: load, activity, actors, jobs and the utilisation sample."""
     msg = msg if isinstance(msg, dict) else {}
     busy, queued = _load(msg.get("load"))
     util: Sample | None = clean_sample(msg.get("util"))
@@ -96,6 +113,7 @@ def clean_status(msg: Any) -> dict[str, Any]:
         "finished": [t for e in _entries(msg.get("finished"), FINISHED_MAX) if (t := _finished(e))],
         "refusals": [r for e in _entries(msg.get("refusals"), REFUSALS_MAX) if (r := _refusal(e))],
         "actors": [_actor(e) for e in _entries(msg.get("actors"), RUNNING_MAX)],
+        "jobs": [j for e in _entries(msg.get("jobs"), RUNNING_MAX) if (j := _job(e))],
         "util": util,
         "unreserved_gb": _unreserved(msg.get("unreserved_gb")),
         "held_bytes": _count(msg.get("held_bytes")), "held": _count(msg.get("held")),

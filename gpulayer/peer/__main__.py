@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import security
 from ..errors import GPULayerError
 from ..protocol import framing
 from ..resources import detect, override
 from ..taskenv import SLOT_ENV_PREFIX
-from .server import PeerConfig, run_peer
+from ..jobs.store import RETENTION_DAYS, RETENTION_GB
+
+if TYPE_CHECKING:
+    from .server import PeerConfig
+
+INVITE_BROWSE_SECONDS = 1.5  # how long `--invite` listens for peers over mDNS (without --seed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=None,
                         help="tasks at once per GPU (default 1), or in all on a CPU-only peer (default: cores)")
     parser.add_argument("--key-file", default=None, help="cluster key file (default: ~/.config/gpulayer/key)")
+    parser.add_argument("--invite", default=None, metavar="CODE",
+                        help="get the cluster key first with an invite code from `gpulayer invite` (written 0600 to "
+                             "--key-file, default ~/.config/gpulayer/key), from the inviting peer found over mDNS "
+                             "or at --seed")
+    parser.add_argument("--seed", action="append", default=[], type=_seed, metavar="HOST:PORT",
+                        help="a peer to gossip with at first, beyond mDNS (another subnet, say), and where --invite "
+                             "looks; repeatable (GPULAYER_PEERS adds more)")
     parser.add_argument("--advertise-override", metavar="FILE", default=None,
                         help="JSON file replacing detected resources (operators and tests; see docs)")
     parser.add_argument("--measured-from", metavar="FILE", default=None,
@@ -40,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(e.g. --env PYTORCH_ENABLE_MPS_FALLBACK=1)")
     parser.add_argument("--workdir", default=None, type=_workdir, metavar="DIR",
                         help="the folder tasks start in, kept (default: a scratch folder removed when the peer stops)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
+                        help="the folder of this peer's jobs (default: the first free of ~/.local/state/gpulayer/peer, "
+                             "peer-2, ...; $XDG_STATE_HOME moves it)")
+    parser.add_argument("--job-retention-days", type=float, default=RETENTION_DAYS, metavar="DAYS",
+                        help=f"ended jobs older than this are removed with their folder (default {RETENTION_DAYS:g})")
+    parser.add_argument("--job-retention-gb", type=float, default=RETENTION_GB, metavar="GB",
+                        help="the oldest ended jobs are removed while the jobs' folders come to more than this "
+                             f"(default {RETENTION_GB:g})")
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
@@ -59,6 +80,36 @@ def env_assignment(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _seed(text: str) -> tuple[str, int]:
+    from ..discovery import parse_address
+
+    try:
+        return parse_address(text)
+    except GPULayerError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def key_from_invite(args: argparse.Namespace) -> None:
+    """Run an invite's exchange for `args.invite` with the peer at a --seed, else with the peers heard
+    over mDNS; write the key 0600 to --key-file (default ~/.config/gpulayer/key), which must not exist
+    yet, and point `args.key_file` at it."""
+    from .. import invite
+    from ..discovery import configured_interfaces, every_peer
+
+    invite.parse_code(args.invite)  # a typo fails here, before any look-up
+    path = Path(args.key_file) if args.key_file else security.default_key_path()
+    if path.exists():
+        raise GPULayerError(f"{path} exists already: this machine has a cluster key (remove the file to join "
+                            "another cluster, or give --key-file)")
+    interfaces = configured_interfaces(args.interfaces.split(",") if args.interfaces else None)
+    addresses = args.seed or every_peer(INVITE_BROWSE_SECONDS, interfaces)
+    key, name = invite.receive_key(args.invite, addresses)
+    security.write_private_file(path, key.decode() + "\n")
+    print(f"got the cluster key from peer {name}; wrote it to {path} (mode 0600), cluster id "
+          f"{security.cluster_id(key)}", flush=True)
+    args.key_file = str(path)
+
+
 def _workdir(text: str) -> str:
     """An existing, writable folder, made absolute."""
     path = os.path.abspath(os.path.expanduser(text))
@@ -68,6 +119,8 @@ def _workdir(text: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
+    from .server import PeerConfig  # here: `gpulayer submit` and the other commands build this parser too
+    from .. import discovery
     from ..discovery import check_name, configured_interfaces
 
     name = check_name(args.name)  # before the slow part: a name that cannot be advertised fails at once
@@ -91,6 +144,10 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         drain_timeout=args.drain_timeout,
         workdir=args.workdir,
         measured_from=args.measured_from,
+        state_dir=args.state_dir,
+        job_retention_days=args.job_retention_days,
+        job_retention_gb=args.job_retention_gb,
+        seeds=args.seed + discovery.static_peers(),
     )
 
 
@@ -99,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s gpulayer-peer %(levelname)s %(message)s")
     os.environ.update(args.env)
     try:
+        if args.invite:
+            key_from_invite(args)
         config = config_from_args(args)
     except (GPULayerError, ValueError) as exc:
         print(f"gpulayer peer: {exc}", file=sys.stderr)
@@ -114,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
             os.replace(partial, args.ready_file)
 
     try:
+        import asyncio
+
+        from .server import run_peer
+
         asyncio.run(run_peer(config, ready))
     except GPULayerError as exc:
         print(f"gpulayer peer: {exc}", file=sys.stderr)

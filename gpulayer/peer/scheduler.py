@@ -28,8 +28,8 @@ from ..resources.utilisation import Sample
 from .actors import Actor, CallOwner, Actors, grace_from_env
 from .scheduler_state import (
     LEASE_IDLE_S, SPARE_IDLE_S, Action, Actions, Answer, EndActor, Ended, GoLive, OpenBorrowed, Replace, Run,
-    RunAlone, SchedulerState, Started, StopTimer, StopWorker, TellIdle, ToWorker, device_env)
-from .slots import ActorHolder, LeaseHolder, Slot, Submission
+    RunAlone, SchedulerState, Started, StartJob, StopTimer, StopWorker, TellIdle, ToWorker, device_env)
+from .slots import ActorHolder, JobHolder, LeaseHolder, Queued, Slot, Submission
 from .worker_processes import Worker, describe_exit, job_pythonpath
 
 log = logging.getLogger("gpulayer.peer")
@@ -93,7 +93,8 @@ class Scheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: deque[Action] = deque()  # actions decided, not yet performed
         self._performers: dict[type[Any], Callable[[Any], None]] = {
-            Started: self._started, Run: self._run, RunAlone: self._run_alone, Answer: self._answer,
+            Started: self._started, Run: self._run, RunAlone: self._run_alone, StartJob: self._start_job,
+            Answer: self._answer,
             Ended: self._ended, Replace: self._replace, StopTimer: self._stop_timer, ToWorker: self._to_worker,
             TellIdle: self._tell_idle, GoLive: self._go_live, EndActor: self._end_actor,
             OpenBorrowed: self._open_borrowed, StopWorker: self._stop_worker}
@@ -133,8 +134,8 @@ class Scheduler:
 
     # ---- events: the state decides, then its actions are performed ------------------------------------
 
-    def enqueue(self, task: Submission) -> bool:
-        """Queue an admitted task and start what can start; True if it started at once."""
+    def enqueue(self, task: Queued) -> bool:
+        """Queue an admitted task (or a job) and start what can start; True if it started at once."""
         self._perform(self.state.task_arrived(task, time.monotonic()))
         return task.slot is not None
 
@@ -142,7 +143,7 @@ class Scheduler:
         """Drop a queued task, or stop a running one (its worker is killed and replaced)."""
         self._perform(self.state.cancel(task, code, message, notify, time.monotonic()))
 
-    def withdraw(self, task: Submission) -> bool:
+    def withdraw(self, task: Queued) -> bool:
         """Take a task out of the queue for its submitter to place elsewhere; False once it started (or ended)."""
         return self.state.withdraw(task)
 
@@ -174,6 +175,10 @@ class Scheduler:
     def end_leases(self) -> None:
         """Ask every leased worker to end its lease after the task it runs (the peer stops)."""
         self._perform(self.state.end_leases())
+
+    def job_ended(self, job: JobHolder, outcome: str) -> None:
+        """A job's process ended with `outcome` ("ok" or its state): its slots are free again."""
+        self._perform(self.state.job_ended(job, outcome, time.monotonic()))
 
     def measure(self, sample: Sample) -> None:
         """Take a new measurement of the devices' memory, and start what it lets start."""
@@ -246,6 +251,9 @@ class Scheduler:
     def _run(self, action: Run) -> None:
         action.worker.send(action.msg, action.buffers)
         self._arm_timeout(action.task)
+
+    def _start_job(self, action: StartJob) -> None:
+        action.job.start(action.group, action.env)
 
     def _run_alone(self, action: RunAlone) -> None:
         action.slot.worker = self._new_worker(action.slot, action.env, [] if action.bare else None)

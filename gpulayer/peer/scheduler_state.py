@@ -24,7 +24,7 @@ from ..matching import MEMORY_SLACK_GB, Requirements
 from ..protocol import messages
 from ..resources.utilisation import Sample
 from ..taskenv import check_env, read_at_load
-from .slots import ActorHolder, Holder, LeaseHolder, Slot, Submission, TaskOwner
+from .slots import ActorHolder, Holder, JobHolder, LeaseHolder, Queued, Slot, Submission, TaskOwner
 
 if TYPE_CHECKING:
     from .actors import Actor
@@ -68,6 +68,14 @@ class RunAlone:
     bare: bool
     msg: messages.Message
     buffers: list[Any]
+
+
+@dataclass(frozen=True, eq=False)
+class StartJob:
+    """Run the job on its slots, with their device variables."""
+    job: JobHolder
+    group: list[Slot]
+    env: dict[str, str]
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,7 +149,7 @@ class StopWorker:
     worker: Worker
 
 
-Action = Union[Started, Run, RunAlone, Answer, Ended, Replace, StopTimer, ToWorker, TellIdle, GoLive, EndActor,
+Action = Union[Started, Run, RunAlone, StartJob, Answer, Ended, Replace, StopTimer, ToWorker, TellIdle, GoLive, EndActor,
                OpenBorrowed, StopWorker]
 Actions = list[Action]
 
@@ -152,7 +160,7 @@ class SchedulerState:
     def __init__(self, slots: list[Slot]):
         self.slots = slots
         self.borrowed: list[Slot] = []  # slots lent by blocked tasks (`lent_by` set) and spare ones (ADR 0014)
-        self.queue: deque[Submission] = deque()
+        self.queue: deque[Queued] = deque()
         self.leases: dict[str, LeaseHolder] = {}  # by lease id
         self.tasks_done = 0
         self.withdrawn = 0  # tasks their submitters took back from the queue (ADR 0011)
@@ -173,6 +181,10 @@ class SchedulerState:
     @property
     def held_by_actors(self) -> int:
         return sum(s.task is not None and s.task.resident for s in self.slots)
+
+    @property
+    def held_by_jobs(self) -> int:
+        return sum(isinstance(s.task, JobHolder) for s in self.slots)
 
     @property
     def queued(self) -> int:
@@ -201,9 +213,9 @@ class SchedulerState:
         return msg
 
     def submitters(self, now: float) -> int:
-        """How many submitters contend for the slots (each lease counts as one). Each submitter sizes its
-        map's window by it (ADR 0011)."""
-        return len(self._contenders(now)) + sum(isinstance(s.task, LeaseHolder) for s in self.slots)
+        """How many submitters contend for the slots (each lease or running job counts as one). Each
+        submitter sizes its map's window by it (ADR 0011)."""
+        return len(self._contenders(now)) + sum(isinstance(s.task, (LeaseHolder, JobHolder)) for s in self.slots)
 
     def _contenders(self, now: float) -> set[TaskOwner]:
         """The submitters with a task running here, or one queued in the last CONTENDING_S seconds."""
@@ -237,16 +249,17 @@ class SchedulerState:
 
     # ---- events from submitters ------------------------------------------------------------------
 
-    def task_arrived(self, task: Submission, now: float) -> Actions:
-        """An admitted task: queue it and start what can start. One whose env breaks the rules of
-        `taskenv.check_env` is answered with bad-request instead."""
-        assert task.msg is not None
-        try:
-            task.env = check_env(task.msg.get("env"))
-        except (TypeError, ValueError) as exc:
-            return self._answer(task, messages.error("bad-request", str(exc)), now)
+    def task_arrived(self, task: Queued, now: float) -> Actions:
+        """An admitted task (or a job): queue it and start what can start. A task whose env breaks the
+        rules of `taskenv.check_env` is answered with bad-request instead."""
+        if isinstance(task, Submission):
+            assert task.msg is not None
+            try:
+                task.env = check_env(task.msg.get("env"))
+            except (TypeError, ValueError) as exc:
+                return self._answer(task, messages.error("bad-request", str(exc)), now)
+            self._contending[task.owner] = now
         self.queue.append(task)
-        self._contending[task.owner] = now
         return self._start_queued(now)
 
     def cancel(self, task: Submission, code: str, message: str, notify: bool, now: float) -> Actions:
@@ -264,7 +277,7 @@ class SchedulerState:
         task.answered = True
         return actions
 
-    def withdraw(self, task: Submission) -> bool:
+    def withdraw(self, task: Queued) -> bool:
         """Take a task out of the queue for its submitter to place elsewhere; False once it started (or ended)."""
         if task.answered or task.slot is not None or task not in self.queue:
             return False
@@ -357,6 +370,9 @@ class SchedulerState:
             reason = (f"the actor was stopped: {worker.last_words}" if worker is not None and worker.last_words
                       else f"its worker process {pid} died ({how})")
             return [EndActor(holder.actor, reason)]
+        if isinstance(holder, JobHolder):  # the slot's idle warm worker died: the job's process runs on
+            old, slot.worker = slot.worker, None
+            return [Replace(slot, old, None)]
         actions = self._replace(slot, None)
         died = messages.error("worker-died", f"the worker process {pid} died while running the task ({how})")
         if isinstance(holder, Submission):
@@ -365,6 +381,15 @@ class SchedulerState:
             holder.answered = True
             actions.append(Ended(holder, dict(died)))
         return actions
+
+    def job_ended(self, job: JobHolder, outcome: str, now: float) -> Actions:
+        """A job's process ended with `outcome` ("ok" or its state): its slots are free again."""
+        actions = self._release(job)
+        if not job.answered:
+            job.answered = True
+            self.tasks_done += 1
+            actions.append(Ended(job, {"t": messages.RESULT} if outcome == "ok" else {"code": outcome}))
+        return [*actions, *self._start_queued(now)]
 
     def one_off_failed(self, task: Submission, slot: Slot, why: str, now: float) -> Actions:
         """The worker started for one task did not start."""
@@ -462,12 +487,14 @@ class SchedulerState:
             actions += self._start(task, group, now)
         return actions
 
-    def _start(self, task: Submission, group: list[Slot], now: float) -> Actions:
+    def _start(self, task: Queued, group: list[Slot], now: float) -> Actions:
         lead = group[0]
         for slot in group:
             slot.task = task
         task.slot, task.group, task.started = lead, group, now
         started = Started(task, task.name, lead.device)
+        if isinstance(task, JobHolder):
+            return [started, StartJob(task, group, {**lead.env, **device_env(task.req, lead), **group_env(group)})]
         msg, buffers = task.work()
         env = {**task.env, **device_env(task.req, lead)}
         fresh = any(read_at_load(name) for name in task.env)
@@ -479,8 +506,7 @@ class SchedulerState:
         # A worker of its own, started with env, in place of the lead's warm one (which is stopped, so
         # that the task has the device and its memory to itself): for several devices it sees all of
         # them; for a variable read at load it imports nothing before the task; an actor keeps it.
-        if len(group) > 1:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)
+        env.update(group_env(group))
         task.one_off = True
         old, lead.worker = lead.worker, None  # until the one-off worker is made
         return [started, RunAlone(task, lead, old, env, fresh, msg, buffers)]
@@ -557,6 +583,13 @@ def device_env(req: Requirements, slot: Slot) -> dict[str, str]:
     """
     if req.accelerator == accelerators.CPU and slot.env.get(accelerators.ENV_DEVICE) != accelerators.CPU:
         return {accelerators.ENV_DEVICE: accelerators.CPU}
+    return {}
+
+
+def group_env(group: list[Slot]) -> dict[str, str]:
+    """What a process on several devices sees: all of them (CUDA_VISIBLE_DEVICES)."""
+    if len(group) > 1:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(s.env["CUDA_VISIBLE_DEVICES"] for s in group)}
     return {}
 
 

@@ -18,13 +18,14 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
-from .. import discovery, security
+from .. import discovery, invite, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
+from ..jobs.store import RETENTION_DAYS, RETENTION_GB, StateDirInUse
 from ..matching import Requirements, match, missing_software
 from ..protocol import framing, handshake, messages
 from ..resources.model import Advert, Resources
@@ -32,11 +33,12 @@ from ..resources.utilisation import Sample, Sampler
 from ..transport import shm, sockets
 from ..transport.channel import AsyncChannel
 from .actors import Actor, grace_from_env
+from .jobs import Jobs
 from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
 from .worker_processes import Worker
-from . import held
+from . import gossip, held
 from .scheduler import Scheduler, default_preload, plan_slots
 from .slots import ActorHolder, Submission, TaskHolder
 
@@ -66,6 +68,10 @@ class PeerConfig:
     worker_start_timeout: float = 120.0
     workdir: str | None = None  # where tasks start; None: a scratch folder removed at stop
     measured_from: str | None = None  # recorded readings replacing the measured utilisation (a test seam)
+    state_dir: str | None = None  # the jobs' folder (peer/jobs.py); None: the first free one of the user's
+    job_retention_days: float = RETENTION_DAYS
+    job_retention_gb: float = RETENTION_GB
+    seeds: list[tuple[str, int]] = field(default_factory=list)  # peers to gossip with at first (gossip.py)
 
 
 class Connection:
@@ -160,6 +166,8 @@ class Peer:
         self.held = held.HeldResults(held.limit_from_env(), grace_from_env())  # results kept (keep=True)
         self.sampler = Sampler(recorded=config.measured_from, on_sample=self._on_sample)
         self.reprobe = Reprobe(config.python)  # looks again for what tasks ask and the last probe missed
+        self.invites = invite.Invites(config.key, log.warning)  # open invite codes (invite.py)
+        self.gossip = gossip.Gossip(config.key, self.peer_id, [], config.seeds)  # its addresses once it listens
         self.port = 0
         self._connections: set[Connection] = set()
         self._unauthenticated: dict[Connection, float] = {}  # oldest first, with its deadline
@@ -175,6 +183,11 @@ class Peer:
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
         check_shm_settings()
+        try:
+            self.jobs = Jobs(self.scheduler, config.python, config.state_dir, lambda: self.advert,
+                             config.job_retention_days, config.job_retention_gb)
+        except (OSError, StateDirInUse) as exc:
+            raise ConfigError(f"the state folder: {exc}") from None
         self._pre_auth, self._post_auth = self._handlers()
 
     def _memory_refusal(self, total: int) -> str | None:
@@ -196,6 +209,7 @@ class Peer:
         self._stopped = asyncio.Event()
         _raise_fd_limit()
         await self.scheduler.start()
+        self.jobs.recover()
         host = self.config.interfaces[0] if self.config.interfaces else "0.0.0.0"
         self._server = socket.create_server((host, self.config.port), backlog=1024)
         self._server.setblocking(False)
@@ -204,6 +218,8 @@ class Peer:
         if shm.enabled():
             self._local = LocalLinks(self._loop, self.quiet)
         self.scheduler.spawn(self._watchdog())
+        self.gossip.addresses = [(a, self.port) for a in discovery.advertised_addresses(self.config.interfaces)]
+        self.scheduler.spawn(gossip.rounds(self.gossip, self.port))
         self.sampler.start()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
@@ -243,6 +259,7 @@ class Peer:
         for conn in list(self._connections):
             conn.channel.write({"t": messages.BYE})
         await asyncio.gather(*(c.channel.close_gracefully() for c in list(self._connections)))
+        await self.jobs.shutdown()
         await self.scheduler.stop()
         self.sampler.stop()
         self.quiet.flush(final=True)
@@ -264,9 +281,10 @@ class Peer:
 
     @property
     def load_total(self) -> int:
-        """Tasks running or queued (actors are not waited for: they end when the peer stops)."""
+        """Tasks running or queued (actors are not waited for: they end when the peer stops; jobs are
+        recorded, lost if they ran, and queued ones start after a restart)."""
         state = self.scheduler.state
-        return state.busy - state.held_by_actors + state.queued
+        return state.busy - state.held_by_actors - state.held_by_jobs + state.queued - len(self.jobs.queued)
 
     def status(self) -> dict[str, Any]:
         return {"t": messages.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
@@ -275,7 +293,8 @@ class Peer:
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
-                "unreserved_gb": self.scheduler.state.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held)}
+                "unreserved_gb": self.scheduler.state.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held),
+                "jobs": self.jobs.summary()}
 
     # ---- connections --------------------------------------------------------------------------
 
@@ -344,7 +363,6 @@ class Peer:
 
     def authenticate(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Check an AUTH: the connection is a key holder's from now on, its later frames sealed; else refuse it."""
-        self._unauthenticated.pop(conn, None)
         checked = handshake.check_auth(msg, self.config.key, conn.hello)
         if checked is None:
             self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
@@ -358,6 +376,20 @@ class Peer:
         self._receiving(conn.channel.reader, conn.client)
         self.scheduler.actors.connected(conn)
         self.held.connected(conn.client)
+
+    def _invite_step(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        """One message of an invite's exchange (invite.py): unauthenticated, it can get the cluster key
+        for the right code and nothing else; the connection closes after it."""
+        reply, more = self.invites.step(conn, conn.hello, msg)
+        if reply["t"] == messages.ERROR:
+            return self.refuse(conn, reply["code"], reply["message"])
+        conn.channel.write(reply)
+        if more:
+            self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
+            return
+        log.info("gave the cluster key to %s, which had an invite's code", conn.address)
+        self.drop(conn)
+        conn.channel.close_gracefully()
 
     def _receiving(self, reader: framing.MessageReader, client: str) -> None:
         """Receive big buffers as this peer does: within the memory headroom, into segments where it has
@@ -386,8 +418,10 @@ class Peer:
     def drop(self, conn: Connection) -> None:
         """Forget a connection and cancel its tasks: its submitter is gone."""
         self._unauthenticated.pop(conn, None)
+        self.invites.forget(conn)
         if self._local is not None:
             self._local.forget(conn)
+        self.jobs.forget(conn)
         if conn in self._connections:
             self._connections.discard(conn)
             for task in list(conn.tasks.values()):
@@ -403,19 +437,24 @@ class Peer:
     # ---- messages: one handler a kind ------------------------------------------------------------
 
     def _handlers(self) -> tuple[dict[str, Handler], dict[str, Handler]]:
-        """The kinds of message a connection may send before it authenticated (only AUTH: nothing there is
+        """The kinds of message a connection may send before it authenticated (AUTH, and an invite's PAKE
+        steps, which give the cluster key for the right code and nothing else: nothing there is
         unpickled, queued or answered with data) and after (as rpyc's `_request_handlers()`)."""
-        pre_auth: dict[str, Handler] = {messages.AUTH: self.authenticate}
+        pre_auth: dict[str, Handler] = {
+            messages.AUTH: self.authenticate, messages.PAKE: self._invite_step, messages.PAKE_CONFIRM: self._invite_step}
         post_auth: dict[str, Handler] = {
             messages.SUBMIT: self._admit, messages.ACTOR: self._admit, messages.CANCEL: self._cancel,
-            messages.WITHDRAW: self._withdraw, messages.PING: self._ping, messages.STATUS: self._status, messages.BYE: self._bye,
-            messages.CALL: self.scheduler.actors.call, messages.CLOSE: self._close_actor, messages.DIRECT: self._direct,
-            messages.LEASE: self._lease, messages.LOCAL: self._local_link, messages.FETCH: self._fetch,
-            messages.RELEASE: self._release}
+            messages.WITHDRAW: self._withdraw, messages.PING: self._ping, messages.STATUS: self._status,
+            messages.BYE: self._bye, messages.CALL: self.scheduler.actors.call, messages.CLOSE: self._close_actor,
+            messages.DIRECT: self._direct, messages.LEASE: self._lease, messages.LOCAL: self._local_link,
+            messages.FETCH: self._fetch, messages.RELEASE: self._release, messages.INVITE: self._invite,
+            messages.PEERS: self._peers, **dict.fromkeys(messages.JOB_REQUESTS, self._job_request)}
         return pre_auth, post_auth
 
     def handle_unauthenticated(self, conn: Connection, msg: messages.Message) -> None:
-        """Route one message of a connection that has not authenticated yet: an AUTH, or it is refused."""
+        """Route one message of a connection that has not authenticated yet: an AUTH or an invite's step,
+        else it is refused."""
+        self._unauthenticated.pop(conn, None)  # an invite's next step puts it back, last (oldest first)
         handler = self._pre_auth.get(msg["t"])
         if handler is None:
             return self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
@@ -477,6 +516,17 @@ class Peer:
 
     def _release(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         self.held.release(msg.get("ref"), conn.client)
+
+    def _job_request(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        self.jobs.handle(conn, msg, buffers, self._draining)
+
+    def _invite(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        conn.channel.write(self.invites.answer(msg))
+
+    def _peers(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        """Gossip (gossip.py): what the other peer knows, for what this one knows."""
+        self.gossip.heard_from(conn.address.rpartition(":")[0], msg)
+        conn.channel.write({"t": messages.PEERS, "id": msg.get("id"), "peers": self.gossip.listing()})
 
     def _admit(self, conn: Connection, msg: messages.Message, buffers: list[Any], probed: bool = False) -> None:
         """Check a SUBMIT (or an ACTOR, which creates an actor) and queue it, or REJECT it with the reason.

@@ -1,16 +1,17 @@
-"""The peer's slots and what holds them: a task, an actor or a lease, each a small type of its own.
+"""The peer's slots and what holds them: a task, an actor, a lease or a job, each a small type of its own.
 
 A holder takes one slot (or `devices` of them) when the scheduler starts it and gives them back when
 it ends. `scheduler_state.py` decides with these types; what differs between them (the message that
 starts its worker, whether its slot stays held after a RESULT, whether it may run on a lent slot)
-is said here, on each type. A new kind of holder (a job) is one more subclass.
+is said here, on each type. A new kind of holder is one more subclass.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Union
 
 from ..protocol import messages
 from ..matching import Requirements
@@ -196,3 +197,25 @@ class LeaseHolder(Holder):
     @property
     def client(self) -> str:
         return self.submitter_id
+
+
+@dataclass(eq=False, kw_only=True)
+class JobHolder(Holder):
+    """A job (ADR 0016, peer/jobs.py): queued like a task; once started, a process of its own (not a
+    worker) runs on its slots until it ends, and `job_ended` gives them back."""
+
+    job_id: str
+    name: str
+    start: Callable[[list[Slot], dict[str, str]], None]  # runs it, given its slots and their device variables
+    borrows: ClassVar[bool] = True
+
+    @property
+    def address(self) -> str:
+        return f"job {self.job_id}"
+
+    @property
+    def client(self) -> str:
+        return self.job_id
+
+
+Queued = Union[Submission, JobHolder]  # what waits in the scheduler's queue

@@ -28,9 +28,18 @@ WITHDRAW = "withdraw"  # the submitter takes back a task still queued on the pee
 DIRECT = "direct"  # the submitter asks that this connection be handed to an actor's worker (ADR 0012)
 LEASE, LEASE_END = "lease", "lease_end"  # a warm worker lent to one submitter's connection (ADR 0013)
 WAIT = "wait"  # a worker's task blocks on a future, or goes on: its slot is lent meanwhile (ADR 0014)
+BLOB, FILE = "blob", "file"  # a job's working folder up, its files down (checked by gpulayer/jobs/transfer.py)
+INVITE, PAKE, PAKE_CONFIRM = "invite", "pake", "pake_confirm"  # invite codes (invite.py, docs/security.md)
+PEERS = "peers"  # lists of verified peers, between key holders (peer/gossip.py, ADR 0017)
+# jobs (ADR 0016; their builders and checks are in protocol/jobs.py): requests, then the peer's replies
+JOB_SUBMIT, JOB_LIST, JOB_LOGS, JOB_WAIT, JOB_STOP, JOB_FETCH, JOB_RM = (
+    "job_submit", "job_list", "job_logs", "job_wait", "job_stop", "job_fetch", "job_rm")
+JOB_NEED, JOB_INFO, JOB_LOG = "job_need", "job_info", "job_log"
+JOB_REQUESTS = frozenset({JOB_SUBMIT, BLOB, JOB_LIST, JOB_LOGS, JOB_WAIT, JOB_STOP, JOB_FETCH, JOB_RM})
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
-                           LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END, WAIT})
+                           LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END, WAIT, BLOB, FILE, INVITE, PAKE, PAKE_CONFIRM,
+                           PEERS, *JOB_REQUESTS, JOB_NEED, JOB_INFO, JOB_LOG})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
@@ -327,3 +336,63 @@ def printable(value: object, limit: int = 200) -> str:
     """Peer-supplied text fit for a terminal: no control characters, at most `limit` characters."""
     return "".join(ch for ch in str(value) if ch.isprintable())[:limit]
 
+
+
+# A job's bytes (gpulayer/jobs/transfer.py; the receivers check order and sizes against what they expect)
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _sha256(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and not value.strip("0123456789abcdef")
+
+
+def blob_pack(request_id: int, pack: list[list[Any]]) -> Message:
+    """Whole small blobs ([[digest, size], ...]), their bytes one after another in the one buffer."""
+    return {"t": BLOB, "id": request_id, "pack": pack}
+
+
+def blob_chunk(request_id: int, digest: str, offset: int, size: int) -> Message:
+    """A piece of one blob of `size` bytes, from `offset`, in the one buffer."""
+    return {"t": BLOB, "id": request_id, "d": digest, "off": offset, "size": size}
+
+
+def check_blob(msg: Mapping[str, Any], buffers: int) -> str | None:
+    """What is wrong with a BLOB's shape (`buffers`: how many came with it), or None."""
+    if buffers > 1:
+        return "a BLOB carries at most one buffer"
+    if "pack" in msg:
+        pack = msg["pack"]
+        if not isinstance(pack, list) or not all(isinstance(p, list) and len(p) == 2 and _sha256(p[0])
+                                                 and _count(p[1]) for p in pack):
+            return "a BLOB's 'pack' lists [sha256 hex, size] pairs"
+        return None
+    if not _sha256(msg.get("d")) or not _count(msg.get("off")) or not _count(msg.get("size")):
+        return "a BLOB needs 'd' (sha256 hex), 'off' and 'size' (whole numbers), or a 'pack'"
+    return None
+
+
+def file_header(request_id: int, files: list[list[Any]]) -> Message:
+    """The files a fetch brings, [[path, size, executable], ...]; their chunks follow in that order."""
+    return {"t": FILE, "id": request_id, "files": files}
+
+
+def file_chunk(request_id: int, index: int, offset: int) -> Message:
+    """A piece of the header's file number `index`, from `offset`, in the one buffer."""
+    return {"t": FILE, "id": request_id, "n": index, "off": offset}
+
+
+def check_file(msg: Mapping[str, Any], buffers: int) -> str | None:
+    """What is wrong with a FILE's shape (`buffers`: how many came with it), or None; the receiver checks
+    the paths against its folder."""
+    if "files" in msg:
+        files = msg["files"]
+        if buffers or not isinstance(files, list) or not all(
+                isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and _count(f[1])
+                and isinstance(f[2], bool) for f in files):
+            return "a FILE header lists [path, size, executable] entries, with no buffer"
+        return None
+    if buffers != 1 or not _count(msg.get("n")) or not _count(msg.get("off")):
+        return "a FILE chunk needs 'n' and 'off' (whole numbers) and one buffer"
+    return None

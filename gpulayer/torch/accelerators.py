@@ -44,6 +44,7 @@ class Placement:
     kind: str  # "cpu" | "cuda" | "mps"
     index: int | None
     devices: int
+    nodes: int = 1  # the ranks of the gang it trains over (num_nodes; docs/gangs.md)
 
     def device(self, rank: int = 0) -> torch.device:
         """The device of process `rank` (cuda: one GPU per process)."""
@@ -107,15 +108,28 @@ def resolve(accelerator: str = AUTO, devices: int = 1, num_nodes: int = 1) -> Pl
     index = env.index if env is not None and env.type == kind else None
 
     if kind == MPS and (devices > MPS_MAX_DEVICES or num_nodes > 1):
+        across = ("; for a group of Macs, use MLX distributed (gl.distributed.init(\"mlx\") in a gang) or "
+                  "accelerator=\"cpu\" with gloo") if num_nodes > 1 else ""
         raise UnsupportedConfiguration(
-            f"MPS trains on one device in one process; got devices={devices}, num_nodes={num_nodes}"
+            f"MPS trains on one device in one process; got devices={devices}, num_nodes={num_nodes}{across}"
         )
     if num_nodes != 1:
-        raise UnsupportedConfiguration(f"num_nodes={num_nodes}: only single-node training is supported")
+        _check_gang(num_nodes, devices)
     if kind == CUDA and devices > present[CUDA]:
         raise AcceleratorUnavailable(f"devices={devices} CUDA GPUs requested; present: {_describe(present)}")
     if index is not None and devices > 1:
         raise UnsupportedConfiguration(
             f"{ENV_DEVICE}={os.environ[ENV_DEVICE]!r} pins one device; devices={devices} cannot be honoured"
         )
-    return Placement(kind, index, devices)
+    return Placement(kind, index, devices, num_nodes)
+
+
+def _check_gang(num_nodes: int, devices: int) -> None:
+    """num_nodes > 1 trains over the ranks of the gang this runs in, one device each (docs/gangs.md)."""
+    world = os.environ.get("WORLD_SIZE") if os.environ.get("GPULAYER_RANK_ADDR") else None
+    if world is None:
+        raise UnsupportedConfiguration(f"num_nodes={num_nodes} trains over the ranks of a gang: run the function "
+                                       f"that calls fit with gl.run(train, nodes={num_nodes})")
+    if devices != 1 or world != str(num_nodes):
+        raise UnsupportedConfiguration(f"num_nodes={num_nodes}, devices={devices} in a gang of {world} ranks: "
+                                       "a gang trains with num_nodes equal to its nodes= and devices=1")

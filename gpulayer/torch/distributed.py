@@ -83,6 +83,19 @@ def spawn_fit(trainer, module, train, val, ckpt_path) -> dict:
         return torch.load(result, map_location=CPU, weights_only=True)
 
 
+def fit_in_gang(trainer, module, train, val, ckpt_path) -> None:
+    """`fit` in this process as its gang rank's part of DDP over the gang's ranks (num_nodes=N): the
+    gang's group (gl.distributed.init), left at the end."""
+    from .. import distributed as gang
+
+    gang.init()
+    try:
+        trainer.fit_as_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), module, train, val, ckpt_path)
+        dist.barrier()  # no rank leaves the group while another still talks to it
+    finally:
+        gang.shutdown()
+
+
 def _fit_worker(rank, world_size, port, rng, trainer, module, train, val, ckpt_path, result) -> None:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ProtocolError
@@ -115,3 +116,21 @@ class BlockingConnection:
                     sock.close()
             except OSError:
                 pass
+
+
+def connections(addresses: list[tuple[str, int]], timeout: float,
+                errors: list[str]) -> Generator[tuple[str, BlockingConnection], None, None]:
+    """("host:port", a connection) for each of `addresses` that accepts one, in order, each closed when the
+    caller moves on (or stops: `with contextlib.closing(...)`); why the others did not, into `errors`."""
+    for host, port in addresses:
+        label = f"{host}:{port}"
+        try:
+            sock = socket.create_connection((host, port), timeout)
+        except OSError as exc:
+            errors.append(f"{label} ({exc.strerror or exc})")
+            continue
+        conn = BlockingConnection(sock)
+        try:
+            yield label, conn
+        finally:
+            conn.close()

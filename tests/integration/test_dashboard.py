@@ -125,6 +125,24 @@ def test_api_shows_peers_tasks_timeline_and_refusals(site, tmp_path):
     assert any("surely-not-installed-dist" in r["reason"] for r in api(dashboard, "tasks")["submitter_refusals"])
 
 
+def test_api_shows_jobs_with_their_state_elapsed_time_and_log_tail(site, tmp_path):
+    from gpulayer.client.jobs import Jobs
+
+    dashboard, client, _ = site
+    release = tmp_path / "release-job"
+    script = (f"import os, time\nprint('epoch 1 loss 0.5', flush=True)\n"
+              f"while not os.path.exists({str(release)!r}): time.sleep(0.02)\nprint('done')")
+    job = Jobs(client).submit(["python", "-c", script], None, Requirements.build(accelerator="cpu"), name="dash-job")
+    shown = wait_until(lambda: [j for j in api(dashboard, "tasks")["jobs"]
+                                if j["id"] == job.id and "epoch 1 loss 0.5" in j["tail"]], timeout=60)
+    assert shown[0]["state"] == "running" and shown[0]["name"] == "dash-job" and shown[0]["peer"] == "dash-cpu"
+    assert shown[0]["started"] is not None and shown[0]["ended"] is None and shown[0]["elapsed_s"] is not None
+    release.touch()
+    ended = wait_until(lambda: [j for j in api(dashboard, "tasks")["jobs"]
+                                if j["id"] == job.id and j["state"] == "succeeded"], timeout=60)
+    assert ended[0]["exit_code"] == 0 and ended[0]["tail"].endswith("done\n")
+
+
 class Page:
     """A page in headless Chromium, driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
     JSON messages ending in NUL, Chromium reading fd 3 and writing fd 4): nothing listens on a port."""
@@ -251,6 +269,8 @@ def test_hostile_status_fields_are_cleaned():
                                                                   "outcome": "\n" * 50}],
         "refusals": [{"t": -1}, {"t": 3.0, "code": None, "message": bad}],
         "actors": {"not": "a list"},
+        "jobs": [{"id": bad, "state": "running", "submitted": 1.0, "tail": "ok\n\x1b[2J" + bad},
+                 {"id": "x", "state": "exploded", "submitted": 1.0}, {"state": "queued"}],
         "unreserved_gb": {"cuda:0": 8.0, "cuda:1": -3, "\x00": 1.0, 5: 2.0, "cuda:2": "x"},
         "util": {"t": 1.0, "cpu_percent": 1e9, "ram_total_gb": -4, "source": "<script>",
                  "gpus": [{"index": 0, "util_percent": math.nan, "memory_used_gb": 3}, 5] * 100},
@@ -264,6 +284,8 @@ def test_hostile_status_fields_are_cleaned():
     assert len(clean["refusals"]) == 1 and clean["refusals"][0]["code"] == "?"
     assert len(clean["refusals"][0]["message"]) == 1000 and "\x1b" not in clean["refusals"][0]["message"]
     assert clean["actors"] == [] and clean["unreserved_gb"] == {"cuda:0": 8.0}
+    assert len(clean["jobs"]) == 1 and len(clean["jobs"][0]["id"]) == 40
+    assert "\x1b" not in clean["jobs"][0]["tail"] and len(clean["jobs"][0]["tail"]) <= 2000
     util = clean["util"]
     assert util["cpu_percent"] is None and util["ram_total_gb"] is None and util["source"] is None
     assert len(util["gpus"]) == 32 and util["gpus"][0] == {"index": 0, "util_percent": None, "memory_used_gb": 3.0,

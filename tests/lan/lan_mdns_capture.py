@@ -1,12 +1,13 @@
 """Count the mDNS packets that reach one namespace's eth0 (a port of the bridge), for a bounded time.
 
-    ip netns exec NS python lan_mdns_capture.py --seconds S [--interface eth0]
+    ip netns exec NS python lan_mdns_capture.py --seconds S [--interface eth0] [--source IP] [--count N]
 
 A raw AF_PACKET socket sees every frame the bridge floods to this port: multicast to
 224.0.0.251:5353 from every host of the LAN (IGMP snooping is off), and unicast sent to this
 host. The namespace runs nothing else, so what arrives is what the others sent. It prints one
 JSON line when ready ({"ready": true}) and, after S seconds (at most 600), one with the arrival
-time (time.monotonic()) and the size in bytes of each IPv4 UDP packet to or from port 5353.
+time (time.monotonic()) and the size in bytes of each IPv4 UDP packet to or from port 5353 (sent
+from IP only, with --source), ending early once it has N of them (--count).
 """
 
 from __future__ import annotations
@@ -35,20 +36,20 @@ def mdns_size(frame: bytes) -> int | None:
     return struct.unpack_from("!H", frame, 16)[0]
 
 
-def capture(interface: str, seconds: float) -> list[list[float]]:
+def capture(interface: str, seconds: float, source: str | None = None, count: int = MAX_PACKETS) -> list[list[float]]:
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_IP))
     sock.bind((interface, 0))
     sock.settimeout(0.2)
     print(json.dumps({"ready": True}), flush=True)
     packets: list[list[float]] = []
     deadline = time.monotonic() + min(seconds, MAX_SECONDS)
-    while time.monotonic() < deadline and len(packets) < MAX_PACKETS:
+    while time.monotonic() < deadline and len(packets) < min(count, MAX_PACKETS):
         try:
             frame = sock.recv(65536)
         except TimeoutError:
             continue
         size = mdns_size(frame)
-        if size is not None:
+        if size is not None and (source is None or socket.inet_ntoa(frame[26:30]) == source):
             packets.append([time.monotonic(), size])
     sock.close()
     return packets
@@ -58,8 +59,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--interface", default="eth0")
+    parser.add_argument("--source", default=None, help="only the packets sent from this IPv4 address")
+    parser.add_argument("--count", type=int, default=MAX_PACKETS, help="stop once this many packets came")
     args = parser.parse_args()
-    print(json.dumps({"packets": capture(args.interface, args.seconds)}), flush=True)
+    print(json.dumps({"packets": capture(args.interface, args.seconds, args.source, args.count)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A fault-injecting TCP relay (this kernel has no tc netem): delay, random cuts, one stall.
 
-    python lan_relay.py --route LISTEN=TARGET [--route ...] [--delay-ms 2] [--seed N]
+    python lan_relay.py --route LISTEN=TARGET [--route ...] [--delay-ms 2] [--seed N] [--record FILE]
 
 LISTEN and TARGET are host:port (port 0: any free one). It prints {"ports": [...]} once
 listening, then obeys JSON lines on stdin, one reply a line on stdout:
@@ -15,6 +15,8 @@ listening, then obeys JSON lines on stdin, one reply a line on stdout:
     {"op": "cut_all"} reset every connection now
     {"op": "stats"}   counters: connections, cuts, stalls, bytes, the delay seen
     {"op": "exit"}
+
+--record FILE appends every byte relayed, both ways, to FILE (what an eavesdropper on the path sees).
 
 Delay: every chunk is forwarded `delay` after it arrived, in order, in both directions, so
 a round trip gains twice the delay while throughput is not limited. Every loop is bounded.
@@ -89,6 +91,9 @@ class Pipe:
             if not data or self.closed:
                 return
             writer.write(data)
+            if self.relay.record is not None:
+                self.relay.record.write(data)
+                self.relay.record.flush()
             self.active = time.monotonic()
             self.bytes[direction] += len(data)
             self.relay.bytes[direction] += len(data)
@@ -117,8 +122,10 @@ class Pipe:
 
 
 class Relay:
-    def __init__(self, routes: list[tuple[tuple[str, int], tuple[str, int]]], delay: float, seed: int):
+    def __init__(self, routes: list[tuple[tuple[str, int], tuple[str, int]]], delay: float, seed: int,
+                 record=None):
         self.routes = routes
+        self.record = record  # a binary file that every relayed byte is appended to, or None
         self.delay = delay
         self.rng = random.Random(seed)
         self.pipes: set[Pipe] = set()
@@ -193,7 +200,7 @@ async def main_async(args) -> None:
     for spec in args.route:
         listen, _, target = spec.partition("=")
         routes.append((parse_address(listen), parse_address(target)))
-    relay = Relay(routes, args.delay_ms / 1000.0, args.seed)
+    relay = Relay(routes, args.delay_ms / 1000.0, args.seed, open(args.record, "ab") if args.record else None)
     ports = await relay.start()
     print(json.dumps({"ports": ports}), flush=True)
     loop = asyncio.get_running_loop()
@@ -240,6 +247,7 @@ def main() -> None:
     parser.add_argument("--route", action="append", required=True, help="LISTEN=TARGET, host:port each")
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", default=None, help="append every relayed byte to this file")
     parser.add_argument("--max-seconds", type=float, default=900.0, help="exit after this long, whatever happens")
     asyncio.run(main_async(parser.parse_args()))
 

@@ -62,6 +62,19 @@ def why_unavailable() -> str | None:
     return None
 
 
+def new_lan(workdir: Path, **options) -> Lan:
+    """A Lan (`options` as Lan's), or a pytest skip that says why none can be made here."""
+    import pytest
+
+    reason = why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    try:
+        return Lan(workdir, **options)
+    except LanUnavailable as exc:
+        pytest.skip(str(exc))
+
+
 def lan_env(key: str | None, **extra: str) -> dict:
     """The environment of a process inside a namespace.
 
@@ -173,9 +186,12 @@ def _install_safety_net() -> None:
 
 
 class Lan:
-    """One bridge and the hosts (namespaces) on it; `close()` removes all of it."""
+    """One bridge and the hosts (namespaces) on it; `close()` removes all of it.
 
-    def __init__(self, workdir: Path):
+    Its hosts are `subnet`<k>/`prefix_len` (10.77.0.<k>/16 by default); `add_router` joins two LANs
+    of distinct subnets through a host that forwards unicast, and never multicast (no mrouted)."""
+
+    def __init__(self, workdir: Path, subnet: str = SUBNET_PREFIX, prefix_len: int = 16):
         reason = why_unavailable()
         if reason:
             raise LanUnavailable(reason)
@@ -185,6 +201,8 @@ class Lan:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.id = secrets.token_hex(3)[:5]
         self.bridge = f"gl{self.id}br"
+        self.subnet, self.prefix_len = subnet, prefix_len
+        self.routes: list[tuple[str, str]] = []  # (destination, gateway) that every host gets
         self.hosts: list[Host] = []
         self.procs: list[subprocess.Popen] = []
         self.closed = False
@@ -204,14 +222,42 @@ class Lan:
         ip("link", "set", self.bridge, "up")
 
     def add_host(self, label: str) -> Host:
-        with self._lock:
-            self._count += 1
-            index = self._count
+        index = self.next_index()
         if index > 250:
             raise RuntimeError("at most 250 hosts on one LAN")
         host = Host(self, label, index)
         self.hosts.append(host)
         return host
+
+    def next_index(self) -> int:
+        with self._lock:
+            self._count += 1
+            return self._count
+
+    def route(self, destination: str, gateway: str) -> None:
+        """Send `destination` (a prefix) via `gateway`, from every host but the gateway, now and later."""
+        self.routes.append((destination, gateway))
+        for host in self.hosts:
+            if host.ip != gateway:
+                ip("-n", host.ns, "route", "add", destination, "via", gateway)
+
+    def add_router(self, other: Lan) -> Host:
+        """A host of this LAN with a second leg (eth1) on `other`'s bridge that forwards unicast between
+        them: this LAN's hosts route `other`'s subnet through it, and `other`'s hosts all of 10.77.0.0/16
+        (so that LANs joined to one hub reach each other); multicast stays put."""
+        router = self.add_host("router")
+        index = other.next_index()
+        leg, address = f"gl{other.id}h{index}", f"{other.subnet}{index}"
+        ip("link", "add", leg, "type", "veth", "peer", "name", "eth1", "netns", router.ns)
+        _no_ipv6(leg)
+        ip("link", "set", leg, "master", other.bridge)
+        ip("link", "set", leg, "up")
+        ip("-n", router.ns, "addr", "add", f"{address}/{other.prefix_len}", "dev", "eth1")
+        ip("-n", router.ns, "link", "set", "eth1", "up")
+        ip("netns", "exec", router.ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        self.route(f"{other.subnet}0/{other.prefix_len}", router.ip)
+        other.route("10.77.0.0/16", address)  # this LAN, and the others that it routes to
+        return router
 
     def close(self) -> None:
         """Stop every process (gracefully first), then remove the namespaces, veths and the bridge."""
@@ -293,7 +339,7 @@ class Host:
         self.index = index
         self.ns = f"gl{lan.id}n{index}"
         self.veth = f"gl{lan.id}h{index}"
-        self.ip = f"{SUBNET_PREFIX}{index}"
+        self.ip = f"{lan.subnet}{index}"
         self.peers: list[LanPeer] = []
         self.agents: list[Agent] = []
         ip("netns", "add", self.ns)
@@ -301,10 +347,12 @@ class Host:
         _no_ipv6(self.veth)
         ip("link", "set", self.veth, "master", lan.bridge)
         ip("link", "set", self.veth, "up")
-        ip("-n", self.ns, "addr", "add", f"{self.ip}/16", "dev", "eth0")
+        ip("-n", self.ns, "addr", "add", f"{self.ip}/{lan.prefix_len}", "dev", "eth0")
         ip("-n", self.ns, "link", "set", "lo", "up")
         ip("-n", self.ns, "link", "set", "eth0", "up")
         ip("-n", self.ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
+        for destination, gateway in lan.routes:
+            ip("-n", self.ns, "route", "add", destination, "via", gateway)
 
     def __repr__(self) -> str:
         return f"<Host {self.label} {self.ns} {self.ip}>"
@@ -476,10 +524,12 @@ def start_peers(hosts_and_names: list[tuple[Host, str]], key: str, concurrency: 
 class RelayProcess:
     """tests/lan/lan_relay.py inside a namespace: routes LISTEN=TARGET, driven by JSON lines."""
 
-    def __init__(self, host: Host, routes: list[tuple[str, str]], delay_ms: float = 0.0, seed: int = 0):
+    def __init__(self, host: Host, routes: list[tuple[str, str]], delay_ms: float = 0.0, seed: int = 0,
+                 record: Path | None = None):
         self.host = host
         self.log_file = host.lan.workdir / f"relay-{host.label}.log"
         argv = [sys.executable, str(HERE / "lan_relay.py"), "--delay-ms", str(delay_ms), "--seed", str(seed)]
+        argv += ["--record", str(record)] if record is not None else []
         for listen, target in routes:
             argv += ["--route", f"{listen}={target}"]
         with open(self.log_file, "ab") as log:

@@ -89,7 +89,7 @@ def test_gpulayer_device_on_real_cpu(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"devices": 2}, "MPS trains on one device"),
-    ({"num_nodes": 2}, "MPS trains on one device"),
+    ({"num_nodes": 2}, "MPS trains on one device.*use MLX distributed .* or accelerator=\"cpu\" with gloo"),
     ({"precision": "bf16-mixed"}, "only '32-true' is supported on MPS"),
     ({"precision": "16-mixed"}, "only '32-true' is supported on MPS"),
     ({"precision": "64-true"}, "MPS has no float64"),
@@ -113,7 +113,7 @@ def test_mps_32_true_constructs_without_touching_the_device(present, monkeypatch
     ({"precision": "8-bit"}, glt.UnsupportedConfiguration, "precision='8-bit'"),
     ({"accelerator": "tpu"}, glt.UnsupportedConfiguration, "accelerator='tpu'"),
     ({"devices": 0}, glt.UnsupportedConfiguration, "devices must be a positive int"),
-    ({"num_nodes": 2}, glt.UnsupportedConfiguration, "single-node"),
+    ({"num_nodes": 2}, glt.UnsupportedConfiguration, r"trains over the ranks of a gang: .*nodes=2\)"),
     ({"accumulate_grad_batches": 0}, ValueError, "accumulate_grad_batches"),
     ({"val_check_interval": 1.5}, ValueError, "val_check_interval"),
 ])

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from gpulayer.protocol import messages
 from gpulayer.matching import Requirements
 from gpulayer.peer.scheduler_state import (
-    IDLE_NOTICE_GAP_S, SPARE_IDLE_S, EndActor, Replace, RunAlone, SchedulerState, StopWorker, TellIdle, ToWorker)
-from gpulayer.peer.slots import ActorHolder, LeaseHolder, Slot, TaskHolder
+    IDLE_NOTICE_GAP_S, SPARE_IDLE_S, EndActor, Replace, RunAlone, SchedulerState, StartJob, StopWorker, TellIdle,
+    ToWorker)
+from gpulayer.peer.slots import ActorHolder, JobHolder, LeaseHolder, Slot, TaskHolder
 
 
 @dataclass(eq=False)
@@ -303,3 +304,25 @@ def test_a_lease_counts_as_a_contending_submitter():
     state.task_arrived(task(1), now=0.0)
     assert state.submitters(now=0.5) == 2
     assert state.report({"t": messages.PONG}, now=0.5) == {"t": messages.PONG, "load": [2, 0], "submitters": 2}
+
+
+def test_a_job_runs_its_own_process_on_its_slots_until_it_ends():
+    gpus = slots(2, "cuda", 80.0)
+    for slot in gpus:
+        slot.env["CUDA_VISIBLE_DEVICES"] = str(slot.index)
+    state = SchedulerState(gpus)
+    job = JobHolder(req=Requirements.build(accelerator="cuda", devices=2), job_id="j1", name="train",
+                    start=lambda group, env: None)
+    started, start = state.task_arrived(job, now=0.0)
+    assert (started.name, started.holder.address) == ("train", "job j1")
+    assert isinstance(start, StartJob) and start.group == gpus and start.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert state.held_by_jobs == 2 and state.submitters(now=100.0) == 2
+    waiting = task(1)
+    assert state.task_arrived(waiting, now=1.0) == []
+    # the idle warm worker of a job's slot dies: replaced, and the job keeps its slots
+    assert kinds(state.worker_died(gpus[0], 77, "exit code 1", now=2.0)) == ["Replace"]
+    assert gpus[0].task is job and not job.answered
+    gpus[0].worker = Up()
+    actions = state.job_ended(job, "failed", now=3.0)
+    assert kinds(actions) == ["Ended", "Started", "Run"] and actions[0].reply == {"code": "failed"}
+    assert job.answered and state.tasks_done == 1 and waiting.slot in gpus

@@ -69,6 +69,21 @@ function renderRunning(running) {
   }));
 }
 
+function renderJobs(jobs) {
+  const body = document.querySelector("#jobs tbody");
+  if (!jobs.length) { body.replaceChildren(el("tr", null)); body.firstChild.appendChild(el("td", "no jobs", "muted")); return; }
+  body.replaceChildren(...jobs.slice().reverse().map(j => {
+    const row = el("tr", null, "job state-" + j.state);
+    row.dataset.job = j.id;
+    const state = el("td", j.state, "job-state");
+    if (j.reason) state.title = j.reason;
+    [el("td", j.id, "job-id"), el("td", j.name), state, el("td", j.peer),
+     el("td", j.elapsed_s === null ? "-" : seconds(j.elapsed_s)), el("td", j.exit_code === null ? "" : j.exit_code),
+     el("td", j.tail, "job-tail")].forEach(td => row.appendChild(td));
+    return row;
+  }));
+}
+
 function renderTimeline(tasks) {
   const box = document.getElementById("timeline");
   const now = tasks.now, since = now - TIMELINE_S;
@@ -115,6 +130,7 @@ async function refresh() {
     const [peers, tasks] = await Promise.all([getJSON("/api/peers"), getJSON("/api/tasks")]);
     renderPeers(peers);
     renderRunning(tasks.running);
+    renderJobs(tasks.jobs);
     renderTimeline(tasks);
     renderRefusals(tasks);
     const up = peers.filter(p => p.state === "up").length;

@@ -1,0 +1,605 @@
+"""Jobs (issue 27): a job's working folder up and its artifact down, side by side with a raw socket.
+
+    python bench/jobs.py [--quick] [--json bench/results/jobs.json] [--plot bench/results/jobs.png]
+
+Two network namespaces on a bridge (tests/lan/lanlab.py; root only), a "peer" process in one and a
+"submitter" process in the other, one TCP connection per measurement:
+
+1. Upload of a fresh working folder (200 MB: 8 data files of 20 MiB and 1,600 source files of 25 KiB,
+   random bytes). GPUlayer: the real handshake, then the manifest, the peer's answer (the digests its
+   BlobStore lacks: all of them, a fresh store each round) and the blobs over the secure channel, each
+   checked against its digest and stored (gpulayer/jobs/transfer.py), until the peer says all are in.
+   Raw: the same files' bytes over a plain TCP socket, written to files on the other side, until it
+   says all are in. The submitter's digests are cached (it scanned the folder before), as for a
+   folder one works in; the scan itself is measured apart, cold (hashing everything) and warm.
+2. Resubmit unchanged: the same upload to the same store; the bytes its cable carried both ways
+   (the namespace's eth0 counters, TCP and the handshake included) against the folder's size.
+3. Fetch of a 1 GiB artifact from the job's folder: GPUlayer's FILE stream against the raw socket,
+   each written to a file on the submitter's side.
+
+The files (the folder, the artifact, the peer's store, what is fetched) live in memory, on tmpfs
+(/dev/shm; `--dir` chooses another place): on the shared test VM, writes to its disk stalled for
+seconds at random (dirty-page throttling under the other tests' load), which measured the disk, not
+the transfer. Both ways write the same files to the same place.
+
+Until the job messages land (jobs-core), the two ends call the transfer functions directly over a
+`blocking.BlockingConnection` (the peer's side as it runs on a connection handed to a thread); the job
+messages themselves are stood in for by SUBMIT/ACCEPT maps. Rounds alternate the ways compared; medians
+are given with their min and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import secrets
+import shlex
+import shutil
+import socket
+import subprocess
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[1:1] = [str(ROOT / "tests"), str(ROOT / "tests" / "lan")]  # after bench/; no gpulayer in either
+
+import msgpack  # noqa: E402
+from data_plane import Deadline, rotated, spread, wait_for_file  # noqa: E402  this folder's
+from lanlab import Lan, why_unavailable  # noqa: E402
+from overhead import machine, write_results  # noqa: E402
+
+from gpulayer import security  # noqa: E402
+from gpulayer.jobs import transfer  # noqa: E402
+from gpulayer.protocol import handshake, messages  # noqa: E402
+from gpulayer.transport import blocking, sockets  # noqa: E402
+from gpulayer.jobs.folder import BlobStore, DigestCache, Manifest, scan  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB = 1 << 20
+PIECE = transfer.CHUNK  # the raw socket's read and write size: the same as GPUlayer's chunks
+KEY_ENV = "JOBS_BENCH_KEY"  # the driver's random cluster key, handed to the two processes
+TARGETS = {"upload_over_raw": 0.8, "resubmit_bytes_over_folder": 0.01, "fetch_over_raw": 0.8,
+           "submit_first_line_ms": 150.0}
+LENGTH = struct.Struct(">Q")
+CPU = struct.Struct(">d")
+TIMEOUT = 600.0
+
+
+def make_folder(root: Path, data_files: int, data_mib: int, sources: int, source_kib: int) -> int:
+    """A working folder of random bytes; returns its size."""
+    for i in range(data_files):
+        path = root / "data" / f"shard_{i:02d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(data_mib * MIB))
+    for i in range(sources):
+        path = root / "src" / f"pkg_{i // 100:02d}" / f"module_{i:04d}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(source_kib << 10))
+    (root / ".gitignore").write_text("__pycache__/\n")
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def make_artifact(path: Path, mib: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(64 * MIB)
+    with open(path, "wb") as f:
+        for i in range(0, mib, 64):
+            f.write(block[:min(64, mib - i) * MIB])
+
+
+# ---- the peer's side ---------------------------------------------------------------------------------
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray(n)
+    view, got = memoryview(data), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("closed")
+        got += k
+    return bytes(data)
+
+
+def receive_to_file(sock: socket.socket, path: Path, size: int, buf: bytearray) -> None:
+    """Raw: `size` bytes from the socket into a new file, through one reused buffer."""
+    view = memoryview(buf)
+    with open(path, "wb", buffering=0) as f:
+        left = size
+        while left:
+            k = sock.recv_into(view[:min(left, len(buf))])
+            if not k:
+                raise ConnectionError("closed")
+            f.write(view[:k])
+            left -= k
+
+
+def send_from_file(sock: socket.socket, path: Path | str, size: int, buf: bytearray) -> None:
+    """Raw: a file's bytes to the socket, read into one reused buffer."""
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            sock.sendall(view[:n])
+
+
+def serve(workdir: Path, bind: str) -> None:
+    """The peer's end: one connection at a time, each a raw upload ("R"), a raw fetch ("F") or GPUlayer ("G")."""
+    listener = socket.create_server((bind, 0))
+    (workdir / "port").write_text(str(listener.getsockname()[1]))
+    buf = bytearray(PIECE)
+    while True:
+        sock, _ = listener.accept()
+        sockets.tune(sock)
+        mode = recv_exactly(sock, 1)
+        if mode == b"Q":
+            return
+        started = cpu_seconds()
+        if mode == b"R":
+            (length,) = LENGTH.unpack(recv_exactly(sock, 8))
+            files = msgpack.unpackb(recv_exactly(sock, length))
+            dest = workdir / "raw" / secrets.token_hex(4)
+            for rel, size in files:
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                receive_to_file(sock, dest / rel, size, buf)
+            sock.sendall(CPU.pack(cpu_seconds() - started))
+            recv_exactly(sock, 1)
+            shutil.rmtree(dest)
+        elif mode == b"F":
+            (length,) = LENGTH.unpack(recv_exactly(sock, 8))
+            path = recv_exactly(sock, length).decode()
+            size = os.stat(path).st_size
+            sock.sendall(LENGTH.pack(size))
+            send_from_file(sock, path, size, buf)
+            spent = cpu_seconds() - started
+            recv_exactly(sock, 1)
+            sock.sendall(CPU.pack(spent))
+        else:
+            serve_gpulayer(blocking.BlockingConnection(sock), workdir)
+        sock.close()
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process so far, all its threads, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def key() -> bytes:
+    return bytes.fromhex(os.environ[KEY_ENV])
+
+
+def serve_gpulayer(conn: blocking.BlockingConnection, workdir: Path) -> None:
+    hello = handshake.hello(security.new_nonce(), "bench-peer", security.cluster_id(key()), {})
+    conn.send(hello)
+    msg, _ = conn.recv()
+    checked = handshake.check_auth(msg, key(), hello)
+    if checked is None:
+        return
+    conn.send(checked[0])
+    conn.secure(*checked[1])
+    spent = 0.0
+    while True:
+        try:
+            msg, _ = conn.recv()
+        except ConnectionError:
+            return
+        started = cpu_seconds()
+        if msg.get("op") == "upload":
+            manifest = Manifest.from_wire(msg["manifest"])
+            store = BlobStore(workdir / "stores" / msg["store"])
+            blobs = manifest.blobs()
+            missing = store.missing(blobs)
+            conn.send({"t": messages.ACCEPT, "id": msg["id"], "missing": missing})
+            transfer.receive_blobs(conn, store, {d: blobs[d] for d in missing}, TIMEOUT)
+            conn.send({"t": messages.ACCEPT, "id": msg["id"], "cpu": cpu_seconds() - started})
+        elif msg.get("op") == "fetch":
+            transfer.send_files(conn, msg["root"], msg["paths"], msg["id"])
+            spent = cpu_seconds() - started
+        elif msg.get("op") == "cpu":  # what the last fetch cost this side
+            conn.send({"t": messages.ACCEPT, "id": msg["id"], "cpu": spent})
+        elif msg.get("op") == "drop":
+            shutil.rmtree(workdir / "stores" / msg["store"], ignore_errors=True)
+            conn.send({"t": messages.ACCEPT, "id": msg["id"]})
+
+
+# ---- the submitter's side -----------------------------------------------------------------------------
+
+def cable_bytes() -> int:
+    """Bytes through this namespace's eth0, both ways."""
+    stats = Path("/sys/class/net/eth0/statistics")
+    return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+
+class Submitter:
+    def __init__(self, host: str, port: int, folder: Path, artifact: str, workdir: Path):
+        self.address, self.folder, self.artifact, self.workdir = (host, port), folder, artifact, workdir
+        self.cache = DigestCache(workdir / "digests.json")
+        self.manifest = scan(folder, cache=self.cache)  # the folder was scanned before: its digests are cached
+        self.buf = bytearray(PIECE)
+
+    def connect(self, mode: bytes) -> socket.socket:
+        sock = socket.create_connection(self.address, timeout=TIMEOUT)
+        sockets.tune(sock)
+        sock.sendall(mode)
+        return sock
+
+    def gpulayer(self) -> blocking.BlockingConnection:
+        conn = blocking.BlockingConnection(self.connect(b"G"))
+        handshake.client_handshake(conn, key(), "bench-submitter")
+        return conn
+
+    def raw_upload(self) -> tuple[float, float]:
+        """(seconds, CPU seconds of both sides)."""
+        started, cpu = time.perf_counter(), cpu_seconds()
+        sock = self.connect(b"R")
+        entries = self.manifest.entries
+        header = msgpack.packb([[e.path, e.size] for e in entries])
+        sock.sendall(LENGTH.pack(len(header)) + header)
+        for e in entries:
+            send_from_file(sock, self.manifest.sources[e.path], e.size, self.buf)
+        (peer_cpu,) = CPU.unpack(recv_exactly(sock, CPU.size))
+        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+        sock.sendall(b"k")
+        sock.close()
+        return seconds, cpu + peer_cpu
+
+    def upload(self, store: str) -> tuple[float, int, int, float]:
+        """(seconds, content bytes sent, bytes through the cable, CPU seconds of both sides) of one upload:
+        scan (cached), connect, send."""
+        cable = cable_bytes()
+        started, cpu = time.perf_counter(), cpu_seconds()
+        manifest = scan(self.folder, cache=self.cache)
+        conn = self.gpulayer()
+        conn.send({"t": messages.SUBMIT, "id": 1, "op": "upload", "store": store, "manifest": manifest.to_wire()})
+        reply, _ = conn.recv()
+        sent = transfer.push_blobs(conn, manifest, reply["missing"], 1)
+        done, _ = conn.recv()
+        assert done["t"] == messages.ACCEPT
+        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+        conn.close()
+        return seconds, sent, cable_bytes() - cable, cpu + done["cpu"]
+
+    def drop(self, store: str) -> None:
+        conn = self.gpulayer()
+        conn.send({"t": messages.SUBMIT, "id": 2, "op": "drop", "store": store})
+        conn.recv()
+        conn.close()
+
+    def raw_fetch(self) -> tuple[float, float]:
+        dest = self.workdir / "raw-fetched.bin"
+        started, cpu = time.perf_counter(), cpu_seconds()
+        sock = self.connect(b"F")
+        path = self.artifact.encode()
+        sock.sendall(LENGTH.pack(len(path)) + path)
+        (size,) = LENGTH.unpack(recv_exactly(sock, 8))
+        receive_to_file(sock, dest, size, self.buf)
+        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+        sock.sendall(b"k")
+        (peer_cpu,) = CPU.unpack(recv_exactly(sock, CPU.size))
+        sock.close()
+        dest.unlink()
+        return seconds, cpu + peer_cpu
+
+    def fetch(self) -> tuple[float, float]:
+        dest = self.workdir / "fetched"
+        started, cpu = time.perf_counter(), cpu_seconds()
+        conn = self.gpulayer()
+        root, name = os.path.split(self.artifact)
+        conn.send({"t": messages.SUBMIT, "id": 3, "op": "fetch", "root": root, "paths": [name]})
+        transfer.receive_files(conn, dest, idle_timeout=TIMEOUT)
+        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+        conn.send({"t": messages.SUBMIT, "id": 4, "op": "cpu"})
+        reply, _ = conn.recv()
+        conn.close()
+        shutil.rmtree(dest)
+        return seconds, cpu + reply["cpu"]
+
+    def close(self) -> None:
+        self.connect(b"Q").close()
+
+
+def run_submitter(args: argparse.Namespace) -> None:
+    workdir = Path(args.workdir)
+    folder = Path(args.folder)
+    cold = time.perf_counter()
+    scan(folder, cache=DigestCache(None))
+    cold = time.perf_counter() - cold
+    sub = Submitter(args.host, args.port, folder, args.artifact, workdir)
+    warm = time.perf_counter()
+    scan(folder, cache=sub.cache)
+    warm = time.perf_counter() - warm
+    deadline = Deadline(args.max_minutes)
+    sub.upload("warm-up")
+    sub.drop("warm-up")
+    up: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    up_cpu: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    resubmit: list[dict] = []
+    for i in deadline.rounds(args.rounds):
+        store = f"round-{i}"
+        for way in rotated(list(up), i):
+            if way == "raw":
+                seconds, cpu = sub.raw_upload()
+            else:
+                seconds, sent, _, cpu = sub.upload(store)
+                assert sent == sub.manifest.total_bytes, (sent, sub.manifest.total_bytes)
+            up[way].append(seconds)
+            up_cpu[way].append(cpu)
+        seconds, sent, cable, _ = sub.upload(store)
+        resubmit.append({"seconds": seconds, "content_bytes": sent, "cable_bytes": cable})
+        sub.drop(store)
+    down: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    down_cpu: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    for i in deadline.rounds(args.rounds):
+        for way in rotated(list(down), i):
+            seconds, cpu = sub.raw_fetch() if way == "raw" else sub.fetch()
+            down[way].append(seconds)
+            down_cpu[way].append(cpu)
+    sub.close()
+    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "resubmit": resubmit, "fetch_s": down,
+                      "fetch_cpu_s": down_cpu, "scan_cold_s": cold, "scan_warm_s": warm,
+                      "files": len(sub.manifest.entries), "folder_bytes": sub.manifest.total_bytes}))
+
+
+# ---- the driver ---------------------------------------------------------------------------------------
+
+def across_namespaces(workdir: Path, quick: bool, rounds: int, max_minutes: float) -> dict:
+    folder = workdir / "project"
+    shape = (4, 4, 160, 25) if quick else (8, 20, 1600, 25)
+    size = make_folder(folder, *shape)
+    artifact = workdir / "job" / "ckpt" / "model.bin"
+    make_artifact(artifact, 64 if quick else 1024)
+    os.environ[KEY_ENV] = secrets.token_hex(32)
+    lan = Lan(workdir / "lan")
+    try:
+        peer_host, submitter_host = lan.add_host("peer"), lan.add_host("submitter")
+        peer_dir = workdir / "peer"
+        peer_dir.mkdir()
+        peer_host.popen([sys.executable, __file__, "--serve", str(peer_dir), "--bind", peer_host.ip], os.environ)
+        wait_for_file(peer_dir / "port", 30)
+        sub_dir = workdir / "submitter"
+        sub_dir.mkdir()
+        out = submitter_host.run([sys.executable, __file__, "--submit", "--host", peer_host.ip,
+                                  "--port", (peer_dir / "port").read_text(), "--workdir", str(sub_dir),
+                                  "--folder", str(folder), "--artifact", str(artifact), "--rounds", str(rounds),
+                                  "--max-minutes", str(max_minutes)], timeout=60 * max_minutes + 600,
+                                 env=os.environ.copy())
+        if out.returncode != 0:
+            raise RuntimeError(f"the submitter failed ({out.returncode}): {out.stderr[-3000:]}")
+        measured = json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        lan.close()
+    measured["shape"] = {"data_files": shape[0], "data_mib": shape[1], "sources": shape[2], "source_kib": shape[3],
+                         "bytes": size, "artifact_bytes": artifact.stat().st_size}
+    return measured
+
+
+# ---- 4. submit of a cached folder to the job's first output line, on one host --------------------------
+
+MARKER = "jobs-bench-first-line"
+FIRST_LINE = ["python", "-c", f"print({MARKER!r}, flush=True)"]
+
+
+def time_to_line(argv: list[str], env: dict, timeout: float = 120.0) -> float:
+    """Seconds from starting `argv` to the line MARKER on its output; the process is then left to end."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == MARKER:
+                seen = time.perf_counter() - started
+                break
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if seen is None:
+        raise RuntimeError(f"{shlex.join(argv)} never printed its first line (exit {proc.returncode})")
+    return seen
+
+
+def ray_head(env: dict, port: int) -> tuple[subprocess.Popen, str | None]:
+    """A local Ray head with its job server (the dashboard) on 127.0.0.1:`port`, held by a driver process
+    that ends it when its stdin closes (never `ray stop`, which would end other users' Ray too); the
+    process, and why it failed, or None."""
+    script = ("import sys, ray; ray.init(include_dashboard=True, dashboard_host='127.0.0.1', "
+              f"dashboard_port={port}, _node_ip_address='127.0.0.1', num_cpus=2, logging_level='ERROR'); "
+              "print('ready', flush=True); sys.stdin.read(); ray.shutdown()")
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    output = []
+    for line in proc.stdout:
+        if line.strip() == "ready":
+            return proc, None
+        output.append(line)
+    proc.wait()
+    return proc, "the Ray head did not start: " + " ".join(output[-3:]).strip()[-400:]
+
+
+def submit_latency(workdir: Path, rounds: int) -> dict:
+    """`gpulayer submit -f` of a cached working folder to the job's first output line, through a peer on
+    loopback, against `ray job submit` of the same folder to a local Ray head bound to 127.0.0.1."""
+    if importlib.util.find_spec("gpulayer.jobs_cli") is None:
+        return {"skipped": "this tree has no `gpulayer submit` (the jobs of issue 27 are not merged)"}
+    from support import PeerProcess
+
+    folder = workdir / "small-project"
+    make_folder(folder, 2, 1, 50, 4)
+    key = secrets.token_hex(16)
+    env = {**os.environ, "GPULAYER_KEY": key, "GPULAYER_INTERFACES": "127.0.0.1", "GPULAYER_CACHE": "0",
+           "XDG_STATE_HOME": str(workdir / "state"), "XDG_CACHE_HOME": str(workdir / "cache"),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    peer = PeerProcess(workdir, key, "jobs-bench", env=env).start()
+    out: dict = {"folder_bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())}
+    try:
+        env["GPULAYER_PEERS"] = peer.address
+        submit = [sys.executable, "-m", "gpulayer", "submit", "-f", "--accelerator", "cpu",
+                  "--working-dir", str(folder), "--", *FIRST_LINE]
+        out["gpulayer_first_s"] = time_to_line(submit, env)  # the folder goes up; later submits find it cached
+        out["gpulayer_s"] = spread([time_to_line(submit, env) for _ in range(rounds)])
+    finally:
+        peer.stop()
+    port = 18265 + secrets.randbelow(1000)
+    head, problem = ray_head(env, port)
+    try:
+        if problem is not None:
+            out["ray"] = {"skipped": problem}
+        else:
+            ray_submit = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
+                          f"http://127.0.0.1:{port}", "--working-dir", str(folder), "--", *FIRST_LINE]
+            out["ray_first_s"] = time_to_line(ray_submit, env)
+            out["ray_s"] = spread([time_to_line(ray_submit, env) for _ in range(rounds)])
+    finally:
+        if head.poll() is None:
+            head.communicate(timeout=60)
+    return out
+
+
+def gb_per_s(nbytes: int, seconds: list[float]) -> dict:
+    return spread([nbytes / s / 1e9 for s in seconds])
+
+
+def summarize(m: dict) -> dict:
+    folder, artifact = m["shape"]["bytes"], m["shape"]["artifact_bytes"]
+    up = {way: gb_per_s(folder, s) for way, s in m["upload_s"].items()}
+    down = {way: gb_per_s(artifact, s) for way, s in m["fetch_s"].items()}
+    up_ratio = spread([r / g for g, r in zip(m["upload_s"]["gpulayer"], m["upload_s"]["raw"])])
+    down_ratio = spread([r / g for g, r in zip(m["fetch_s"]["gpulayer"], m["fetch_s"]["raw"])])
+    cable = spread([r["cable_bytes"] / folder for r in m["resubmit"]])
+    s = {
+        "folder_mb": folder / 1e6, "folder_files": m["files"], "artifact_mib": artifact / MIB,
+        "upload_gb_per_s": {w: [v["median"], v["min"], v["max"]] for w, v in up.items()},
+        "upload_over_raw": up_ratio["median"], "upload_over_raw_range": [up_ratio["min"], up_ratio["max"]],
+        "resubmit_content_bytes": max(r["content_bytes"] for r in m["resubmit"]),
+        "resubmit_cable_bytes_over_folder": cable["median"],
+        "resubmit_seconds": spread([r["seconds"] for r in m["resubmit"]])["median"],
+        "fetch_gb_per_s": {w: [v["median"], v["min"], v["max"]] for w, v in down.items()},
+        "fetch_over_raw": down_ratio["median"], "fetch_over_raw_range": [down_ratio["min"], down_ratio["max"]],
+        "scan_cold_s": m["scan_cold_s"], "scan_warm_s": m["scan_warm_s"],
+        # CPU seconds both processes spent per GB moved: what a CPU-starved machine's wall time follows
+        "upload_cpu_s_per_gb": {w: spread([c / folder * 1e9 for c in v])["median"] for w, v in m["upload_cpu_s"].items()},
+        "fetch_cpu_s_per_gb": {w: spread([c / artifact * 1e9 for c in v])["median"] for w, v in m["fetch_cpu_s"].items()},
+    }
+    s["targets_met"] = {
+        "upload >= 0.8 x raw": s["upload_over_raw"] >= TARGETS["upload_over_raw"],
+        "resubmit unchanged: cable bytes <= 1% of the folder":
+            cable["max"] <= TARGETS["resubmit_bytes_over_folder"] and s["resubmit_content_bytes"] == 0,
+        "fetch >= 0.8 x raw": s["fetch_over_raw"] >= TARGETS["fetch_over_raw"],
+    }
+    return s
+
+
+def summarize_submit(m: dict) -> dict:
+    if "gpulayer_s" not in m:
+        return {"submit": m.get("skipped", "skipped")}
+    s = {"submit_first_line_ms": 1e3 * m["gpulayer_s"]["median"],
+         "submit_first_line_ms_range": [1e3 * m["gpulayer_s"]["min"], 1e3 * m["gpulayer_s"]["max"]]}
+    if "ray_s" in m:
+        s["ray_job_submit_first_line_ms"] = 1e3 * m["ray_s"]["median"]
+    else:
+        s["ray_job_submit"] = m.get("ray", {}).get("skipped", "skipped")
+    s["submit_target_met"] = s["submit_first_line_ms"] <= TARGETS["submit_first_line_ms"]
+    return s
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    if "skipped" in result["namespaces"]:
+        axes[0].text(0.5, 0.5, f"skipped: {result['namespaces']['skipped']}", ha="center", va="center")
+        fig.savefig(path, dpi=100)
+        return
+    s = result["summary"]
+    for ax, key, title, target in ((axes[0], "upload_gb_per_s", f"Upload, fresh {s['folder_mb']:.0f} MB folder "
+                                    f"({s['folder_files']} files)", "upload_over_raw"),
+                                   (axes[1], "fetch_gb_per_s", f"Fetch, {s['artifact_mib']:.0f} MiB artifact",
+                                    "fetch_over_raw")):
+        rows = s[key]
+        names = ["raw", "gpulayer"]
+        medians = [rows[n][0] for n in names]
+        errors = [[rows[n][0] - rows[n][1] for n in names], [rows[n][2] - rows[n][0] for n in names]]
+        ax.barh(["raw socket", "GPUlayer\n(secure channel, verified)"], medians, xerr=errors,
+                color=["tab:gray", "tab:green"], capsize=4)
+        for y, (name, m) in enumerate(zip(names, medians)):
+            ax.text(rows[name][2], y, f"  {m:.2f} GB/s", va="center")
+        ax.axvline(TARGETS[target] * rows["raw"][0], color="k", linestyle="--", label="target: 0.8 x raw")
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(r[2] for r in rows.values()) * 1.5)
+        ax.legend(loc="lower right")
+        cpu = s[key.replace("gb_per_s", "cpu_s_per_gb")]
+        ax.set_title(f"{title}\nGPUlayer / raw = {s[target]:.2f} (GB/s, across the veth)\n"
+                     f"CPU s per GB, both sides: raw {cpu['raw']:.2f}, GPUlayer {cpu['gpulayer']:.2f}")
+    ax = axes[2]
+    ax.bar(["folder", "resubmit:\ncable bytes"], [s["folder_mb"], s["resubmit_cable_bytes_over_folder"] *
+                                                  s["folder_mb"]], color=["tab:gray", "tab:green"])
+    ax.axhline(TARGETS["resubmit_bytes_over_folder"] * s["folder_mb"], color="k", linestyle="--",
+               label="target: 1% of the folder")
+    ax.set_yscale("log")
+    ax.set_ylabel("MB")
+    ax.legend()
+    ax.set_title(f"Resubmit unchanged: on the wire,\n{100 * s['resubmit_cable_bytes_over_folder']:.3f}% "
+                 f"of the folder, in {s['resubmit_seconds'] * 1e3:.0f} ms\n(scan: warm {s['scan_warm_s'] * 1e3:.0f} ms, "
+                 f"cold {s['scan_cold_s']:.2f} s)")
+    fig.text(0.5, 0.01, "submit of a cached folder to the job's first output line, one host: " + (
+        f"gpulayer submit -f {s['submit_first_line_ms']:.0f} ms (target {TARGETS['submit_first_line_ms']:.0f}); "
+        + (f"ray job submit {s['ray_job_submit_first_line_ms']:.0f} ms" if "ray_job_submit_first_line_ms" in s
+           else f"ray job submit: {s.get('ray_job_submit')}")
+        if "submit_first_line_ms" in s else str(s.get("submit"))), ha="center", fontsize=9)
+    m = result["machine"]
+    fig.suptitle(f"GPUlayer jobs' folder transfer on {m['host']} ({m['cpus']} CPUs, load {m['load_before'][0]:.1f}), "
+                 f"{m['date'][:10]}; bars: median of rounds, whiskers: min-max")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (a smoke run)")
+    parser.add_argument("--json", default=str(RESULTS / "jobs.json"))
+    parser.add_argument("--plot", default=str(RESULTS / "jobs.png"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-minutes", type=float, default=20.0, help="rounds stop early past this")
+    parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                        help="where the files live (default: /dev/shm, tmpfs)")
+    for hidden in ("--serve", "--bind", "--host", "--port", "--workdir", "--folder", "--artifact"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--submit", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(Path(args.serve), args.bind)
+        return 0
+    if args.submit:
+        args.port = int(args.port)
+        run_submitter(args)
+        return 0
+    rounds = 2 if args.quick else args.rounds
+    result = {"machine": {**machine(), "load_before": os.getloadavg()},
+              "settings": {"quick": args.quick, "rounds": rounds, "chunk_mib": transfer.CHUNK / MIB,
+                           "files_in": args.dir or tempfile.gettempdir()},
+              "targets": TARGETS}
+    reason = why_unavailable()
+    with tempfile.TemporaryDirectory(prefix="jobs-bench-", dir=args.dir) as tmp:
+        result["namespaces"] = ({"skipped": reason} if reason else
+                                across_namespaces(Path(tmp), args.quick, rounds, args.max_minutes))
+        result["submit"] = submit_latency(Path(tmp), rounds)
+    result["machine"]["load_after"] = os.getloadavg()
+    result["summary"] = {"skipped": reason} if reason else summarize(result["namespaces"])
+    result["summary"].update(summarize_submit(result["submit"]))
+    write_results(result, args.json, args.plot, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""The submitter's side of jobs (ADR 0016, docs/jobs.md): submit, find, watch, stop, fetch and remove.
+
+Each operation opens a connection of its own to the peer that holds the job (the secure channel, as
+every submitter's), so that a job needs nothing of the process that submitted it: `job(id)` in any
+process of any machine with the cluster key finds the peer by asking the peers of the cluster which
+of them holds it (a job id names its holder). The Client is used for discovery and placement only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
+from ..jobs import call, folder, transfer
+from ..jobs.store import ENDED, JobSpec, check_job_id, holder_of
+from ..matching import Requirements
+from ..protocol import handshake, jobs as job_protocol, messages
+from ..transport import blocking, sockets
+from .connection import CONNECT_TIMEOUT
+from .engine import Client
+from .inference import with_inferred
+
+PING_EVERY_S = 1.0  # while waiting on a long answer (wait, a followed log), a PING this often keeps it open
+SILENCE_S = 15.0  # nothing heard from the peer this long: the connection is lost
+
+
+class JobError(GPULayerError):
+    """A job request refused by its peer (no such job, a path outside its folder, ...), or no job."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A peer that holds jobs: its job identity (the first part of their ids), name and addresses."""
+
+    holder: str
+    name: str
+    addresses: list[tuple[str, int]]
+
+
+class JobLink:
+    """One authenticated connection to a peer for job requests, closed after use."""
+
+    def __init__(self, client: Client, addresses: list[tuple[str, int]]):
+        errors = []
+        for address in addresses:
+            try:
+                sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
+                break
+            except OSError as exc:
+                errors.append(f"{address[0]}:{address[1]}: {exc.strerror or exc}")
+        else:
+            raise PeerLost(f"the peer is unreachable: {'; '.join(errors) or 'no address'}")
+        sockets.tune(sock)
+        self.conn = blocking.BlockingConnection(sock)
+        self._ids = iter(range(1, 1 << 62))
+        try:
+            self.hello = handshake.client_handshake(self.conn, client.key, client.client_id)
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def __enter__(self) -> JobLink:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.conn.close()
+
+    def send(self, msg: messages.Message, buffers: messages.Buffers = ()) -> int:
+        msg.setdefault("id", next(self._ids))
+        self.conn.send(msg, buffers)
+        return int(msg["id"])
+
+    def answer(self, request_id: int, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
+               timeout: float | None = None) -> messages.Message:
+        """The peer's JOB_NEED or JOB_INFO for `request_id` (JOB_LOG and FILE pieces go to `on_data`); raises
+        JobError for its ERROR, PeerLost when the connection is lost or silent, TimeoutError past `timeout`."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                msg, buffers = self.conn.recv(time.monotonic() + PING_EVERY_S)
+            except socket.timeout:
+                if time.monotonic() - self.conn.last_received > SILENCE_S:
+                    raise PeerLost(f"the peer went silent for {SILENCE_S:g} s") from None
+                if end is not None and time.monotonic() > end:
+                    raise TimeoutError("no answer in time") from None
+                self.conn.send(messages.ping())
+                continue
+            except (OSError, ConnectionError) as exc:
+                raise PeerLost(f"the connection to the peer was lost: {exc}") from None
+            if msg.get("id") != request_id:
+                continue  # a PONG, or the peer's word on something else
+            if msg["t"] == messages.ERROR:
+                raise JobError(messages.printable(msg.get("code"), 40), messages.printable(msg.get("message"), 2000))
+            if msg["t"] in (messages.JOB_LOG, messages.FILE):
+                if on_data is not None:
+                    on_data(msg, buffers)
+                continue
+            if msg["t"] in (messages.JOB_NEED, messages.JOB_INFO):
+                return msg
+
+    def ask(self, msg: messages.Message, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
+            timeout: float | None = None) -> messages.Message:
+        return self.answer(self.send(msg), on_data, timeout)
+
+
+class Jobs:
+    """Jobs of the cluster that `client` (the LAN's Client) belongs to."""
+
+    def __init__(self, client: Any):
+        if not isinstance(client, Client):
+            raise ConfigError("jobs need the LAN's peers (GPULAYER_BACKEND is not ray)")
+        self.client = client
+        self._holders: dict[str, Holder] = {}
+
+    # ---- finding peers ----------------------------------------------------------------------
+
+    def holders(self, include_old: bool = False) -> list[tuple[Holder, messages.Message | str]]:
+        """Every peer of the cluster, with its JOB_INFO listing (the last day's jobs, or all with
+        `include_old`) or why it did not answer."""
+        self.client.peers(probe=False)  # waits for the mDNS answers, as `gpulayer peers` does
+        return self._ask([r for r in self.client.directory.records() if r.addresses], include_old)
+
+    def _ask(self, records: list[Any], include_old: bool = False) -> list[tuple[Holder, messages.Message | str]]:
+        """The JOB_LIST answers of these peers (or why each did not answer), asked at once."""
+        def ask(record: Any) -> tuple[Holder, messages.Message | str]:
+            try:
+                with JobLink(self.client, record.addresses) as link:
+                    info = link.ask(job_protocol.request(messages.JOB_LIST, 0, all=include_old), timeout=10.0)
+            except (OSError, GPULayerError, TimeoutError) as exc:
+                return Holder("", record.advert.name, record.addresses), str(exc)
+            holder = Holder(messages.printable(info.get("holder"), 12), record.advert.name, record.addresses)
+            self._holders[holder.holder] = holder
+            return holder, info
+
+        with ThreadPoolExecutor(8, thread_name_prefix="gpulayer-jobs") as pool:
+            return list(pool.map(ask, records))
+
+    def holder(self, job_id: str, fresh: bool = False) -> Holder:
+        """The peer that holds `job_id` (asked again with `fresh`: it may have moved to another port);
+        JobError when no peer of this cluster does."""
+        problem = check_job_id(job_id)
+        if problem is not None:
+            raise JobError("bad-request", problem)
+        wanted = holder_of(job_id)
+        if fresh:
+            self._holders.pop(wanted, None)
+        if wanted not in self._holders:
+            answered = self._find(wanted)
+            if wanted not in self._holders:
+                raise JobError("no-job", f"no peer of this cluster holds job {job_id} ({answered} peer(s) "
+                                         "answered; a job of another cluster, or of a peer that is down, is not "
+                                         "found)")
+        return self._holders[wanted]
+
+    def _find(self, wanted: str) -> int:
+        """Ask the peers as they are discovered until the holder `wanted` answers, or the discovery
+        time passes (GPULAYER_DISCOVERY_TIMEOUT); how many peers answered."""
+        self.client.start()
+        directory, answered = self.client.directory, 0
+        asked: set[str] = set()
+        deadline = time.monotonic() + self.client.discovery_timeout
+
+        def unasked(records: list[Any]) -> list[Any]:
+            return [r for r in records if r.addresses and r.advert.peer_id not in asked]
+
+        while wanted not in self._holders:
+            left = deadline - time.monotonic()
+            if left <= 0 or not directory.wait_for(lambda records: bool(unasked(records)), left):
+                break
+            fresh = unasked(directory.records())
+            asked.update(r.advert.peer_id for r in fresh)
+            answered += sum(not isinstance(info, str) for _, info in self._ask(fresh))
+        return answered
+
+    def job(self, job_id: str) -> Job:
+        job = Job(self, self.holder(job_id), {"id": job_id})
+        job.refresh()
+        return job
+
+    def rows(self, include_old: bool = False) -> list[dict[str, Any]]:
+        """Every job the peers know (those not ended and those ended in the last day, or all with
+        `include_old`), with its peer; a peer that did not answer gives a row in state "unknown"."""
+        rows: list[dict[str, Any]] = []
+        for holder, info in self.holders(include_old):
+            if isinstance(info, str):
+                rows.append({"id": "?", "peer": holder.name, "state": "unknown", "reason": info})
+                continue
+            rows += [{**row, "peer": holder.name} for row in info.get("jobs") or [] if isinstance(row, dict)]
+        return sorted(rows, key=lambda r: r.get("submitted") or 0.0)
+
+    # ---- submitting -------------------------------------------------------------------------
+
+    def submit(self, command: list[str], working_dir: str | os.PathLike[str] | None, req: Requirements, *,
+               excludes: tuple[str, ...] = (), name: str = "", env: dict[str, str] | None = None,
+               timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
+               function: bool = False) -> Job:
+        """Ship `working_dir` (none: an empty folder) and record the job on the best matching peer;
+        returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent."""
+        if working_dir is None:
+            with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
+                return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
+                                   function=function)
+        manifest = folder.scan(working_dir, excludes, limit_bytes)
+        spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
+                       retries=retries, function=function)
+        self.client.start()
+        self.client.placement.wait_for_match(req, (), self.client.discovery_timeout)
+        failures: dict[str, list[str]] = {}
+        for record in self.client.placement.ranked(req):
+            try:
+                with JobLink(self.client, record.addresses) as link:
+                    info = _submit_over(link, spec, manifest)
+            except (PeerLost, JobError) as exc:
+                if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
+                    raise
+                failures[f"{record.advert.name} ({record.address})"] = [str(exc)]
+                continue
+            holder = Holder(holder_of(info["job"]["id"]), record.advert.name, record.addresses)
+            self._holders[holder.holder] = holder
+            return Job(self, holder, info["job"])
+        raise NoMatchingPeer(req, {**self.client.placement.reasons(req), **failures})
+
+    def submit_function(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                        req: Requirements, **options: Any) -> Job:
+        """fn(*args, **kwargs) as a job whose folder holds only the call; Job.result() gives its outcome."""
+        packed = call.pack_call(fn, args, kwargs)
+        name = options.pop("name", "") or getattr(fn, "__qualname__", "function")
+        with tempfile.TemporaryDirectory(prefix="gpulayer-call-") as holder:
+            path = Path(holder, call.CALL_FILE)
+            path.parent.mkdir()
+            path.write_bytes(packed)
+            return self.submit(call.COMMAND, holder, with_inferred(req, fn, packed), name=name, function=True,
+                               **options)
+
+    # ---- one job ----------------------------------------------------------------------------
+
+    def link(self, holder: Holder) -> JobLink:
+        return JobLink(self.client, holder.addresses)
+
+
+def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest) -> messages.Message:
+    """JOB_SUBMIT, then the blobs the peer lacks; the peer's JOB_INFO once it recorded the job."""
+    request_id = link.send(job_protocol.submit(0, spec, manifest.to_wire()))
+    need = link.answer(request_id, timeout=60.0).get("need") or []
+    transfer.push_blobs(link.conn, manifest, need, request_id)
+    return link.answer(request_id, timeout=None if need else 60.0)
+
+
+class Job:
+    """A job on its peer: `id`, `peer`, and its `state`, `exit_code` and `reason` as last heard."""
+
+    def __init__(self, jobs: Jobs, holder: Holder, info: dict[str, Any]):
+        self._jobs = jobs
+        self._holder = holder
+        self.info = info
+        self.id: str = info["id"]
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r}, state={self.state!r}, peer={self.peer!r})"
+
+    @property
+    def peer(self) -> str:
+        return self._holder.name
+
+    @property
+    def state(self) -> str:
+        return str(self.info.get("state", "?"))
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.info.get("exit_code")
+
+    @property
+    def reason(self) -> str:
+        return str(self.info.get("reason") or "")
+
+    def _link(self) -> JobLink:
+        """A connection to the job's peer; where it is not reachable where it was, the peers are asked
+        again which of them holds the job (a restarted peer listens on another port)."""
+        try:
+            return self._jobs.link(self._holder)
+        except PeerLost:
+            self._holder = self._jobs.holder(self.id, fresh=True)
+            return self._jobs.link(self._holder)
+
+    def _ask(self, kind: str, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
+             **fields: Any) -> messages.Message:
+        with self._link() as link:
+            reply = link.ask(job_protocol.request(kind, 0, self.id, **fields), on_data)
+        if isinstance(reply.get("job"), dict):
+            self.info = reply["job"]
+        return reply
+
+    def refresh(self) -> Job:
+        """Ask its peer for its state now."""
+        self._ask(messages.JOB_WAIT, timeout=0)
+        return self
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the job ends (or `timeout` s pass); its state."""
+        self._ask(messages.JOB_WAIT, timeout=timeout)
+        return self.state
+
+    def stop(self, grace: float = job_protocol.DEFAULT_GRACE_S) -> str:
+        """SIGTERM to its processes, SIGKILL after `grace` s; returns once it ended (its state)."""
+        self._ask(messages.JOB_STOP, grace=grace)
+        return self.state
+
+    def remove(self) -> None:
+        """Forget the ended job on its peer and delete its folder there."""
+        self._ask(messages.JOB_RM)
+
+    def logs(self, follow: bool = False, tail: int | None = None, out: IO[bytes] | None = None) -> str:
+        """Its stdout and stderr as written, from the start (or the last `tail` lines); with `follow`,
+        until it ends. With `out`, the bytes go there as they come (and "" is returned)."""
+        pieces: list[bytes] = []
+
+        def take(_msg: messages.Message, buffers: list[Any]) -> None:
+            data = bytes(buffers[0]) if buffers else b""
+            if out is None:
+                pieces.append(data)
+            else:
+                out.write(data)
+                out.flush()
+
+        self._ask(messages.JOB_LOGS, take, offset=0, follow=follow, tail=tail)
+        return b"".join(pieces).decode("utf-8", "replace")
+
+    def fetch(self, paths: list[str] | None = None, to: str | os.PathLike[str] = ".", force: bool = False) -> list[Path]:
+        """Bring files of the job's folder into `to` (default: what the job created or changed); nothing is
+        written when one would overwrite a file, unless `force`. Returns the paths written."""
+        receiver = transfer.FileReceiver(to, force)
+        try:
+            self._ask(messages.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), paths=paths)
+        finally:
+            receiver.abort()
+        return [Path(to, f[0]) for f in receiver.files or []]
+
+    def result(self, timeout: float | None = None) -> Any:
+        """A function job's return value, or its exception raised here with the remote traceback."""
+        if not self.info.get("function"):
+            raise JobError("bad-request", f"job {self.id} runs a command, not a function: it has no result")
+        if self.wait(timeout) not in ENDED:
+            raise TimeoutError(f"job {self.id} is still {self.state} after {timeout} s")
+        with tempfile.TemporaryDirectory(prefix="gpulayer-result-") as here:
+            try:
+                self.fetch([call.OUTCOME_FILE], here)
+            except JobError:
+                raise JobError("no-result", f"job {self.id} ended {self.state} without a result"
+                                            f"{': ' + self.reason if self.reason else ''}") from None
+            return call.outcome(Path(here, call.OUTCOME_FILE).read_bytes())
+
+
+def exit_status(job: Job) -> int:
+    """The exit status a shell gives for the job: its code, 128+N for signal N, 1 when it has none."""
+    code = job.exit_code
+    if code is None:
+        return 0 if job.state == "succeeded" else 1
+    return 128 - code if code < 0 else code
+

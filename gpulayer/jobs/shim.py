@@ -1,0 +1,132 @@
+"""A job's supervisor: `python -I shim.py LOG STATUS GRACE_FILE -- COMMAND...`, started by the peer in a
+session of its own, in the job's folder, with the job's environment.
+
+It runs COMMAND with stdout and stderr both on the log (in the order written), and stays the parent
+of the job's whole process tree: on Linux it is a child subreaper, so a descendant whose parent
+exits (one started with `setsid` and left behind, say) is re-parented to it, not to init. When
+COMMAND ends, or on SIGTERM (the peer's stop or timeout), every descendant gets SIGTERM, and
+SIGKILL after the seconds that GRACE_FILE holds (DEFAULT_GRACE_S when it holds none: the peer writes
+it before a stop); then it writes {"code": N} or {"signal": N} to STATUS and exits.
+
+It runs with the peer's interpreter (psutil, imported when the tree is signalled, and the standard
+library; no gpulayer import), so
+that a peer killed with -9 leaves a supervisor that the restarted peer can still stop by its pid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+DEFAULT_GRACE_S = 10.0
+
+
+def become_subreaper() -> None:
+    """Orphans of the job's tree come to this process (Linux); elsewhere nothing happens."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def signal_tree(sig: int) -> None:
+    """Send `sig` to every descendant of this process (again for what forked meanwhile, with SIGKILL)."""
+    import psutil  # here: a job whose tree ends by itself never pays for it at start
+
+    for _ in range(5):  # again, for what forked meanwhile
+        try:
+            tree = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return
+        if not tree:
+            return
+        for proc in tree:
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+        if sig != signal.SIGKILL:
+            return
+
+
+def has_children() -> bool:
+    """Whether any process is still this one's child (an orphan of the tree is, here: the subreaper)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
+
+
+class Supervisor:
+    def __init__(self, grace_file: str):
+        self.grace_file = grace_file
+        self.ending = False
+
+    def grace(self) -> float:
+        try:
+            with open(self.grace_file) as f:
+                return max(float(f.read()), 0.01)
+        except (OSError, ValueError):
+            return DEFAULT_GRACE_S
+
+    def end(self, *_: object) -> None:
+        """Stop the tree: SIGTERM now, SIGKILL after the grace (SIGALRM)."""
+        if self.ending:
+            return
+        self.ending = True
+        signal_tree(signal.SIGTERM)
+        signal.setitimer(signal.ITIMER_REAL, self.grace())
+
+    def run(self, log: str, status_file: str, command: list[str]) -> int:
+        signal.signal(signal.SIGTERM, self.end)
+        signal.signal(signal.SIGINT, self.end)
+        signal.signal(signal.SIGALRM, lambda *_: signal_tree(signal.SIGKILL))
+        become_subreaper()
+        out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        except OSError as exc:
+            os.write(out, f"gpulayer: cannot run {command[0]!r}: {exc.strerror or exc}\n".encode())
+            return _write_status(status_file, {"code": 127})
+        status: dict[str, int] = {}
+        while True:
+            try:
+                pid, code = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except OSError as exc:  # pragma: no cover - EINTR is retried by Python itself
+                if exc.errno != errno.EINTR:
+                    raise
+                continue
+            if pid == child.pid:
+                child.returncode = 0  # reaped here: Popen must not wait for it again
+                status = {"signal": os.WTERMSIG(code)} if os.WIFSIGNALED(code) else {"code": os.WEXITSTATUS(code)}
+                if has_children():
+                    self.end()  # what it left behind goes too
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        return _write_status(status_file, status or {"code": 127})
+
+
+def _write_status(path: str, status: dict[str, int]) -> int:
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(status, f)
+    os.replace(partial, path)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    log, status_file, grace_file, sep, *command = argv
+    if sep != "--" or not command:
+        print("usage: shim.py LOG STATUS GRACE_FILE -- COMMAND...", file=sys.stderr)
+        return 2
+    return Supervisor(grace_file).run(log, status_file, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

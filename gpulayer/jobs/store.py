@@ -1,0 +1,219 @@
+"""The peer's record of its jobs: one SQLite file in its state folder (docs/adr/0016-jobs.md).
+
+One writer, the peer's event loop. Every change is committed with synchronous=FULL in WAL mode
+before the peer answers for it, so that a job acknowledged to its submitter survives a kill -9 of
+the peer or a power cut. The folder is the peer user's alone (0700, the files 0600).
+
+A job id is "<holder>-<n>": the holder is this state folder's own id (12 hex digits, made once
+and kept with the jobs), n counts the jobs it ever recorded. So an id names the peer that holds it,
+is never reused, and stays valid across restarts of that peer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST = "queued", "running", "succeeded", "failed", "stopped", "lost"
+STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST)
+ENDED = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
+
+RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of the peer's --job-retention-days and --job-retention-gb
+JOB_ID = re.compile(r"([0-9a-f]{12})-([1-9][0-9]{0,9})")
+HOLDER_HEX = 12
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    n INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    submitted REAL NOT NULL,
+    started REAL,
+    ended REAL,
+    exit_code INTEGER,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    pid INTEGER,
+    pid_started REAL,
+    folder_bytes INTEGER NOT NULL DEFAULT 0
+);
+"""
+
+
+def check_job_id(value: Any) -> str | None:
+    """Why `value` is not a job id ("<12 hex digits>-<n>"), or None."""
+    if not isinstance(value, str) or not JOB_ID.fullmatch(value):
+        shown = "".join(ch for ch in repr(value) if ch.isprintable())[:60]
+        return f"a job id is <12 hex digits>-<number> (as `gpulayer submit` prints it), not {shown}"
+    return None
+
+
+def holder_of(job_id: str) -> str:
+    """The holder id (the peer's job identity) that a valid job id names."""
+    return job_id.split("-", 1)[0]
+
+
+@dataclass
+class JobSpec:
+    """What a job runs, as its submitter asked: recorded once, never changed."""
+
+    command: list[str]
+    name: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    req: dict[str, Any] = field(default_factory=dict)  # Requirements.to_wire()
+    timeout: float | None = None
+    retries: int = 0
+    submitter: str = ""  # the submitter's id (its AUTH's "client") and host, for `gpulayer jobs`
+    function: bool = False  # a function job (gl.submit(..., detach=True)): its result is a file of its folder
+
+
+@dataclass
+class JobRow:
+    """One job as the store holds it."""
+
+    id: str
+    spec: JobSpec
+    state: str
+    reason: str
+    submitted: float
+    started: float | None = None
+    ended: float | None = None
+    exit_code: int | None = None
+    attempts: int = 0
+    pid: int | None = None
+    pid_started: float | None = None
+    folder_bytes: int = 0
+
+    def public(self) -> dict[str, Any]:
+        """What a JOB_INFO reply carries for this job (no pid)."""
+        return {"id": self.id, "name": self.spec.name, "state": self.state, "reason": self.reason,
+                "command": self.spec.command, "submitter": self.spec.submitter, "function": self.spec.function,
+                "submitted": self.submitted, "started": self.started, "ended": self.ended,
+                "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes}
+
+
+class StateDirInUse(Exception):
+    """Another live peer holds this state folder."""
+
+
+def private_dir(path: Path) -> Path:
+    """`path` made (with its parents) and set to 0700."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.chmod(0o700)
+    return path
+
+
+class JobStore:
+    """The jobs of one state folder: `open()` it, then read and change rows; `close()` at the end."""
+
+    def __init__(self, state_dir: Path):
+        self.dir = private_dir(state_dir)
+        self.jobs_dir = private_dir(state_dir / "jobs")
+        path = state_dir / "jobs.sqlite3"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # created private before SQLite opens it
+        os.close(fd)
+        path.chmod(0o600)
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(_SCHEMA)
+        self.holder = self._holder()
+
+    def _holder(self) -> str:
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'holder'").fetchone()
+        if row is not None:
+            return str(row[0])
+        holder = secrets.token_hex(HOLDER_HEX // 2)
+        with self.db:
+            self.db.execute("INSERT INTO meta (key, value) VALUES ('holder', ?)", (holder,))
+        return holder
+
+    def close(self) -> None:
+        self.db.close()
+
+    def folder(self, job_id: str) -> Path:
+        """The job's own folder (its working folder is `work/` in it, its log `log`)."""
+        return self.jobs_dir / job_id
+
+    # ---- rows ----------------------------------------------------------------------------------
+
+    def add(self, spec: JobSpec, folder_bytes: int) -> JobRow:
+        """Record a new queued job, durably; its id is the next of this holder."""
+        now = time.time()
+        with self.db:
+            cursor = self.db.execute(
+                "INSERT INTO jobs (id, spec, state, submitted, folder_bytes) VALUES ('', ?, ?, ?, ?)",
+                (json.dumps(asdict(spec)), QUEUED, now, folder_bytes))
+            job_id = f"{self.holder}-{cursor.lastrowid}"
+            self.db.execute("UPDATE jobs SET id = ? WHERE n = ?", (job_id, cursor.lastrowid))
+        row = self.get(job_id)
+        assert row is not None
+        return row
+
+    def reserve(self) -> str:
+        """A fresh private folder for a job being received (renamed to the job's once it is recorded)."""
+        path = self.jobs_dir / f"incoming-{secrets.token_hex(8)}"
+        path.mkdir(mode=0o700)
+        return str(path)
+
+    def get(self, job_id: str) -> JobRow | None:
+        found = self.db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _row(found) if found else None
+
+    def rows(self, states: Iterable[str] = STATES) -> list[JobRow]:
+        """The jobs in `states`, oldest first."""
+        wanted = list(states)
+        marks = ",".join("?" * len(wanted))
+        query = f"SELECT {_COLUMNS} FROM jobs WHERE state IN ({marks}) ORDER BY n"
+        return [_row(r) for r in self.db.execute(query, wanted)]
+
+    def update(self, job_id: str, **values: Any) -> None:
+        """Change a job's columns (state, reason, started, ended, exit_code, attempts, pid, pid_started)."""
+        names = ", ".join(f"{name} = ?" for name in values)
+        with self.db:
+            self.db.execute(f"UPDATE jobs SET {names} WHERE id = ?", (*values.values(), job_id))
+
+    def remove(self, job_id: str) -> None:
+        """Forget a job and delete its folder."""
+        with self.db:
+            self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+
+    def retain(self, max_age_s: float, max_bytes: int, now: float | None = None) -> list[str]:
+        """Remove ended jobs older than `max_age_s`, then the oldest ended ones until the folders of all
+        jobs come to at most `max_bytes`; the ids removed."""
+        now = time.time() if now is None else now
+        ended = self.rows(ENDED)
+        total = sum(r.folder_bytes for r in self.rows())
+        removed = []
+        for row in ended:  # oldest first
+            if now - (row.ended or row.submitted) > max_age_s or total > max_bytes:
+                self.remove(row.id)
+                total -= row.folder_bytes
+                removed.append(row.id)
+        return removed
+
+
+_COLUMNS = "id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes"
+
+
+def _row(values: tuple[Any, ...]) -> JobRow:
+    job_id, spec, *rest = values
+    return JobRow(job_id, JobSpec(**json.loads(spec)), *rest)
+
+
+def default_state_dir() -> Path:
+    """$XDG_STATE_HOME/gpulayer (~/.local/state/gpulayer): the default base of a peer's state folder."""
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "gpulayer"

@@ -1,0 +1,571 @@
+"""The peer's jobs (ADR 0016): received with their folder, recorded in the store, run on a slot, watched.
+
+A job is one more holder of the scheduler's slots (`slots.JobHolder`): queued like a task, and once
+started it runs a supervisor (jobs/shim.py) in a session of its own, in the job's folder, and gives
+the slots back when the supervisor exits. Nothing here depends on the connection that submitted it:
+a job goes on when its submitter goes. Every request is answered from the store, so a peer restarted
+on the same state folder answers for the jobs of its earlier life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from ..jobs import folder, shim, transfer
+from ..jobs.store import (ENDED, FAILED, LOST, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING, STOPPED, SUCCEEDED,
+                          JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of)
+from ..matching import Requirements, match
+from ..protocol import jobs as job_protocol, messages
+from ..resources.model import Advert
+from ..transport.channel import AsyncChannel
+from .scheduler import Scheduler
+from .slots import JobHolder
+from .worker_processes import job_pythonpath, worker_env
+
+log = logging.getLogger("gpulayer.peer")
+
+LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json", "grace", "work", "manifest.json"
+DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
+FOLLOW_POLL_S = 0.02  # how often a followed log is looked at again while its job runs (a stat when it did not grow)
+STATUS_ENDED, STATUS_TAIL_LINES, STATUS_TAIL_BYTES = 20, 5, 2000  # what STATUS says of the jobs (the dashboard)  # the defaults of --job-retention-days and --job-retention-gb
+
+
+def claim_state_dir(path: str | None) -> tuple[Path, int]:
+    """The state folder and an open lock on it (held for the peer's life): `path`, or the first of
+    <user state dir>/peer, peer-2, peer-3 ... that no other live peer holds. Raises StateDirInUse
+    when `path` is held."""
+    candidates = [Path(path)] if path else [default_state_dir() / (f"peer-{n}" if n > 1 else "peer")
+                                            for n in range(1, 1000)]
+    for candidate in candidates:
+        candidate.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(candidate / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return candidate, fd
+    raise StateDirInUse(f"the state folder {candidates[0]} is in use by another peer")
+
+
+class JobConnection(Protocol):
+    """What a job request needs of the connection it came on (peer/server.py's Connection)."""
+
+    channel: AsyncChannel
+    client: str
+    address: str
+
+
+@dataclass
+class Upload:
+    """A job being received: its spec, its manifest, and the blobs the peer still waits for."""
+
+    spec: JobSpec
+    manifest: folder.Manifest
+    receiver: transfer.BlobReceiver
+
+
+@dataclass
+class Run:
+    """A running job's supervisor, and why it is being stopped (if it is)."""
+
+    task: JobHolder
+    proc: asyncio.subprocess.Process | None = None
+    stopping: str = ""  # "stopped", "timeout", or "lost" (the peer stops)
+    timer: asyncio.TimerHandle | None = None
+    runner: asyncio.Task[None] | None = None  # `Jobs._run`, which records how it ended
+
+
+class Jobs:
+    """This peer's jobs: the store, the blob cache, the runs, and the answers to the job requests."""
+
+    def __init__(self, scheduler: Scheduler, python: str, state_dir: str | None, advert: Callable[[], Advert],
+                 retention_days: float = RETENTION_DAYS, retention_gb: float = RETENTION_GB):
+        self.dir, self._lock = claim_state_dir(state_dir)
+        self.store = JobStore(self.dir)
+        self.blobs = folder.BlobStore(self.dir / "blobs")
+        self.scheduler = scheduler
+        self.python = python
+        self.advert = advert
+        self.retention = (retention_days * 86400.0, int(retention_gb * (1 << 30)))
+        self.bin = self._interpreter_bin()
+        self._pythonpath = job_pythonpath(python)
+        self.runs: dict[str, Run] = {}
+        self.queued: dict[str, JobHolder] = {}
+        self._uploads: dict[tuple[object, int], Upload] = {}
+        self._ended: dict[str, list[asyncio.Future[None]]] = {}
+        for leftover in self.store.jobs_dir.glob("incoming-*"):  # a receipt cut by a crash: never recorded
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    @property
+    def holder(self) -> str:
+        return self.store.holder
+
+    def _interpreter_bin(self) -> Path:
+        """A folder whose `python` and `python3` run the job interpreter: first on a job's PATH."""
+        folder_ = self.dir / "bin"
+        folder_.mkdir(mode=0o700, exist_ok=True)
+        for name in ("python", "python3"):
+            path = folder_ / name
+            path.write_text(f"#!/bin/sh\nexec {shlex.quote(self.python)} \"$@\"\n")
+            path.chmod(0o700)
+        return folder_
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """After a start: a job that was running when the peer died is lost (its supervisor, if it
+        lives on, is stopped); the queued ones are queued again, oldest first."""
+        now = time.time()
+        for row in self.store.rows([RUNNING]):
+            _stop_leftover(row)
+            self._append_log(row.id, "gpulayer: the peer stopped or died while this job ran: it is lost\n")
+            self.store.update(row.id, state=LOST, ended=now, pid=None,
+                              reason="its peer stopped or died while it ran (the log holds its output until then)")
+        for row in self.store.rows([QUEUED]):
+            self._enqueue(row)
+        self._retain()
+
+    async def shutdown(self) -> None:
+        """The peer stops: running jobs are stopped and recorded lost; queued ones stay queued."""
+        runs = list(self.runs.values())
+        for run in runs:
+            run.stopping = LOST
+            _signal(run, signal.SIGTERM)
+        await asyncio.gather(*(r.runner for r in runs if r.runner is not None), return_exceptions=True)
+        if self._pythonpath:
+            shutil.rmtree(self._pythonpath, ignore_errors=True)
+        self.store.close()
+        os.close(self._lock)
+
+    def forget(self, conn: JobConnection) -> None:
+        """A connection went: its unfinished uploads are dropped (nothing of them is recorded)."""
+        for key in [k for k in self._uploads if k[0] is conn]:
+            self._uploads.pop(key).receiver.abort()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def handle(self, conn: JobConnection, msg: messages.Message, buffers: list[Any], draining: bool) -> None:
+        """Answer one job request of an authenticated connection (`conn.channel`, `conn.client`)."""
+        kind = msg["t"]
+        problem = job_protocol.check_request(msg) if kind not in (messages.JOB_SUBMIT, messages.BLOB) else None
+        if problem is not None:
+            return conn.channel.write(messages.error("bad-request", problem, msg.get("id")))
+        if kind == messages.JOB_SUBMIT:
+            return self._submit(conn, msg, draining)
+        if kind == messages.BLOB:
+            return self._blob(conn, msg, buffers)
+        if kind == messages.JOB_LIST:
+            rows = self.store.rows() if msg.get("all") else self._recent()
+            return conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "holder": self.holder,
+                                       "jobs": [r.public() for r in rows]})
+        row = self._row(conn, msg)
+        if row is None:
+            return
+        if kind == messages.JOB_STOP:
+            self.stop(row, msg.get("grace", job_protocol.DEFAULT_GRACE_S))
+            return self._answer_when(conn, msg, lambda: self._row_ended(row.id))
+        if kind == messages.JOB_WAIT:
+            return self._answer_when(conn, msg, lambda: self._row_ended(row.id), msg.get("timeout"))
+        if kind == messages.JOB_RM:
+            return self._remove(conn, msg, row)
+        if kind == messages.JOB_LOGS:
+            self.scheduler.spawn(self._send_log(conn, msg, row))
+        elif kind == messages.JOB_FETCH:
+            self.scheduler.spawn(self._send_files(conn, msg, row))
+
+    def _row(self, conn: JobConnection, msg: messages.Message) -> JobRow | None:
+        """The job a request names, or None after answering that this peer holds no such job."""
+        job_id = msg["job"]
+        row = self.store.get(job_id)
+        if row is None:
+            elsewhere = holder_of(job_id) != self.holder
+            reason = (f"job {job_id} is not this peer's (this peer holds the jobs {self.holder}-*)" if elsewhere
+                      else f"job {job_id} is not known here (removed, or never submitted)")
+            conn.channel.write(messages.error("no-job", reason, msg["id"]))
+        return row
+
+    def _recent(self) -> list[JobRow]:
+        """The jobs `gpulayer jobs` shows without --all: every one not ended, and those ended in the last day."""
+        cutoff = time.time() - 86400.0
+        return [r for r in self.store.rows() if r.state not in ENDED or (r.ended or 0.0) >= cutoff]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """For STATUS (the dashboard): the jobs not ended and the last ended ones, each with its log's last lines."""
+        rows = self.store.rows()
+        shown = [r for r in rows if r.state not in ENDED] + [r for r in rows if r.state in ENDED][-STATUS_ENDED:]
+        return [{**r.public(), "tail": self._tail(r.id)} for r in shown]
+
+    def _tail(self, job_id: str) -> str:
+        path = self.store.folder(job_id) / LOG_FILE
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(_tail_offset(path, STATUS_TAIL_LINES), f.seek(0, os.SEEK_END) - STATUS_TAIL_BYTES))
+                return f.read(STATUS_TAIL_BYTES).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def _row_ended(self, job_id: str) -> bool:
+        row = self.store.get(job_id)
+        return row is None or row.state in ENDED
+
+    def _answer_when(self, conn: JobConnection, msg: messages.Message, done: Callable[[], bool],
+                     timeout: float | None = None) -> None:
+        """Answer with the job's JOB_INFO once `done()` (or after `timeout` seconds)."""
+        async def answer() -> None:
+            if not done():
+                waiter = self._loop().create_future()
+                waiting = self._ended.setdefault(msg["job"], [])
+                waiting.append(waiter)
+                try:
+                    await asyncio.wait_for(waiter, timeout)
+                except asyncio.TimeoutError:
+                    waiting.remove(waiter)
+            self._info(conn, msg)
+
+        self.scheduler.spawn(answer())
+
+    def _info(self, conn: JobConnection, msg: messages.Message, **extra: Any) -> None:
+        row = self.store.get(msg["job"])
+        conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public() if row else None, **extra})
+
+    @staticmethod
+    def _loop() -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    # ---- submit -----------------------------------------------------------------------------
+
+    def _submit(self, conn: JobConnection, msg: messages.Message, draining: bool) -> None:
+        request_id = msg.get("id")
+        spec = job_protocol.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
+        if isinstance(spec, str) or not isinstance(request_id, int) or (conn, request_id) in self._uploads:
+            problem = spec if isinstance(spec, str) else "a JOB_SUBMIT needs an integer 'id' not in use on this connection"
+            return conn.channel.write(messages.error("bad-request", problem, request_id))
+        try:
+            req = Requirements.from_wire(spec.req)
+            manifest = folder.Manifest.from_wire(msg.get("files"))
+        except (ValueError, folder.FolderError) as exc:
+            return conn.channel.write(messages.error("bad-request", str(exc), request_id))
+        reasons = match(req, self.advert())
+        if reasons:
+            return conn.channel.write(messages.error("no-match", "; ".join(reasons), request_id))
+        if draining:
+            return conn.channel.write(messages.error("busy", "the peer is shutting down", request_id))
+        need = self.blobs.missing(manifest.blobs())
+        receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need})
+        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver)
+        conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
+        if not need:
+            self._record(conn, request_id)
+
+    def _blob(self, conn: JobConnection, msg: messages.Message, buffers: list[Any]) -> None:
+        """A piece of a blob the JOB_NEED asked for; the job is recorded once the last blob is stored."""
+        upload = self._uploads.get((conn, msg.get("id")))  # type: ignore[arg-type]
+        try:
+            if upload is None:
+                raise folder.FolderError("a BLOB must belong to a JOB_SUBMIT of this connection")
+            done = upload.receiver.feed(msg, buffers)
+            if done:
+                upload.receiver.finish()
+        except (OSError, folder.FolderError) as exc:
+            self.forget_upload(conn, msg.get("id"))
+            return conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", msg.get("id")))
+        if done:
+            self._record(conn, msg["id"])
+
+    def forget_upload(self, conn: JobConnection, request_id: Any) -> None:
+        upload = self._uploads.pop((conn, request_id), None)
+        if upload is not None:
+            upload.receiver.abort()
+
+    def _record(self, conn: JobConnection, request_id: int) -> None:
+        """Build the job's folder from the blobs, record the job (durably), then acknowledge it."""
+        upload = self._uploads.pop((conn, request_id))
+        incoming = Path(self.store.reserve())
+        try:
+            folder.materialise(upload.manifest, self.blobs, incoming / WORK_DIR)
+        except (OSError, folder.FolderError) as exc:
+            shutil.rmtree(incoming, ignore_errors=True)
+            return conn.channel.write(messages.error("bad-request", f"the job's folder cannot be built: {exc}",
+                                                 request_id))
+        _write_private(incoming / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
+        row = self.store.add(upload.spec, upload.manifest.total_bytes)
+        os.replace(incoming, self.store.folder(row.id))
+        log.info("job %s recorded from %s: %s", row.id, conn.address, shlex.join(row.spec.command))
+        conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": row.public()})
+        self._enqueue(row)
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def _enqueue(self, row: JobRow) -> None:
+        work = self.store.folder(row.id) / WORK_DIR
+        if not work.is_dir():
+            return self._end(row.id, FAILED, "its folder on the peer is gone", None)
+        task = JobHolder(req=Requirements.from_wire(row.spec.req), job_id=row.id,
+                         name=row.spec.name or row.spec.command[0],
+                         start=lambda group, env: self._start(row.id, task, env))
+        self.queued[row.id] = task
+        self.scheduler.enqueue(task)
+
+    def _start(self, job_id: str, task: JobHolder, slot_env: dict[str, str]) -> None:
+        """The scheduler gave the job its slots: run it."""
+        self.queued.pop(job_id, None)
+        run = self.runs[job_id] = Run(task)
+        run.runner = self.scheduler.spawn(self._run(job_id, run, slot_env))
+
+    def _environment(self, row: JobRow, slot_env: dict[str, str]) -> dict[str, str]:
+        env = worker_env({**os.environ, **slot_env, **row.spec.env, "GPULAYER_JOB_ID": row.id,
+                          "PYTHONUNBUFFERED": "1"})
+        env["PATH"] = os.pathsep.join(p for p in (str(self.bin), env.get("PATH")) if p)
+        if self._pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (self._pythonpath, env.get("PYTHONPATH")) if p)
+        return env
+
+    async def _run(self, job_id: str, run: Run, slot_env: dict[str, str]) -> None:
+        """Run the job, again after a failure while it has retries left, and record how it ended."""
+        row = self.store.get(job_id)
+        assert row is not None
+        home = self.store.folder(job_id)
+        env = self._environment(row, slot_env)
+        state, reason, code = FAILED, "", None
+        for attempt in range(row.attempts + 1, row.attempts + row.spec.retries + 2):
+            (home / STATUS_FILE).unlink(missing_ok=True)
+            self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
+            try:
+                run.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-I", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
+                    str(home / GRACE_FILE), "--", *row.spec.command, cwd=home / WORK_DIR, env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    start_new_session=True)
+            except OSError as exc:
+                state, reason = FAILED, f"its supervisor could not start: {exc}"
+                break
+            self.store.update(job_id, pid=run.proc.pid, pid_started=_started_at(run.proc.pid))
+            if run.stopping:  # stopped while this run started
+                _signal(run, signal.SIGTERM)
+            if row.spec.timeout:
+                run.timer = self._loop().call_later(row.spec.timeout, self._time_out, job_id)
+            await run.proc.wait()
+            if run.timer is not None:
+                run.timer.cancel()
+            state, reason, code = _outcome(_read_status(home / STATUS_FILE), run.stopping, row.spec.timeout)
+            if state != FAILED or run.stopping == LOST or attempt > row.attempts + row.spec.retries:
+                break
+            self._append_log(job_id, f"gpulayer: attempt {attempt} {reason}; trying again\n")
+            run.stopping = ""  # a timeout: the next run has its own
+        self.runs.pop(job_id, None)
+        if run.stopping == LOST:  # the peer stops: recorded as lost, as after a crash
+            state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
+        self._end(job_id, state, reason, code)
+        self.scheduler.job_ended(run.task, "ok" if state == SUCCEEDED else state)
+
+    def _time_out(self, job_id: str) -> None:
+        run = self.runs.get(job_id)
+        if run is not None and not run.stopping:
+            run.stopping = "timeout"
+            _signal(run, signal.SIGTERM)
+
+    def stop(self, row: JobRow, grace: float) -> None:
+        """SIGTERM to the job's process tree, SIGKILL after `grace` s; a queued job just ends, stopped."""
+        task = self.queued.pop(row.id, None)
+        if task is not None and self.scheduler.withdraw(task):
+            return self._end(row.id, STOPPED, "stopped before it started", None)
+        run = self.runs.get(row.id)
+        if run is None or run.stopping:
+            return
+        run.stopping = STOPPED
+        _write_private(self.store.folder(row.id) / GRACE_FILE, str(grace).encode())
+        _signal(run, signal.SIGTERM)
+
+    def _end(self, job_id: str, state: str, reason: str, code: int | None) -> None:
+        self.store.update(job_id, state=state, reason=reason, ended=time.time(), exit_code=code, pid=None)
+        log.info("job %s %s%s", job_id, state, f": {reason}" if reason else "")
+        for waiter in self._ended.pop(job_id, []):
+            if not waiter.done():
+                waiter.set_result(None)
+        self._retain()
+
+    def _retain(self) -> None:
+        """Apply the retention limits; when jobs went, so does the content that only they held."""
+        removed = self.store.retain(*self.retention)
+        if removed:
+            log.info("removed by the retention limits: job(s) %s", ", ".join(removed))
+            self.blobs.prune(self._blobs_in_use())
+
+    def _blobs_in_use(self) -> set[str]:
+        """The digests of the jobs kept and of the uploads under way."""
+        used = {d for u in self._uploads.values() for d in u.manifest.blobs()}
+        for row in self.store.rows():
+            try:
+                shipped = json.loads((self.store.folder(row.id) / MANIFEST_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            used.update(entry[3] for entry in shipped if isinstance(entry, list) and len(entry) == 4)
+        return used
+
+    def _append_log(self, job_id: str, line: str) -> None:
+        path = self.store.folder(job_id) / LOG_FILE
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(line)
+
+    # ---- logs, files, removal ---------------------------------------------------------------
+
+    async def _send_log(self, conn: JobConnection, msg: messages.Message, row: JobRow) -> None:
+        """The job's log from `offset` (or its last `tail` lines), in JOB_LOG pieces; with `follow`,
+        until the job ends. Then the job's JOB_INFO, with the offset reached."""
+        path = self.store.folder(row.id) / LOG_FILE
+        offset = msg.get("offset", 0) if msg.get("tail") is None else _tail_offset(path, msg["tail"])
+        while not conn.channel.closed:
+            ended = self._row_ended(row.id)  # read before the log: what it wrote until it ended is read after
+            offset = await self._send_from(conn, msg["id"], path, offset)
+            if ended or not msg["follow"]:
+                break
+            await asyncio.sleep(FOLLOW_POLL_S)
+        self._info(conn, msg, offset=offset)
+
+    async def _send_from(self, conn: JobConnection, request_id: int, path: Path, offset: int) -> int:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return offset
+        with f:
+            f.seek(offset)
+            while chunk := f.read(DATA_CHUNK):
+                conn.channel.write({"t": messages.JOB_LOG, "id": request_id, "offset": offset}, [chunk])
+                offset += len(chunk)
+                await conn.channel.drain(DATA_CHUNK)
+        return offset
+
+    async def _send_files(self, conn: JobConnection, msg: messages.Message, row: JobRow) -> None:
+        """The files asked for (or what the job created or changed) as FILE messages (jobs/transfer.py),
+        then the JOB_INFO; a path that leaves the job's folder refuses the whole request."""
+        work = self.store.folder(row.id) / WORK_DIR
+        try:
+            paths = msg.get("paths")
+            if paths is None:
+                shipped = folder.Manifest.from_wire(json.loads((work.parent / MANIFEST_FILE).read_text()), 1 << 62)
+                paths = folder.changed_files(work, shipped)
+            files = transfer.listing(work, paths)
+        except (OSError, ValueError, folder.FolderError) as exc:
+            return conn.channel.write(messages.error("bad-path", str(exc), msg["id"]))
+        try:
+            for piece, buffers in transfer.file_messages(work, files, msg["id"], reuse=False):
+                conn.channel.write(piece, buffers)
+                await conn.channel.drain(DATA_CHUNK)
+                if conn.channel.closed:
+                    return
+        except (OSError, folder.FolderError) as exc:  # a file changed or went while it was sent
+            return conn.channel.write(messages.error("bad-path", str(exc), msg["id"]))
+        self._info(conn, msg)
+
+    def _remove(self, conn: JobConnection, msg: messages.Message, row: JobRow) -> None:
+        if row.state not in ENDED:
+            return conn.channel.write(messages.error(
+                "bad-request", f"job {row.id} is {row.state}: stop it first (`gpulayer stop {row.id}`)", msg["id"]))
+        self.store.remove(row.id)
+        conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
+
+
+def _outcome(status: dict[str, int] | None, stopping: str, timeout: float | None) -> tuple[str, str, int | None]:
+    """(state, reason, exit code) of an ended run; a signal is given as its negative number."""
+    if status is None:
+        return FAILED, "its supervisor ended without a status", None
+    code = -status["signal"] if "signal" in status else status.get("code")
+    if stopping == STOPPED:
+        return STOPPED, "stopped", code
+    if stopping == "timeout":
+        return FAILED, f"ran past its timeout of {timeout:g} s and was stopped", code
+    if code == 0:
+        return SUCCEEDED, "", 0
+    if code is not None and code < 0:
+        return FAILED, f"killed by {_signal_name(-code)}", code
+    return FAILED, f"exited with code {code}", code
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _read_status(path: Path) -> dict[str, int] | None:
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
+def _signal(run: Run, sig: int) -> None:
+    if run.proc is not None and run.proc.returncode is None:
+        try:
+            run.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _started_at(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+def _stop_leftover(row: JobRow) -> None:
+    """The supervisor of a job that ran when the peer died may live on: SIGTERM it (it stops its tree),
+    if that pid is still the same process (its start time says so)."""
+    if row.pid is None or row.pid_started is None:
+        return
+    try:
+        proc = psutil.Process(row.pid)
+        if abs(proc.create_time() - row.pid_started) < 0.01:
+            proc.terminate()
+    except psutil.Error:
+        pass
+
+
+def _tail_offset(path: Path, lines: int) -> int:
+    """The offset in `path` where its last `lines` lines begin (a newline that ends the file ends the last)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if lines == 0:
+        return size
+    newlines, position = 0, size
+    with open(path, "rb") as f:
+        while position > 0:
+            step = min(DATA_CHUNK, position)
+            position -= step
+            f.seek(position)
+            block = f.read(step)
+            for index in range(len(block) - 1, -1, -1):
+                if block[index] == 10 and position + index != size - 1:
+                    newlines += 1
+                    if newlines == lines:
+                        return position + index + 1
+    return 0
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)

@@ -1,0 +1,99 @@
+"""The job messages (ADR 0016): their builders, and one check for each request the peer reads.
+
+A submit is JOB_SUBMIT (the spec and the folder's manifest) -> JOB_NEED (the digests the peer lacks)
+-> BLOB messages of those (jobs/transfer.py) -> JOB_INFO (the job, recorded). The other requests name
+a job and are answered with JOB_INFO, after JOB_LOG pieces for logs and FILE messages for a fetch
+(jobs/transfer.py); a refusal is an ERROR with the request's id. Every one travels on the secure
+channel, after the handshake.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..checks import check_timeout
+from ..taskenv import check_env
+from ..jobs.store import JobSpec, check_job_id
+from . import messages
+
+MAX_COMMAND_ARGS = 4096
+MAX_RETRIES = 100
+MAX_GRACE_S = 3600.0
+MAX_FILES = 200_000
+MAX_TAIL = 1_000_000
+DEFAULT_GRACE_S = 10.0
+
+
+def submit(request_id: int, spec: JobSpec, files: list[list[Any]]) -> messages.Message:
+    """Ask to record a job: `spec` (JobSpec, the submitter set by the peer) and its folder's manifest
+    (`Manifest.to_wire`)."""
+    fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
+              "timeout": spec.timeout, "retries": spec.retries, "function": spec.function}
+    return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files}
+
+
+def request(kind: str, request_id: int, job_id: str | None = None, **fields: Any) -> messages.Message:
+    """Any other job request: JOB_LIST (all), JOB_LOGS (offset, follow, tail), JOB_WAIT (timeout),
+    JOB_STOP (grace), JOB_FETCH (paths), JOB_RM."""
+    return {"t": kind, "id": request_id, **({"job": job_id} if job_id is not None else {}), **fields}
+
+
+def _number(value: Any, low: float, high: float) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
+        and low <= value <= high
+
+
+def _count(value: Any, high: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= high
+
+
+def check_spec(fields: Any, submitter: str) -> JobSpec | str:
+    """The JobSpec of a JOB_SUBMIT's "spec", or why it is refused."""
+    if not isinstance(fields, Mapping):
+        return "a JOB_SUBMIT needs a 'spec' map"
+    command = fields.get("command")
+    if not isinstance(command, list) or not command or len(command) > MAX_COMMAND_ARGS \
+            or not all(isinstance(a, str) and "\0" not in a for a in command) or not command[0]:
+        return f"the command is a non-empty list of at most {MAX_COMMAND_ARGS} strings without NUL"
+    name = fields.get("name", "")
+    if not isinstance(name, str) or len(name) > 200 or not name.isprintable():
+        return "a job's name is printable text of at most 200 characters"
+    retries = fields.get("retries", 0)
+    if not _count(retries, MAX_RETRIES):
+        return f"retries is a whole number from 0 to {MAX_RETRIES}"
+    if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool):
+        return "a JOB_SUBMIT's 'req' is a map and 'function' a boolean"
+    try:
+        env = check_env(fields.get("env"))
+        timeout = check_timeout(fields.get("timeout"))
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return JobSpec(command=command, name=name, env=env, req=fields.get("req", {}), timeout=timeout,
+                   retries=retries, submitter=submitter, function=fields.get("function", False))
+
+
+def check_request(msg: Mapping[str, Any]) -> str | None:
+    """Why a job request other than JOB_SUBMIT and BLOB (jobs/transfer.py checks those) is malformed, or None."""
+    kind = msg["t"]
+    if not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
+        return f"a {kind.upper()} needs an integer 'id'"
+    if kind == messages.JOB_LIST:
+        return None if isinstance(msg.get("all", False), bool) else "a JOB_LIST's 'all' is a boolean"
+    problem = check_job_id(msg.get("job"))
+    if problem is not None:
+        return problem
+    if kind == messages.JOB_LOGS and not (_count(msg.get("offset", 0), 1 << 62) and isinstance(msg.get("follow"), bool)
+                                      and (msg.get("tail") is None or _count(msg.get("tail"), MAX_TAIL))):
+        return "a JOB_LOGS needs 'offset' (bytes), 'follow' (a boolean) and 'tail' (lines, or nil)"
+    if kind == messages.JOB_WAIT and msg.get("timeout") is not None and not _number(msg.get("timeout"), 0, 1e9):
+        return "a JOB_WAIT's 'timeout' is seconds, or nil"
+    if kind == messages.JOB_STOP and not _number(msg.get("grace", DEFAULT_GRACE_S), 0, MAX_GRACE_S):
+        return f"a JOB_STOP's 'grace' is seconds from 0 to {MAX_GRACE_S:g}"
+    if kind == messages.JOB_FETCH:
+        paths = msg.get("paths")
+        if paths is not None and not (isinstance(paths, list) and len(paths) <= MAX_FILES
+                                      and all(isinstance(p, str) for p in paths)):
+            return "a JOB_FETCH's 'paths' is a list of relative paths, or nil for what the job created or changed"
+    return None

@@ -1,0 +1,345 @@
+"""Jobs (issue 27, ADR 0016): real peers in subprocesses, the `gpulayer` command in others, real TCP.
+
+A job outlives its submitter (SIGKILLed right after the submit) and its peer (kill -9, restarted on the
+same state folder); it is stopped as a whole tree (children that left its session included); its
+exit, timeout and signal give its state; hostile paths and ids are refused and change nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from support import new_key, process_gone, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gpulayer(*args: str, key: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpulayer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, "GPULAYER_KEY": key})
+
+
+@pytest.fixture
+def jobs_peer(peer_factory, tmp_path):
+    """start(name) -> (peer, state folder, key, jobs API): a one-slot peer with a state folder of its own."""
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import Jobs
+
+    key = new_key()
+    client = Client(key=key.encode(), echo_output=False)
+
+    def start(name: str = "jobs", *args: str):
+        state = tmp_path / f"{name}-state"
+        peer = peer_factory(name, "--concurrency", "1", "--state-dir", str(state), *args, key=key)
+        return peer, state, key, Jobs(client)
+
+    yield start
+    client.close()
+
+
+def processes_with(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(marker in part for part in proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+def write_project(folder: Path, release: Path) -> bytes:
+    """A training script with a local package, a data file read by a relative path and a .gitignored
+    50 MB file; it prints lines, waits for `release`, then writes ckpt/last.pt. The checkpoint's bytes."""
+    (folder / "mypkg").mkdir(parents=True)
+    (folder / "mypkg" / "__init__.py").write_text("def scale(x):\n    return 3 * x\n")
+    (folder / "data").mkdir()
+    (folder / "data" / "numbers.txt").write_text("1\n2\n3\n")
+    (folder / ".gitignore").write_text("big.bin\n")
+    with open(folder / "big.bin", "wb") as f:
+        f.truncate(50 << 20)
+    (folder / "train.py").write_text(
+        "import os, sys, time\n"
+        "from mypkg import scale\n"
+        "numbers = [int(x) for x in open('data/numbers.txt')]\n"
+        "for n in numbers:\n"
+        "    print('step', scale(n), flush=True)\n"
+        "print('to stderr', file=sys.stderr, flush=True)\n"
+        "while not os.path.exists(os.environ['RELEASE']):\n"
+        "    time.sleep(0.02)\n"
+        "os.makedirs('ckpt', exist_ok=True)\n"
+        "open('ckpt/last.pt', 'wb').write(bytes(range(256)) * 4096 + str(sum(numbers)).encode())\n"
+        "print('saved', os.environ['GPULAYER_JOB_ID'], flush=True)\n")
+    return bytes(range(256)) * 4096 + b"6"
+
+
+def test_a_job_outlives_its_submitter_and_is_reattached(jobs_peer, tmp_path):
+    peer, state, key, _ = jobs_peer()
+    project, release = tmp_path / "project", tmp_path / "release"
+    expected = write_project(project, release)
+    submitter = subprocess.Popen(
+        [sys.executable, "-m", "gpulayer.cli", "submit", "--follow", "--env", f"RELEASE={release}", "--",
+         "python", "train.py"], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "GPULAYER_KEY": key})
+    try:
+        job_id = submitter.stdout.readline().decode().strip()
+        assert submitter.stdout.readline().decode().strip() == "step 3"  # it runs, and this process follows it
+    finally:
+        submitter.kill()
+        submitter.wait(10)
+    release.touch()
+    reattached = gpulayer("logs", "-f", job_id, key=key)
+    assert reattached.returncode == 0, reattached.stderr
+    assert reattached.stdout.splitlines() == ["step 3", "step 6", "step 9", "to stderr", f"saved {job_id}"]
+    assert gpulayer("wait", job_id, key=key).returncode == 0
+    fetched = gpulayer("fetch", job_id, "ckpt/last.pt", "--to", str(tmp_path / "out"), key=key)
+    assert fetched.returncode == 0, fetched.stderr
+    assert (tmp_path / "out" / "ckpt" / "last.pt").read_bytes() == expected
+    # the ignored file never left this host: not in the job's folder, not among the peer's blobs
+    work = state / "jobs" / job_id / "work"
+    assert (work / "train.py").exists() and not (work / "big.bin").exists()
+    assert sum(p.stat().st_size for p in (state / "blobs").rglob("*") if p.is_file()) < 1 << 20
+    listed = gpulayer("jobs", "--json", key=key)
+    row = next(r for r in json.loads(listed.stdout) if r["id"] == job_id)
+    assert row["state"] == "succeeded" and row["exit_code"] == 0 and row["peer"] == peer.name
+
+
+def test_the_state_folder_is_private(jobs_peer):
+    _, state, _, jobs = jobs_peer()
+    job = jobs.submit(["true"], None, _cpu())
+    assert job.wait(60) == "succeeded"
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert stat.S_IMODE((state / "jobs.sqlite3").stat().st_mode) == 0o600
+    assert stat.S_IMODE((state / "jobs" / job.id).stat().st_mode) == 0o700
+    assert stat.S_IMODE((state / "jobs" / job.id / "log").stat().st_mode) == 0o600
+
+
+def _cpu():
+    from gpulayer.matching import Requirements
+
+    return Requirements.build(accelerator="cpu")
+
+
+def test_a_peer_killed_with_a_running_and_a_queued_job(jobs_peer, tmp_path):
+    peer, state, key, jobs = jobs_peer()
+    marker = f"marker-{secrets.token_hex(4)}"
+    release = tmp_path / "go"
+    running = jobs.submit(["python", "-c", f"import os, time  # {marker}\nprint('started', flush=True)\n"
+                                           f"while True: time.sleep(1)"], None, _cpu())
+    queued = jobs.submit(["python", "-c", f"import os, time\nwhile not os.path.exists({str(release)!r}): "
+                                          "time.sleep(0.02)\nprint('second done')"], None, _cpu())
+    wait_until(lambda: "started" in running.logs(), 60)
+    assert queued.refresh().state == "queued"
+    peer.proc.kill()  # kill -9 of the peer alone: the job's supervisor lives on, in its own session
+    peer.proc.wait(10)
+    assert processes_with(marker)
+    peer.start()
+    wait_until(lambda: not processes_with(marker), 30)  # the restarted peer stopped what was left of it
+    release.touch()
+    lost = jobs.job(running.id)
+    assert lost.state == "lost" and "died while it ran" in lost.reason and "started" in lost.logs()
+    assert jobs.job(queued.id).wait(60) == "succeeded"
+    assert "second done" in jobs.job(queued.id).logs()
+
+
+def test_stop_ends_the_whole_tree_children_that_left_with_setsid_included(jobs_peer):
+    _, _, _, jobs = jobs_peer()
+    marker = str(secrets.randbelow(10 ** 6) + 10 ** 7)  # seconds no other process sleeps
+    script = (f"sleep {marker} & setsid sh -c 'trap \"\" TERM; sleep {marker}; :' & "
+              f"trap '' TERM; sleep {marker}; :")
+    job = jobs.submit(["sh", "-c", script], None, _cpu())
+    wait_until(lambda: len([p for p in processes_with(marker) if p.name() == "sleep"]) == 3, 60)
+    pids = [p.pid for p in processes_with(marker)]
+    assert job.stop(grace=0.5) == "stopped"
+    assert all(process_gone(pid) for pid in pids) and not processes_with(marker)
+
+
+@pytest.mark.parametrize("command, timeout, state, code, reason", [
+    (["sh", "-c", "exit 3"], None, "failed", 3, "exited with code 3"),
+    (["sh", "-c", "kill -9 $$"], None, "failed", -9, "killed by SIGKILL"),
+    (["sleep", "60"], 0.5, "failed", -15, "ran past its timeout of 0.5 s"),
+    (["sh", "-c", "echo fine"], None, "succeeded", 0, ""),
+])
+def test_exit_codes_timeouts_and_signals_give_the_state(jobs_peer, command, timeout, state, code, reason):
+    _, _, _, jobs = jobs_peer()
+    job = jobs.submit(command, None, _cpu(), timeout=timeout)
+    assert job.wait(60) == state
+    assert job.exit_code == code and reason in job.reason
+
+
+def test_retries_run_a_failed_job_again(jobs_peer):
+    _, _, _, jobs = jobs_peer()
+    job = jobs.submit(["sh", "-c", "echo attempt; exit 1"], None, _cpu(), retries=2)
+    assert job.wait(60) == "failed" and job.info["attempts"] == 3
+    assert job.logs().count("attempt\n") == 3
+
+
+def test_a_function_job_gives_its_result_or_its_exception(jobs_peer):
+    from gpulayer.errors import RemoteTraceback
+
+    _, _, _, jobs = jobs_peer()
+
+    def double(x):
+        print("doubling", x)
+        return {"twice": 2 * x}
+
+    def fails():
+        raise KeyError("missing")
+
+    job = jobs.submit_function(double, (21,), {}, _cpu())
+    assert jobs.job(job.id).result(60) == {"twice": 42}  # from a fresh handle, as another process would
+    assert "doubling 21" in job.logs()
+    bad = jobs.submit_function(fails, (), {}, _cpu())
+    with pytest.raises(KeyError) as raised:
+        bad.result(60)
+    assert isinstance(raised.value.__cause__, RemoteTraceback) and "fails" in str(raised.value.__cause__)
+
+
+def test_hostile_fetch_paths_are_refused(jobs_peer, tmp_path):
+    _, _, key, jobs = jobs_peer()
+    job = jobs.submit(["sh", "-c", "ln -s /etc etc-link && echo data > inside.txt"], None, _cpu())
+    assert job.wait(60) == "succeeded"
+    out = tmp_path / "out"
+    for path, says in [("../../etc/passwd", "goes up with '..'"), ("/etc/passwd", "is an absolute path"),
+                       ("etc-link/passwd", "leads out of the job's folder")]:
+        refused = gpulayer("fetch", job.id, path, "--to", str(out), key=key)
+        assert refused.returncode == 1 and says in refused.stderr, refused.stderr
+        assert not out.exists() or not any(out.rglob("*"))
+    assert [p.name for p in job.fetch(["inside.txt"], out)] == ["inside.txt"]
+    exists = gpulayer("fetch", job.id, "inside.txt", "--to", str(out), key=key)
+    assert exists.returncode == 1 and "--force" in exists.stderr
+
+
+def test_a_job_id_of_another_cluster_or_malformed_names_nothing(jobs_peer):
+    from gpulayer.client.jobs import JobError
+
+    _, _, key, jobs = jobs_peer()
+    with pytest.raises(JobError, match="no peer of this cluster holds job 0123456789ab-1"):
+        jobs.job("0123456789ab-1")
+    out = gpulayer("logs", "../../x", key=key)
+    assert out.returncode == 1 and "a job id is <12 hex digits>-<number>" in out.stderr
+
+
+def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
+    from gpulayer.protocol import handshake, jobs as job_protocol, messages
+    from gpulayer.transport import blocking
+    from gpulayer.jobs.store import JobSpec
+
+    peer, state, key, jobs = jobs_peer()
+    data = secrets.token_bytes(1 << 20)
+    digest = hashlib.sha256(data).hexdigest()
+    conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
+    try:
+        handshake.client_handshake(conn, key.encode(), "truncating")
+        conn.send(job_protocol.submit(1, JobSpec(["true"]), [["blob.bin", len(data), False, digest]]))
+        need, _ = conn.recv()
+        assert need["t"] == messages.JOB_NEED and need["need"] == [digest]
+        conn.send({"t": messages.BLOB, "id": 1, "d": digest, "off": 0, "size": len(data)}, [data[:1000]])
+    finally:
+        conn.close()
+    assert jobs.rows(include_old=True) == []
+    wait_until(lambda: not [p for p in (state / "blobs").rglob("*") if p.is_file()], 10)
+    assert not list((state / "jobs").iterdir())
+
+
+def test_the_trainer_example_as_a_job_with_its_logs_fetched(jobs_peer, tmp_path):
+    pytest.importorskip("torch")
+    _, _, key, _ = jobs_peer()
+    submitted = gpulayer("submit", "--follow", "--working-dir", str(ROOT / "examples" / "trainer_regression"), "--",
+                         "python", "train.py", "--epochs", "2", "--accelerator", "cpu", key=key, timeout=240)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.splitlines()[0]
+    assert "final val_loss=" in submitted.stdout
+    fetched = gpulayer("fetch", job_id, "--to", str(tmp_path / "back"), key=key)
+    assert fetched.returncode == 0, fetched.stderr
+    logs = tmp_path / "back" / "lightning_logs"
+    assert logs.is_dir() and any(p.is_file() for p in logs.rglob("*"))
+
+
+def test_folders_that_cannot_ship_are_refused_before_anything_is_sent(jobs_peer, tmp_path):
+    _, state, key, jobs = jobs_peer()
+    leaky = tmp_path / "leaky"
+    leaky.mkdir()
+    (leaky / "train.py").write_text("print('x')\n")
+    (leaky / "secrets").symlink_to("/etc")
+    out = gpulayer("submit", "--working-dir", str(leaky), "--", "python", "train.py", key=key)
+    assert out.returncode == 1 and "secrets" in out.stderr and out.stdout == "", out.stderr
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "weights.bin").write_bytes(b"\0" * (2 << 20))
+    out = subprocess.run([sys.executable, "-m", "gpulayer.cli", "submit", "--working-dir", str(big), "--", "true"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "GPULAYER_KEY": key, "GPULAYER_JOB_FOLDER_LIMIT_MB": "1"})
+    assert out.returncode == 1 and "over the limit" in out.stderr and "weights.bin" in out.stderr, out.stderr
+    assert jobs.rows(include_old=True) == [] and not list((state / "jobs").iterdir())
+
+
+def test_a_job_no_peer_can_run_is_refused_with_the_reasons(jobs_peer):
+    from gpulayer.errors import NoMatchingPeer
+    from gpulayer.matching import Requirements
+
+    _, state, _, jobs = jobs_peer()
+    with pytest.raises(NoMatchingPeer, match="cuda"):
+        jobs.submit(["true"], None, Requirements.build(accelerator="cuda"))
+    assert not list((state / "jobs").iterdir())
+
+
+def test_ctrl_c_while_following_detaches_and_the_job_goes_on(jobs_peer, tmp_path):
+    _, _, key, jobs = jobs_peer()
+    release = tmp_path / "release"
+    script = (f"import os, time\nprint('waiting', flush=True)\n"
+              f"while not os.path.exists({str(release)!r}): time.sleep(0.02)\nprint('after')")
+    follower = subprocess.Popen([sys.executable, "-m", "gpulayer.cli", "submit", "-f", "--", "python", "-c", script],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "GPULAYER_KEY": key})
+    job_id = follower.stdout.readline().strip()
+    assert follower.stdout.readline().strip() == "waiting"
+    follower.send_signal(signal.SIGINT)
+    _, err = follower.communicate(timeout=30)
+    assert follower.returncode == 130 and f"job {job_id} goes on" in err
+    assert jobs.job(job_id).state == "running"
+    release.touch()
+    job = jobs.job(job_id)
+    assert job.wait(60) == "succeeded" and job.logs() == "waiting\nafter\n"
+
+
+def test_retention_removes_the_oldest_ended_job_and_the_content_only_it_held(jobs_peer, tmp_path):
+    from gpulayer.client.jobs import JobError
+
+    _, state, _, jobs = jobs_peer("retaining", "--job-retention-gb", str(1.5 / 1024))  # 1.5 MiB of job folders
+    done = []
+    for name in ("first", "second"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "weights.bin").write_bytes(secrets.token_bytes(1 << 20))
+        job = jobs.submit(["true"], folder, _cpu())
+        assert job.wait(60) == "succeeded"
+        done.append((job, hashlib.sha256((folder / "weights.bin").read_bytes()).hexdigest()))
+    (first, first_digest), (second, second_digest) = done
+    with pytest.raises(JobError, match="no-job"):
+        first.refresh()
+    assert second.refresh().state == "succeeded" and (state / "jobs" / second.id).is_dir()
+    assert not (state / "jobs" / first.id).exists()
+    stored = {p.name for p in (state / "blobs").rglob("*") if p.is_file()}
+    assert any(second_digest in name for name in stored) and not any(first_digest in name for name in stored)
+
+
+def test_a_peer_stopped_with_sigterm_stops_its_running_job_and_records_it_lost(jobs_peer):
+    peer, _, _, jobs = jobs_peer()
+    marker = str(secrets.randbelow(10 ** 6) + 10 ** 7)
+    job = jobs.submit(["sh", "-c", f"echo up; sleep {marker}; :"], None, _cpu())
+    wait_until(lambda: "up" in job.logs(), 60)
+    assert peer.stop(timeout=60) == 0  # a clean stop: the job's tree is stopped before the peer exits
+    assert not [p for p in processes_with(marker) if p.name() == "sleep"]
+    peer.start()
+    lost = jobs.job(job.id)
+    assert lost.state == "lost" and "stopped while it ran" in lost.reason and lost.logs().startswith("up\n")

@@ -1,0 +1,369 @@
+"""Unit tests of gpulayer.jobs.folder (issue 27): a job's working folder, on real files in temp folders.
+
+What ships (git's ignore rules, root and nested; --exclude; never .git; symlinks inside copied, out of
+the folder refused; the size limit before anything is hashed; the digest cache), the peer's blob store
+(a truncated, overlong or wrong upload leaves nothing), the job's folder rebuilt from it (hostile
+manifests: `..`, absolute, duplicates, a file as a folder), what a job changed, and fetch's path checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from gpulayer.errors import ConfigError
+from gpulayer.jobs import folder
+from gpulayer.jobs.folder import (BlobStore, DigestCache, Entry, FolderError, FolderTooLarge, Manifest,
+                                  changed_files, files_under, materialise, resolve_inside, scan)
+
+
+def write(root: Path, rel: str, data: bytes | str = b"x", mode: int | None = None) -> Path:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    if mode is not None:
+        path.chmod(mode)
+    return path
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def paths(manifest: Manifest) -> list[str]:
+    return [e.path for e in manifest.entries]
+
+
+def memory_scan(root: Path, **kwargs) -> Manifest:
+    return scan(root, cache=DigestCache(None), **kwargs)
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A training project: a script, a local package, data, checkpoints and a virtualenv to leave out."""
+    root = tmp_path / "project"
+    write(root, "train.py", "print('hi')\n", mode=0o755)
+    write(root, "pkg/__init__.py", "")
+    write(root, "pkg/model.py", "W = 1\n")
+    write(root, "data/train.csv", "a,b\n1,2\n")
+    write(root, "data/big.bin", b"\0" * 5000)
+    write(root, "ckpt/old.pt", b"old")
+    write(root, "notes.log", "log")
+    write(root, ".gitignore", "*.log\nckpt/\n/data/big.bin\n.venv/\n")
+    write(root, ".venv/bin/python", "#!")
+    write(root, ".git/HEAD", "ref: refs/heads/main\n")
+    write(root, ".git/config", "[core]\n")
+    return root
+
+
+def test_scan_honours_gitignore_and_never_ships_git(project):
+    manifest = memory_scan(project)
+    assert paths(manifest) == [".gitignore", "data/train.csv", "pkg/__init__.py", "pkg/model.py", "train.py"]
+    train = next(e for e in manifest.entries if e.path == "train.py")
+    assert train == Entry("train.py", len("print('hi')\n"), True, sha(b"print('hi')\n"))
+    assert not next(e for e in manifest.entries if e.path == "pkg/model.py").executable
+    assert manifest.total_bytes == sum((project / p).stat().st_size for p in paths(manifest))
+
+
+def test_nested_gitignore_follows_git_rules(tmp_path):
+    root = tmp_path / "r"
+    write(root, ".gitignore", "*.tmp\n")
+    write(root, "a/.gitignore", "!keep.tmp\nlocal.txt\n/anchored.txt\n")
+    for rel in ("x.tmp", "a/x.tmp", "a/keep.tmp", "keep.tmp", "a/local.txt", "a/b/local.txt", "local.txt",
+                "a/anchored.txt", "a/b/anchored.txt", "anchored.txt"):
+        write(root, rel, rel)
+    # a deeper file wins over a shallower one; its patterns are relative to its own folder
+    assert paths(memory_scan(root)) == [".gitignore", "a/.gitignore", "a/b/anchored.txt", "a/keep.tmp",
+                                        "anchored.txt", "local.txt"]
+
+
+def test_ignored_folder_is_not_entered(tmp_path):
+    root = tmp_path / "r"
+    write(root, ".gitignore", "build/\n!build/keep.txt\n")
+    write(root, "build/keep.txt", "k")
+    write(root, "build/out.o", "o")
+    write(root, "src/build/x", "x")
+    # git: a file inside an excluded folder cannot be taken back; `build/` matches at any depth
+    assert paths(memory_scan(root)) == [".gitignore"]
+
+
+def test_excludes_win_over_gitignore(project):
+    manifest = memory_scan(project, excludes=["pkg/", "!notes.log"])
+    assert paths(manifest) == [".gitignore", "data/train.csv", "notes.log", "train.py"]
+
+
+def test_symlink_inside_ships_as_a_copy_and_dangling_ships_nothing(tmp_path):
+    root = tmp_path / "r"
+    write(root, "data/real.csv", "1,2\n")
+    (root / "latest.csv").symlink_to("data/real.csv")
+    (root / "alias").symlink_to("data")
+    (root / ".#lock").symlink_to("user@host.123")  # an editor's lock file: dangling
+    manifest = memory_scan(root)
+    assert paths(manifest) == ["alias/real.csv", "data/real.csv", "latest.csv"]
+    assert len(manifest.blobs()) == 1
+    assert manifest.sources["latest.csv"] == str((root / "data/real.csv").resolve())
+
+
+@pytest.mark.parametrize("target", ["/etc/passwd", "/etc", "../../outside.txt", "../.."])
+def test_symlink_out_of_the_folder_is_refused_by_name(tmp_path, target):
+    write(tmp_path, "outside.txt", "secret")
+    root = tmp_path / "r"
+    write(root, "ok.py", "")
+    (root / "sub").mkdir()
+    (root / "sub" / "escape").symlink_to(target)
+    with pytest.raises(FolderError, match=r"sub/escape is a symlink to .*outside the folder"):
+        memory_scan(root)
+    # left out by an ignore pattern, it is not looked at
+    assert paths(memory_scan(root, excludes=["sub/escape"])) == ["ok.py"]
+
+
+def test_symlink_loop_is_refused(tmp_path):
+    root = tmp_path / "r"
+    write(root, "a/f", "f")
+    (root / "a" / "up").symlink_to("..")
+    with pytest.raises(FolderError, match="a loop"):
+        memory_scan(root)
+
+
+def test_over_the_limit_is_refused_before_hashing(tmp_path, monkeypatch):
+    root = tmp_path / "r"
+    write(root, "big.bin", b"\1" * (3 << 20))
+    write(root, "small.py", "")
+    hashed = []
+    monkeypatch.setattr(folder, "hash_file", lambda path: hashed.append(path) or "0" * 64)
+    with pytest.raises(FolderTooLarge, match=r"3\.0 MiB to ship, over the limit of 2 MiB.*big\.bin \(3\.0 MiB\)"):
+        memory_scan(root, limit_bytes=2 << 20)
+    monkeypatch.setenv("GPULAYER_JOB_FOLDER_LIMIT_MB", "2")
+    with pytest.raises(FolderTooLarge, match="GPULAYER_JOB_FOLDER_LIMIT_MB"):
+        memory_scan(root)
+    assert hashed == []
+    monkeypatch.setenv("GPULAYER_JOB_FOLDER_LIMIT_MB", "lots")
+    with pytest.raises(ConfigError, match="GPULAYER_JOB_FOLDER_LIMIT_MB"):
+        memory_scan(root)
+
+
+def test_unchanged_rescan_hashes_nothing(project, tmp_path):
+    first = scan(project)
+    assert first.hashed_bytes == first.total_bytes > 0
+    again = scan(project)
+    assert again == first and again.hashed_bytes == 0
+    write(project, "pkg/model.py", "W = 2\n")  # same size, new mtime
+    third = scan(project)
+    assert third.hashed_bytes == len("W = 2\n")
+    assert dict((e.path, e.digest) for e in third.entries)["pkg/model.py"] == sha(b"W = 2\n")
+    cache_files = list((Path(os.environ["XDG_CACHE_HOME"]) / "gpulayer" / "digests").iterdir())
+    assert cache_files and all(f.stat().st_mode & 0o077 == 0 for f in cache_files)
+
+
+def test_one_cache_object_serves_many_scans(project):
+    cache = DigestCache(None)
+    assert scan(project, cache=cache).hashed_bytes > 0
+    assert scan(project, cache=cache).hashed_bytes == 0
+
+
+def test_not_a_folder(tmp_path):
+    with pytest.raises(FolderError, match="is not a folder"):
+        memory_scan(tmp_path / "nope")
+
+
+# --- the manifest from the wire -----------------------------------------------------------------
+
+GOOD = sha(b"x")
+
+
+@pytest.mark.parametrize("path, problem", [
+    ("../../etc/passwd", "goes up"), ("/etc/passwd", "absolute"), ("a/../../b", "goes up"),
+    ("./a", "normalised"), ("a//b", "normalised"), ("", "normalised"), ("a/", "normalised"),
+    (".git/hooks/pre-commit", "never shipped"), ("a\x00b", "not a path"), ("x" * 256, "normalised"),
+])
+def test_manifest_from_wire_refuses_bad_paths(path, problem):
+    with pytest.raises(FolderError, match=problem):
+        Manifest.from_wire([[path, 1, False, GOOD]])
+
+
+@pytest.mark.parametrize("value, problem", [
+    ([["a", 1, False, GOOD], ["a", 1, False, GOOD]], "twice"),
+    ([["a", 1, False, GOOD], ["a/b", 1, False, GOOD]], "needs it as a folder"),
+    ([["a", -1, False, GOOD]], "entry is"),
+    ([["a", 1, 1, GOOD]], "entry is"),
+    ([["a", 1, False, "ab" * 16]], "entry is"),
+    ([["a", 1, False, GOOD.upper()]], "entry is"),
+    ({"a": 1}, "a list"),
+    ([["a", 3 << 20, False, GOOD]], "over this side's limit"),
+])
+def test_manifest_from_wire_refuses_bad_entries(value, problem):
+    with pytest.raises(FolderError, match=problem):
+        Manifest.from_wire(value, limit_bytes=2 << 20)
+
+
+def test_manifest_round_trip(project):
+    manifest = memory_scan(project)
+    assert Manifest.from_wire(manifest.to_wire()) == manifest
+
+
+# --- the blob store --------------------------------------------------------------------------
+
+
+def test_blob_store_keeps_verified_blobs_only(tmp_path):
+    store = BlobStore(tmp_path / "store")
+    data = os.urandom(3 << 20)
+    digest = sha(data)
+    assert store.missing({digest: len(data), GOOD: 1}) == [digest, GOOD]
+    with store.writer(digest, len(data)) as w:
+        for i in range(0, len(data), 1 << 20):
+            w.write(memoryview(data)[i:i + (1 << 20)])
+        stored = w.commit()
+    assert stored.read_bytes() == data and stored.stat().st_mode & 0o077 == 0
+    assert store.missing({digest: len(data), GOOD: 1}) == [GOOD]
+    assert store.missing({digest: len(data) - 1}) == [digest]  # another size: not this blob
+    assert store.total_bytes() == len(data)
+    assert (tmp_path / "store").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("upload, problem", [
+    (lambda w, data: w.write(data[:-1]), "truncated"),
+    (lambda w, data: w.write(data[:-1] + b"?"), "does not match its digest"),
+])
+def test_truncated_or_wrong_upload_leaves_nothing(tmp_path, upload, problem):
+    store = BlobStore(tmp_path / "store")
+    data = b"checkpoint" * 1000
+    with store.writer(sha(data), len(data)) as w:
+        upload(w, data)
+        with pytest.raises(FolderError, match=problem):
+            w.commit()
+    assert store.missing({sha(data): len(data)}) == [sha(data)]
+    assert list((tmp_path / "store").rglob("*")) == [tmp_path / "store" / "tmp"]
+
+
+def test_overlong_upload_is_refused_at_once(tmp_path):
+    store = BlobStore(tmp_path / "store")
+    w = store.writer(GOOD, 1)
+    with pytest.raises(FolderError, match="more than the 1 bytes"):
+        w.write(b"xy")
+    with pytest.raises(FolderError, match="closed"):
+        w.commit()
+    assert list((tmp_path / "store" / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("digest", ["../../etc/passwd", "AB" * 32, "a" * 63])
+def test_store_refuses_what_is_not_a_digest(tmp_path, digest):
+    store = BlobStore(tmp_path / "store")
+    with pytest.raises(FolderError, match="not a sha256 digest"):
+        store.writer(digest, 1)
+
+
+def test_prune_frees_what_no_job_keeps(tmp_path):
+    store = BlobStore(tmp_path / "store")
+    for data in (b"a", b"bb", b"ccc"):
+        with store.writer(sha(data), len(data)) as w:
+            w.write(data)
+            w.commit()
+    assert store.prune({sha(b"bb")}) == 4
+    assert sorted(store.blobs()) == [(sha(b"bb"), 2)]
+
+
+def upload_all(manifest: Manifest, store: BlobStore) -> None:
+    sources = manifest.source_of()
+    for digest in store.missing(manifest.blobs()):
+        with store.writer(digest, manifest.blobs()[digest]) as w:
+            w.write(Path(sources[digest]).read_bytes())
+            w.commit()
+
+
+# --- the job's folder ------------------------------------------------------------------------
+
+
+def test_materialise_rebuilds_the_folder_as_copies(project, tmp_path):
+    manifest = memory_scan(project)
+    store = BlobStore(tmp_path / "store")
+    upload_all(manifest, store)
+    job = tmp_path / "jobs" / "j1"
+    job.parent.mkdir()
+    materialise(manifest, store, job)
+    for e in manifest.entries:
+        assert (job / e.path).read_bytes() == (project / e.path).read_bytes()
+    assert os.access(job / "train.py", os.X_OK) and (job / "pkg/model.py").stat().st_mode & 0o777 == 0o600
+    assert job.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in job.parent.iterdir()) == ["j1"]
+    (job / "pkg/model.py").write_text("changed by the job")  # the store is not touched
+    assert store.path(sha(b"W = 1\n")).read_bytes() == b"W = 1\n"
+    with pytest.raises(FolderError, match="exists already"):
+        materialise(manifest, store, job)
+
+
+@pytest.mark.parametrize("entries, problem", [
+    ([Entry("../evil", 1, False, GOOD)], "goes up"),
+    ([Entry("/tmp/evil", 1, False, GOOD)], "absolute"),
+    ([Entry("a", 1, False, GOOD), Entry("a", 1, False, GOOD)], "twice"),
+    ([Entry("a", 1, False, GOOD), Entry("a/b", 1, False, GOOD)], "needs it as a folder"),
+    ([Entry("ok", 1, False, GOOD), Entry("z/missing", 2, False, sha(b"zz"))], "lacks its blob"),
+    ([Entry("short", 5, False, GOOD)], "is not 5 bytes"),
+])
+def test_materialise_refuses_hostile_manifests_and_leaves_nothing(tmp_path, entries, problem):
+    store = BlobStore(tmp_path / "store")
+    with store.writer(GOOD, 1) as w:
+        w.write(b"x")
+        w.commit()
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    with pytest.raises(FolderError, match=problem):
+        materialise(Manifest(tuple(entries)), store, jobs / "j")
+    assert list(jobs.iterdir()) == []
+    assert not (tmp_path / "evil").exists() and not Path("/tmp/evil").exists()
+
+
+def test_changed_files_are_what_the_job_made_or_changed(project, tmp_path):
+    manifest = memory_scan(project)
+    store = BlobStore(tmp_path / "store")
+    upload_all(manifest, store)
+    job = tmp_path / "job"
+    materialise(manifest, store, job)
+    assert changed_files(job, manifest) == []
+    write(job, "ckpt/last.pt", b"weights")
+    write(job, "pkg/model.py", "W = 9\n")  # same size, new content
+    write(job, "data/train.csv", "longer,content\n")
+    (job / "link.pt").symlink_to("ckpt/last.pt")
+    write(job, ".git/index", "x")
+    assert changed_files(job, manifest) == ["ckpt/last.pt", "data/train.csv", "pkg/model.py"]
+
+
+# --- fetch's paths -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def job_folder(tmp_path) -> Path:
+    job = tmp_path / "job"
+    write(job, "ckpt/last.pt", b"w")
+    write(job, "ckpt/epoch1.pt", b"e")
+    (job / "ckpt" / "best.pt").symlink_to("last.pt")
+    (job / "etc").symlink_to("/etc")
+    (job / "up").symlink_to("..")
+    write(tmp_path, "secret.txt", "s")
+    return job
+
+
+@pytest.mark.parametrize("relpath, problem", [
+    ("../../etc/passwd", "goes up"), ("/etc/passwd", "absolute"), ("etc/passwd", "leads out"),
+    ("etc", "leads out"), ("up/secret.txt", "leads out"), ("ckpt/../../secret.txt", "goes up"),
+])
+def test_resolve_inside_refuses_paths_that_leave(job_folder, relpath, problem):
+    with pytest.raises(FolderError, match=problem):
+        resolve_inside(job_folder, relpath)
+
+
+def test_resolve_inside_allows_links_that_stay(job_folder):
+    assert resolve_inside(job_folder, "ckpt/best.pt") == (job_folder / "ckpt/last.pt").resolve()
+    assert resolve_inside(job_folder, "./ckpt//last.pt") == (job_folder / "ckpt/last.pt").resolve()
+    assert resolve_inside(job_folder, ".") == job_folder.resolve()
+
+
+def test_files_under_expands_folders_and_refuses_escapes(job_folder):
+    assert files_under(job_folder, ["ckpt"]) == ["ckpt/best.pt", "ckpt/epoch1.pt", "ckpt/last.pt"]
+    assert files_under(job_folder, ["ckpt/best.pt"]) == ["ckpt/best.pt"]
+    with pytest.raises(FolderError, match="outside the folder"):
+        files_under(job_folder, ["."])
+    with pytest.raises(FolderError, match="no such file"):
+        files_under(job_folder, ["ckpt/nope.pt"])

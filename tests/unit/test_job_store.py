@@ -1,0 +1,90 @@
+"""The peer's job store (jobs/store.py) and the job requests' checks (protocol/jobs.py): real SQLite files."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from gpulayer.protocol import jobs as job_protocol, messages
+from gpulayer.jobs.store import ENDED, QUEUED, SUCCEEDED, JobSpec, JobStore, check_job_id, holder_of
+
+
+def test_ids_name_their_holder_and_are_never_reused(tmp_path):
+    store = JobStore(tmp_path / "state")
+    first, second = store.add(JobSpec(["a"]), 0), store.add(JobSpec(["b"]), 0)
+    assert first.id == f"{store.holder}-1" and second.id == f"{store.holder}-2"
+    assert holder_of(second.id) == store.holder and check_job_id(second.id) is None
+    store.remove(second.id)
+    store.close()
+    again = JobStore(tmp_path / "state")  # the same state folder: the same holder, the next number
+    assert again.holder == store.holder and again.add(JobSpec(["c"]), 0).id == f"{store.holder}-3"
+    assert JobStore(tmp_path / "other").holder != store.holder
+
+
+def _record_and_die(state: str) -> None:
+    store = JobStore(Path(state))
+    store.add(JobSpec(["train"], name="durable"), 5)
+    os._exit(0)  # no close, no clean exit: what was committed must be on disk
+
+
+def test_a_recorded_job_survives_its_process_dying(tmp_path):
+    process = multiprocessing.get_context("spawn").Process(target=_record_and_die, args=(str(tmp_path / "s"),))
+    process.start()
+    process.join(60)
+    rows = JobStore(tmp_path / "s").rows()
+    assert [(r.spec.name, r.state, r.folder_bytes) for r in rows] == [("durable", QUEUED, 5)]
+
+
+def test_the_store_is_private(tmp_path):
+    store = JobStore(tmp_path / "state")
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "state" / "jobs.sqlite3").stat().st_mode) == 0o600
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_retention_removes_the_oldest_ended_jobs_first(tmp_path):
+    store = JobStore(tmp_path / "state")
+    now = time.time()
+    ids = []
+    for age_days, size in [(40, 10), (5, 30), (3, 30), (1, 30)]:
+        row = store.add(JobSpec(["x"]), size)
+        store.folder(row.id).mkdir()
+        store.update(row.id, state=SUCCEEDED, ended=now - age_days * 86400)
+        ids.append(row.id)
+    running = store.add(JobSpec(["y"]), 50)
+    assert store.retain(max_age_s=30 * 86400, max_bytes=120, now=now) == ids[:2]  # too old, then the oldest
+    assert [r.id for r in store.rows()] == [*ids[2:], running.id]
+    assert not store.folder(ids[0]).exists() and store.folder(ids[2]).exists()
+    assert all(r.state not in ENDED for r in store.rows([QUEUED]))
+
+
+@pytest.mark.parametrize("value", ["", "abc-1", "0123456789ab-0", "0123456789AB-1", "0123456789ab-1/..", 7, None])
+def test_malformed_job_ids_are_refused(value):
+    assert "a job id is" in check_job_id(value)
+
+
+@pytest.mark.parametrize("msg, says", [
+    ({"t": messages.JOB_LOGS, "id": 1, "job": "0123456789ab-1", "offset": -1, "follow": False}, "offset"),
+    ({"t": messages.JOB_STOP, "id": 1, "job": "0123456789ab-1", "grace": float("nan")}, "grace"),
+    ({"t": messages.JOB_FETCH, "id": 1, "job": "0123456789ab-1", "paths": "etc"}, "paths"),
+    ({"t": messages.JOB_WAIT, "id": True, "job": "0123456789ab-1"}, "integer 'id'"),
+])
+def test_malformed_requests_are_refused_with_the_reason(msg, says):
+    assert says in job_protocol.check_request(msg)
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"command": []}, "non-empty list"),
+    ({"command": ["a\0b"]}, "non-empty list"),
+    ({"command": ["x"], "retries": -1}, "retries"),
+    ({"command": ["x"], "env": {"GPULAYER_JOB_ID": "forged"}}, "GPULAYER_JOB_ID"),
+    ({"command": ["x"], "timeout": float("inf")}, "timeout"),
+])
+def test_malformed_specs_are_refused_with_the_reason(spec, says):
+    assert says in job_protocol.check_spec(spec, "me")
