@@ -91,8 +91,8 @@ def test_submit_without_auth_never_runs_code(target, tmp_path):
 @pytest.mark.parametrize("kind", [messages.STATUS, messages.PING, messages.LEASE, messages.DIRECT, messages.LOCAL,
                                   messages.FETCH, messages.CANCEL, messages.BYE])
 def test_before_auth_every_kind_but_auth_is_refused(target, kind):
-    """Before authentication the peer's only handler is AUTH's: a STATUS gets no status, a LEASE no
-    worker, a LOCAL no link; each closes the connection as a failed authentication."""
+    """Before authentication the peer's only handlers are AUTH's and an invite's: a STATUS gets no
+    status, a LEASE no worker, a LOCAL no link; each closes the connection as a failed authentication."""
     peer, client = target
     sock, conn, _ = raw(peer)
     conn.send({"t": kind, "id": 1, "beat": 1.0, "req": {}, "ref": {}})
