@@ -149,8 +149,8 @@ class StopWorker:
     worker: Worker
 
 
-Action = Union[Started, Run, RunAlone, StartJob, Answer, Ended, Replace, StopTimer, ToWorker, TellIdle, GoLive, EndActor,
-               OpenBorrowed, StopWorker]
+Action = Union[Started, Run, RunAlone, StartJob, Answer, Ended, Replace, StopTimer, ToWorker, TellIdle, GoLive,
+               EndActor, OpenBorrowed, StopWorker]
 Actions = list[Action]
 
 
@@ -304,7 +304,8 @@ class SchedulerState:
     def lease_failed(self, lease: LeaseHolder, now: float) -> Actions:
         """The connection did not reach the leased worker: the slot is free again."""
         lease.answered = True
-        return [*self._release(lease), Ended(lease, {"t": messages.ERROR, "code": "no-lease"}), *self._start_queued(now)]
+        failed: messages.Message = {"t": messages.ERROR, "code": "no-lease"}
+        return [*self._release(lease), Ended(lease, failed), *self._start_queued(now)]
 
     def cancel_leased(self, lease_id: Any, client: str, task_id: int) -> Actions:
         """Stop a task on a lease of `client` if it runs now, or keep it from starting: the leased
@@ -343,7 +344,8 @@ class SchedulerState:
             self.tasks_done += served
         assert lease.slot is not None and lease.slot.worker is not None
         if msg["t"] == messages.BYE:
-            actions = self._replace(lease.slot, f"its leased task was stopped: {messages.printable(msg.get('reason'), 500)}")
+            why = messages.printable(msg.get("reason"), 500)
+            actions = self._replace(lease.slot, f"its leased task was stopped: {why}")
         elif msg["t"] == messages.STATUS and "lease_end" in msg:
             # the acknowledgement: it serves this peer again
             actions = [ToWorker(lease.slot.worker, {"t": messages.LEASE_END}), *self._release(lease)]
@@ -560,7 +562,8 @@ class SchedulerState:
         old, slot.worker = slot.worker, None
         return [*actions, Replace(slot, old, why)]
 
-    def _answer(self, task: Submission, reply: messages.Outgoing, now: float, buffers: list[Any] | None = None) -> Actions:
+    def _answer(self, task: Submission, reply: messages.Outgoing, now: float,
+                buffers: list[Any] | None = None) -> Actions:
         """The task's outcome, once."""
         if task.answered:
             return []
@@ -603,7 +606,8 @@ def take_slots(req: Requirements, ready: Sequence[Slot], free: dict[str, float])
     `gpu_memory_gb` free (not reserved, in `free`); None if too few."""
     chosen: dict[str, Slot] = {}
     for slot in ready:
-        if slot_memory_fits(req, slot) and (req.gpu_memory_gb or 0.0) <= free.get(slot.device, math.inf) + MEMORY_SLACK_GB:
+        room = free.get(slot.device, math.inf) + MEMORY_SLACK_GB
+        if slot_memory_fits(req, slot) and (req.gpu_memory_gb or 0.0) <= room:
             chosen.setdefault(slot.device, slot)
             if len(chosen) == req.devices:
                 return list(chosen.values())

@@ -126,8 +126,9 @@ class Connection:
 
     def task_done(self, task: Submission, reply: messages.Outgoing, buffers: list[Any]) -> None:
         self.tasks.pop(task.client_id, None)
-        if isinstance(task, TaskHolder) and task.keep is not None and reply["t"] == messages.RESULT:  # type: ignore[typeddict-item]
-            reply, buffers = self.peer.held.keep(task.keep, self.client, reply, buffers)
+        keep = task.keep if isinstance(task, TaskHolder) else None
+        if keep is not None and reply["t"] == messages.RESULT:  # type: ignore[typeddict-item]
+            reply, buffers = self.peer.held.keep(keep, self.client, reply, buffers)
         self.send(reply, buffers)
 
     def task_output(self, task: Submission, msg: messages.LogMessage) -> None:
@@ -440,8 +441,8 @@ class Peer:
         """The kinds of message a connection may send before it authenticated (AUTH, and an invite's PAKE
         steps, which give the cluster key for the right code and nothing else: nothing there is
         unpickled, queued or answered with data) and after (as rpyc's `_request_handlers()`)."""
-        pre_auth: dict[str, Handler] = {
-            messages.AUTH: self.authenticate, messages.PAKE: self._invite_step, messages.PAKE_CONFIRM: self._invite_step}
+        pre_auth: dict[str, Handler] = {messages.AUTH: self.authenticate, messages.PAKE: self._invite_step,
+                                        messages.PAKE_CONFIRM: self._invite_step}
         post_auth: dict[str, Handler] = {
             messages.SUBMIT: self._admit, messages.ACTOR: self._admit, messages.CANCEL: self._cancel,
             messages.WITHDRAW: self._withdraw, messages.PING: self._ping, messages.STATUS: self._status,
