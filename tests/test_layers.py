@@ -30,6 +30,11 @@ LAYERS: list[dict[str, set[str]]] = [
 # Edges the layers would allow that stay out all the same (prefixes of module names): the Ray backend
 # runs tasks without the peer's code; the option table needs no transport.
 BREAKS = {("backends", "peer"), ("task_options", "transport")}
+# Inside the client: a connection, and the pool that opens and watches them, know nothing of tasks, their
+# placement, leases, actors or the engine (they report through connection.Listener).
+BREAKS |= {(low, high) for low in ("client.connection", "client.pool")
+           for high in ("client.engine", "client.placement", "client.tasks", "client.leases", "client.actors")}
+BREAKS.add(("client.connection", "client.pool"))
 # What a job interpreter has besides the standard library: the worker side needs nothing else (torch
 # only where a task's data holds tensors, which serialization rebuilds; no psutil, no zeroconf).
 JOB_INTERPRETER = {"msgpack", "cloudpickle", "cryptography", "torch"}

@@ -22,10 +22,9 @@ from ..checks import check_timeout
 from ..errors import ActorDied, GPULayerError, PeerLost, ProtocolError
 from ..matching import Requirements
 from ..protocol import messages
-from ..resources.model import Advert
 from ..transport import shm
 from . import inference
-from .connection import CONNECT_TIMEOUT, PeerConnection
+from .connection import CONNECT_TIMEOUT, Listener, PeerConnection
 from .tasks import SubmittedTask, TaskFuture
 
 if TYPE_CHECKING:
@@ -88,7 +87,7 @@ class ActorCreation(SubmittedTask):
     def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None and self.spec is not None
         return messages.actor(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
-                              self.spec.concurrency, self.env), self.buffers or []
+                          self.spec.concurrency, self.env), self.buffers or []
 
     def result_from(self, msg: dict[str, Any], buffers: list[Any]) -> Any:
         problem = messages.check_actor_id(msg.get("actor"))
@@ -136,9 +135,22 @@ class CloseRequest(SubmittedTask):
         return messages.close(self.task_id, self.actor_id), []
 
 
-class DirectListener:
-    """Where a direct connection (ADR 0012) reports: outcomes as any connection's; when it is lost, its
-    calls end with ActorDied, with the reason the peer or the worker gave when it comes soon enough."""
+class DirectConnection(PeerConnection):
+    """A connection that the actor's peer handed to the actor's worker (ADR 0012). The worker may hold its
+    GIL through a long method, so it does not say it is alive while calls run: the pool watches a
+    direct connection through its peer's own (pool.py)."""
+
+    beats = False
+
+    def __init__(self, listener: DirectListener, addresses: list[tuple[str, int]], actor_id: str):
+        self.actor_id = actor_id
+        client = listener.client
+        super().__init__(listener, addresses, client.key, client.submitter_id, messages.direct(0, actor_id))
+
+
+class DirectListener(Listener):
+    """Where a direct connection reports: outcomes as any connection's; when it is lost, its calls end
+    with ActorDied, with the reason the peer or the worker gave when it comes soon enough."""
 
     def __init__(self, client: Client):
         self.client = client
@@ -146,22 +158,11 @@ class DirectListener:
     def on_outcome(self, conn: PeerConnection, task: Any, msg: dict[str, Any], buffers: list[Any]) -> None:
         self.client.settle(conn, task, msg, buffers)
 
-    def on_actor_end(self, conn: PeerConnection, msg: dict[str, Any]) -> None:
-        pass  # only the peer sends it
-
-    def on_leaving(self, conn: PeerConnection) -> None:
-        pass
-
-    def on_idle(self, conn: PeerConnection) -> None:
-        pass
-
-    def on_advert(self, conn: PeerConnection, advert: Advert) -> None:
-        pass  # only the peer sends it
-
     def on_lost(self, conn: PeerConnection, tasks: list[Any], reason: str) -> None:
-        assert conn.actor_id is not None
-        if self.client.directs.get(conn.actor_id) is conn:
-            del self.client.directs[conn.actor_id]
+        assert isinstance(conn, DirectConnection)
+        directs = self.client.pool.directs
+        if directs.get(conn.actor_id) is conn:
+            del directs[conn.actor_id]
         said = conn.refusal.partition(": ")[2] if conn.refusal.startswith("actor-died") else ""
         creator = self.client.actors.get(conn.actor_id)
         if said and creator is not None:
@@ -240,19 +241,19 @@ class ActorHandle:
             return None
         if size >= shm.SHM_MIN and not self._in_flight[True]:
             return None
-        conn = self._client.directs.get(self.actor_id)
+        directs = self._client.pool.directs
+        conn = directs.get(self.actor_id)
         if conn is not None and not conn.closed:
             return conn
         if self._in_flight[True]:  # its direct connection just closed: the calls on it say why
             return None
         try:
-            conn = PeerConnection(DirectListener(self._client), self.addresses, self._client.key,
-                                  self._client.client_id, messages.direct(0, self.actor_id))
+            conn = DirectConnection(DirectListener(self._client), self.addresses, self.actor_id)
         except (OSError, GPULayerError) as exc:  # DirectRefused, an older peer, no route: through the peer
             log.debug("calls on actor %s go through its peer: %s", self.actor_id[:8], exc)
             self._direct_off = True
             return None
-        self._client.directs[self.actor_id] = conn
+        directs[self.actor_id] = conn
         return conn
 
     def _landed(self, direct: bool) -> None:
@@ -295,7 +296,7 @@ class ActorHandle:
                 self._dead = reason
             self._ended.set()
             self._client.actors.pop(self.actor_id, None)
-            direct = self._client.directs.pop(self.actor_id, None)
+            direct = self._client.pool.directs.pop(self.actor_id, None)
         if direct is not None:
             direct.fail(f"the actor ended: {reason}")
 
@@ -331,7 +332,7 @@ class ActorHandle:
 
     def close_soon(self) -> None:
         """Send the CLOSE without waiting (the submitter is closing)."""
-        conn = self._client.pooled(self.peer_id)
+        conn = self._client.pool.pooled(self.peer_id)
         if self._dead is None and conn is not None:
             self._send_close(conn)
 

@@ -1,8 +1,10 @@
-"""One authenticated connection to a peer, shared by many tasks and multiplexed by task id.
+"""One authenticated connection to a peer, or to a worker that the peer handed it to; shared by many tasks
+and multiplexed by task id.
 
-A reader thread routes each message: a task's LOG to that task, its outcome (RESULT, REJECT,
-ERROR) to the listener, replies to STATUS and PING to the waiting request. The connection
-knows nothing of retries or placement; it reports what happened through `ConnectionListener`.
+A reader thread routes each message through one table (`PeerConnection.ROUTES`, extended by a lease's
+connection in leases.py): a task's LOG to that task, its outcome (RESULT, REJECT, ERROR) to the
+listener, replies to STATUS and PING to the waiting request. The connection knows nothing of retries
+or placement; it reports what happened to its `Listener`. When it is alive is the pool's (pool.py).
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ..errors import GPULayerError, PeerLost, ProtocolError
-from ..protocol import framing, handshake, messages
+from ..protocol import handshake, messages
 from ..resources.model import Advert
 from ..resources.utilisation import MAX_GB, finite
 from ..transport import blocking, shm, sockets
 
 CONNECT_TIMEOUT = 2.0
-OUTBOX_MAX = 1 << 18  # bytes of SUBMITs that a lease keeps back for one write at most
 
 
 class DirectRefused(GPULayerError):
@@ -42,8 +43,10 @@ class ConnectionTask(Protocol):
     def on_output(self, stream: str, data: bytes) -> None: ...
 
 
-class ConnectionListener(Protocol):
-    """Where a connection reports outcomes; called on its reader thread."""
+class Listener:
+    """Where a connection reports, on its reader thread. The one base of the engine (each peer's own
+    connection), the leases and the direct actor connections: what a kind of connection never hears
+    of, or does not care about, is ignored here."""
 
     def on_outcome(self, conn: PeerConnection, task: Any, msg: dict[str, Any], buffers: list[Any]) -> None:
         """A task's RESULT, REJECT or ERROR arrived (once per task)."""
@@ -64,26 +67,21 @@ class ConnectionListener(Protocol):
         """The connection closed; `tasks` were still in flight on it."""
 
 
+Route = Callable[[Any, dict[str, Any], list[Any]], None]  # a routing table's entry: (connection, message, buffers)
+
+
 class PeerConnection:
     """One authenticated connection to a peer; safe to use from any thread."""
 
-    def __init__(self, listener: ConnectionListener, addresses: list[tuple[str, int]], key: bytes, client_id: str,
+    beats: ClassVar[bool] = True
+    """Whether the other end says something every heartbeat while it owes answers: a peer answers PINGs,
+    a leased worker sends PONGs while it runs. The pool's liveness rule reads it (pool.py)."""
+
+    def __init__(self, listener: Listener, addresses: list[tuple[str, int]], key: bytes, submitter_id: str,
                  hand_over: messages.Message | None = None):
-        """`hand_over`, a DIRECT or a LEASE request, asks the peer to give the connection to a worker."""
+        """`hand_over`, a DIRECT or a LEASE request, asks the peer to give the connection to a worker;
+        the peer's answer is then `handed_over`."""
         self.listener = listener
-        self.actor_id: str | None = None  # set when the connection goes to that actor's worker (ADR 0012)
-        self.lease_id: str | None = None  # set when it goes to a worker lent to this submitter (ADR 0013)
-        self.lease_ended = ""  # why, once the leased worker said LEASE_END
-        self.requirements: Any = None  # a lease's: what it was asked for with (client/leases.py `_lease_slot_takes`)
-        self.on_cancel: Callable[[int], None] | None = None  # a lease's: also asks its peer to stop a running task
-        self._outbox_lock = threading.Lock()  # a lease's: guards the outbox and _at_worker
-        self._outbox: list[Any] = []  # a lease's SUBMITs kept back while its worker is busy (`_submit_leased`)
-        self._outbox_tasks = 0
-        self._outbox_bytes = 0
-        self._at_worker = 0  # a lease's SUBMITs written and not answered yet
-        self._newest = 0  # a lease's: the id of its newest task (in the outbox, or written)
-        self.sent_up_to = 0  # a lease's: the id of the newest task written to its worker (`maybe_started`)
-        self._busy_since = 0.0  # a lease's: when its worker last got work while it had none
         self.addresses = addresses  # where it was opened (an actor's handle passes them on)
         self.pending: dict[int, Any] = {}
         self.closed = False
@@ -93,6 +91,8 @@ class PeerConnection:
         self.load: tuple[int, ...] = (0, 0)
         self._load_base = 0
         self.free: float | None = None  # GB one task may take now on the peer's best device, at its last report
+        self.handed_over: dict[str, Any] = {}  # the peer's answer to `hand_over`
+        self.owing_since = 0.0  # when its tasks in flight last went from none to some (the pool's liveness rule)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards pending, closed and the waiters
         self._send_lock = threading.Lock()
@@ -102,10 +102,10 @@ class PeerConnection:
         try:
             sock.settimeout(CONNECT_TIMEOUT)
             self._wire = blocking.BlockingConnection(sock)
-            hello = handshake.client_handshake(self._wire, key, client_id)
+            hello = handshake.client_handshake(self._wire, key, submitter_id)
             self.advert = Advert.from_txt(hello.get("advert") or {})
             if hand_over is not None:
-                self._ask_hand_over(hand_over)
+                self.handed_over = self._ask_hand_over(hand_over)
         except ValueError as exc:  # the peer proved the key, but its advert is malformed
             sock.close()
             raise ProtocolError(f"{self.address} sent a bad advert: {exc}") from None
@@ -121,8 +121,8 @@ class PeerConnection:
         self._local_lock = threading.Lock()  # one asks; another sender of a big buffer waits for its answer
         threading.Thread(target=self._read_loop, name=f"gpulayer-{self.name}", daemon=True).start()
 
-    def _ask_hand_over(self, request: messages.Message) -> None:
-        """Ask the peer to hand this connection to a worker; DirectRefused when it does not.
+    def _ask_hand_over(self, request: messages.Message) -> dict[str, Any]:
+        """Ask the peer to hand this connection to a worker; its answer, or DirectRefused.
 
         The peer answers, then the worker continues the same channel (its keys and counters), so
         nothing is sent before the answer has come (ADR 0012)."""
@@ -132,10 +132,7 @@ class PeerConnection:
         if reply["t"] != request["t"] or reply.get("id") != request["id"]:
             raise DirectRefused(f"{messages.printable(reply.get('code', reply['t']), 40)}: "
                                 f"{messages.printable(reply.get('message'))}")
-        if request["t"] == messages.DIRECT:
-            self.actor_id = request["actor"]
-        else:
-            self.lease_id = messages.printable(reply.get("lease"), 64)
+        return reply
 
     # ---- sending ----------------------------------------------------------------------------------
 
@@ -158,9 +155,6 @@ class PeerConnection:
 
     def submit(self, task: ConnectionTask) -> None:
         """Send the task's SUBMIT under a fresh id; its outcome reaches the listener."""
-        if self.lease_id is not None:
-            self._submit_leased(task)
-            return
         if not self._register(task):
             return
         msg, buffers = task.message()
@@ -175,6 +169,8 @@ class PeerConnection:
             closed = self.closed
             task.task_id = next(self._ids)  # also when closed: a lease's worker never saw this id
             if not closed:
+                if not self.pending:
+                    self.owing_since = time.monotonic()
                 self.pending[task.task_id] = task
         if closed:  # it closed after placement chose it: the task is lost like its others
             self.listener.on_lost(self, [task], self.send_error or "the connection closed")
@@ -188,72 +184,13 @@ class PeerConnection:
         except OSError:
             self.fail(self.send_error)
 
-    def _submit_leased(self, task: ConnectionTask) -> None:
-        """A SUBMIT on a lease: written at once when its worker has nothing to do, else kept back and
-        written with the others that come meanwhile when the next answer arrives (`_answered_on_lease`):
-        the worker could not start them sooner, and a burst of submits costs a few writes, not one each.
-        Ids are given in the order the SUBMITs are written (the worker refuses an id not above the last)."""
-        with self._outbox_lock:
-            if not self._register(task):
-                return
-            self._newest = task.task_id
-            msg, buffers = task.message()
-            parts = framing.encode(msg, buffers)
-            if self._at_worker and self._outbox_bytes < OUTBOX_MAX:
-                self._outbox += parts
-                self._outbox_tasks += 1
-                self._outbox_bytes += sum(memoryview(p).nbytes for p in parts)
-                return
-            batch = self._take_outbox(parts)
-        try:
-            self._wire.send_encoded(batch)
-        except OSError as exc:
-            self._send_failed(exc)
-        finally:
-            self._send_lock.release()
-
-    def _take_outbox(self, parts: list[Any] = ()) -> list[Any]:  # type: ignore[assignment]
-        """The SUBMITs kept back, and `parts` (one more) after them, counted as at the worker; with the
-        outbox lock held. Takes the send lock (the caller writes the batch, then releases it), so that
-        batches go out in the order they were taken."""
-        batch, self._outbox = [*self._outbox, *parts], []
-        self.sent_up_to = self._newest  # before the write: a write under way counts as done (`maybe_started`)
-        if not self._at_worker:
-            self._busy_since = time.monotonic()
-        self._at_worker += self._outbox_tasks + (1 if parts else 0)
-        self._outbox_tasks = self._outbox_bytes = 0
-        self._send_lock.acquire()
-        return batch
-
-    def maybe_started(self, task: ConnectionTask) -> bool:
-        """Whether a leased worker may have started a task of this lease that got no answer: not after
-        LEASE_END (the worker starts nothing after it), nor when the task was still kept back here. Asked
-        once the connection closed: no write can begin any more."""
-        return not self.lease_ended and task.task_id <= self.sent_up_to
-
-    def _answered_on_lease(self) -> None:
-        """An outcome came from the leased worker: once no other waits to be read, what was kept back goes."""
-        with self._outbox_lock:
-            self._at_worker = max(0, self._at_worker - 1)
-            if not self._outbox or (self._at_worker and self._wire.reader.messages):
-                return
-            batch = self._take_outbox()
-        try:
-            self._wire.send_encoded(batch)
-        finally:
-            self._send_lock.release()
-
-    def cancel(self, task: ConnectionTask) -> None:
-        """Forget the task and ask the peer to stop it."""
+    def cancel(self, task: ConnectionTask) -> bool:
+        """Forget the task and ask the peer to stop it; whether it was in flight here."""
         with self._lock:
             known = self.pending.pop(task.task_id, None) is task
         if known and not self.closed:
-            try:
-                self.send(messages.cancel(task.task_id))
-            except OSError:
-                pass
-            if self.on_cancel is not None:
-                self.on_cancel(task.task_id)
+            send_quietly(self, messages.cancel(task.task_id))
+        return known
 
     def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send a STATUS, PING or PEERS and wait for the reply with the same id."""
@@ -290,11 +227,8 @@ class PeerConnection:
 
     @property
     def last_heard(self) -> float:
+        """When the other end was last heard (any bytes: a big message takes time)."""
         return self._wire.last_received
-
-    def silent_for(self) -> float:
-        """Seconds since the other side was last heard, or since it was last given work when idle."""
-        return time.monotonic() - max(self._wire.last_received, self._busy_since)
 
     # ---- receiving --------------------------------------------------------------------------------
 
@@ -306,48 +240,60 @@ class PeerConnection:
             self.fail(self.send_error or str(exc) or type(exc).__name__)
 
     def _route(self, msg: dict[str, Any], buffers: list[Any]) -> None:
-        kind = msg["t"]
+        """Take the peer's load from any message that carries it, then route the message by its type."""
         if isinstance(msg.get("load"), list):
             self.load = tuple(msg["load"][:2])
             self._load_base = len(self.pending)
             self.free = finite(msg.get("free"), 0, MAX_GB)
-        if kind in (messages.PONG, messages.STATUS, messages.LOCAL, messages.PEERS):
-            waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
-            if waiter is not None and not waiter.done():
-                waiter.set_result(msg)
-            elif kind == messages.PONG and msg.get("id") is None:
-                self._new_advert(msg.get("advert"))
-                self.listener.on_idle(self)
-            return
-        if kind == messages.BYE:
-            self.listener.on_leaving(self)
-            return
-        if kind == messages.LEASE_END and self.lease_id is not None:  # no task starts on it any more
-            self.lease_ended = messages.printable(msg.get("reason"), 500) or "?"
-            self.fail(f"the lease ended: {self.lease_ended}")
-            return
-        if kind == messages.ACTOR_END:
-            self.listener.on_actor_end(self, msg)
-        if kind == messages.ERROR and msg.get("id") is None:  # the peer is about to close this connection
+        route: Route = self.ROUTES.get(msg["t"], PeerConnection._to_task)
+        route(self, msg, buffers)
+
+    def _reply(self, msg: dict[str, Any], buffers: list[Any]) -> None:
+        """PONG, STATUS, LOCAL, PEERS: to the request waiting for it; a PONG nobody asked for says the peer is idle."""
+        waiter = self._waiters.get(msg.get("id"))  # type: ignore[arg-type]
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
+        elif msg["t"] == messages.PONG and msg.get("id") is None:
+            self._new_advert(msg.get("advert"))
+            self.listener.on_idle(self)
+
+    def _bye(self, msg: dict[str, Any], buffers: list[Any]) -> None:
+        self.listener.on_leaving(self)
+
+    def _actor_end(self, msg: dict[str, Any], buffers: list[Any]) -> None:
+        """An actor ended; with an id, it also answers a CLOSE."""
+        self.listener.on_actor_end(self, msg)
+        self._to_task(msg, buffers)
+
+    def _error(self, msg: dict[str, Any], buffers: list[Any]) -> None:
+        """A task's ERROR; without an id, why the peer is about to close this connection."""
+        if msg.get("id") is None:
             self.refusal = f"{msg.get('code')}: {msg.get('message')}"
             return
-        if self.lease_id is not None and kind in (messages.RESULT, messages.ERROR):
-            self._answered_on_lease()
-        task = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
-        if task is None:
-            return
-        if kind == messages.ACCEPT:
-            task.queued = msg.get("w") is True  # it waits in the peer's queue, and may be withdrawn
-            return
-        if kind == messages.LOG:
-            task.on_output(msg.get("stream"), msg.get("data") or b"")
-            return
+        self._to_task(msg, buffers)
 
+    def _accept(self, msg: dict[str, Any], buffers: list[Any]) -> None:
+        task = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
+        if task is not None:
+            task.queued = msg.get("w") is True  # it waits in the peer's queue, and may be withdrawn
+
+    def _log(self, msg: dict[str, Any], buffers: list[Any]) -> None:
+        task = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
+        if task is not None:
+            task.on_output(msg.get("stream"), msg.get("data") or b"")
+
+    def _to_task(self, msg: dict[str, Any], buffers: list[Any]) -> None:
+        """A task's outcome (RESULT, REJECT, ERROR, an ACTOR_END for a CLOSE): to the listener, once."""
         with self._lock:
-            if self.pending.get(msg["id"]) is not task:
-                return
-            del self.pending[msg["id"]]
-        self.listener.on_outcome(self, task, msg, buffers)
+            task = self.pending.pop(msg.get("id"), None)  # type: ignore[arg-type]
+        if task is not None:
+            self.listener.on_outcome(self, task, msg, buffers)
+
+    ROUTES: ClassVar[dict[str, Route]] = {
+        messages.PONG: _reply, messages.STATUS: _reply, messages.LOCAL: _reply, messages.PEERS: _reply,
+        messages.BYE: _bye, messages.ACTOR_END: _actor_end, messages.ERROR: _error, messages.ACCEPT: _accept,
+        messages.LOG: _log, messages.RESULT: _to_task, messages.REJECT: _to_task}
+    """What each message does, by type; any other type with a task's id ends that task as an outcome does."""
 
     def _new_advert(self, txt: Any) -> None:
         """Take the advert that the peer sent on this channel, if it is a valid one of the same peer."""

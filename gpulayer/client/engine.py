@@ -1,9 +1,8 @@
-"""The submitter's engine: the connection pool, retries, the heartbeat and `map`'s window (futures: tasks.py).
+"""The submitter's engine: placing tasks, retries and busy back-off, work stealing, `map`'s window.
 
-Each peer gets one authenticated TCP connection (see connection.py). A heartbeat thread
-pings every connection; one that stays silent while it has tasks is declared lost, so that
-a peer behind a cut link fails its futures with PeerLost within seconds (a killed peer fails
-them at once, when its socket resets).
+Connections, discovery and liveness are the pool's (pool.py), the choice among peers placement's
+(placement.py), a call and its future tasks.py's. The engine is the listener of each peer's own
+connection: it completes, retries or places again the tasks whose outcomes come there.
 """
 
 from __future__ import annotations
@@ -16,32 +15,30 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from .. import discovery, held, lending, remote_exceptions, serialization
 from ..checks import check_timeout
-from ..errors import (ActorDied, AuthError, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
+from ..errors import (ActorDied, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match, missing_software
 from ..protocol import framing, messages
 from ..task_options import check_keep, check_retries
 from ..progress import MapProgressBar
 from ..resources.model import Advert
-from ..resources.utilisation import clean_sample
 from ..security import cluster_id, load_key
 from ..taskenv import check_env
 from . import inference
-from .connection import CONNECT_TIMEOUT, PeerConnection, send_quietly
-from .gossip import Gossip
+from .connection import CONNECT_TIMEOUT, Listener, PeerConnection, send_quietly
 from .leases import Leases
 from .placement import Placement
+from .pool import Pool
 from .tasks import HeldResult, SubmittedTask, TaskFuture
 
 log = logging.getLogger("gpulayer.client")
 
-DOWN_BACKOFF = 5.0  # seconds a peer that failed is skipped before it is tried again
 RETRYABLE = frozenset({"peer-lost", "peer-shutdown", "worker-died"})
 WINDOW_RECHECK_S = 0.1  # how often a full map window looks whether it may grow
 MAX_BUSY_REJECTIONS = 600  # about ten minutes of 1 s back-offs
@@ -103,15 +100,16 @@ def _task_finished(window: MapWindow, bar: MapProgressBar, _future: Future[Any])
     bar.advance()
 
 
-class Client:
-    """A submitter: finds peers of its cluster, picks one per task, and tracks the futures."""
+class Client(Listener):
+    """A submitter: finds peers of its cluster, picks one per task, and tracks the futures; the listener
+    of each peer's own connection."""
 
     def __init__(self, key: bytes | None = None, interfaces: list[str] | None = None, peers: str | None = None,
                  mdns: bool = True, echo_output: bool = True, discovery_timeout: float | None = None,
                  heartbeat: float | None = None, leases: bool | None = None):
         self.key = key or load_key()
         self.cluster = cluster_id(self.key)
-        self.client_id = uuid.uuid4().hex[:12]
+        self.submitter_id = uuid.uuid4().hex[:12]  # what AUTH names this submitter to its peers
         self.interfaces = discovery.configured_interfaces(interfaces)
         self.echo_output = echo_output
         self.discovery_timeout = discovery_timeout if discovery_timeout is not None else \
@@ -120,69 +118,43 @@ class Client:
         self.directory = discovery.Directory(self.cluster, discovery.default_cache_path())
         self.directory.load_cache()
         self.directory.on_new = self._peer_appeared  # set after the cache: no task waits yet
-        self.static = discovery.static_peers(peers)
-        self.static_errors: dict[str, str] = {}
+        self.pool = Pool(self.key, self.submitter_id, self.directory, self, self.heartbeat,
+                         discovery.static_peers(peers))
+        self.static_errors = self.pool.static_errors
         self.placement = Placement(self.directory, self.static_errors, self._live_load)
-        self._lock = threading.Lock()  # guards the pool and start-up
-        self._connections: dict[str, PeerConnection] = {}
-        self._connecting: dict[str, threading.Lock] = {}
-        self._browser: discovery.Browser | None = None
+        self._lock = threading.Lock()  # guards start-up
         self._mdns = mdns
         self._helpers = ThreadPoolExecutor(16, thread_name_prefix="gpulayer-retry")
-        # the handshakes at the claims of a peer's id (`_verify`): several peers' at once
-        self._handshakes = ThreadPoolExecutor(4 * discovery.MAX_CLAIMS, thread_name_prefix="gpulayer-verify")
         self.actors: dict[str, Any] = {}  # the live actors this submitter created: id -> ActorHandle
-        self.directs: dict[str, PeerConnection] = {}  # direct connections to actors' workers, by actor id (ADR 0012)
         self.leases = Leases(self, leases)  # workers that peers lent to this submitter (ADR 0013)
         self._releases: deque[tuple[str, str]] = deque()  # (peer id, result id) of dropped held futures
-        self._received_before = 0  # bytes read on connections closed since
         self._closed = threading.Event()
         self._started = False
-        self.gossip = Gossip(self, self._closed, self._helpers.submit)  # lists of verified peers (ADR 0017)
 
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
 
-    # ---- discovery ------------------------------------------------------------------------------
-
     def start(self) -> None:
-        """Start browsing and probing static peers (once)."""
+        """Start discovery, the static peers' probes and the heartbeat (once)."""
         with self._lock:
             if self._started:
                 return
             self._started = True
-        if self._mdns:
-            self._browser = discovery.Browser(self.directory, self.interfaces, self._on_goodbye)
-            threading.Thread(target=self._browser.query_now, name="gpulayer-query", daemon=True).start()
-        for address in self.static:
-            self._helpers.submit(self._probe_static, address)
-        threading.Thread(target=self._heartbeat_loop, name="gpulayer-heartbeat", daemon=True).start()
-        threading.Thread(target=self.gossip.run, name="gpulayer-gossip", daemon=True).start()
+        self.pool.start(self._mdns, self.interfaces, self._on_heartbeat)
 
-    def _probe_static(self, address: tuple[str, int]) -> None:
-        label = "%s:%d" % address
-        try:
-            self._open([address], "static")
-            self.static_errors.pop(label, None)
-        except (OSError, GPULayerError) as exc:
-            self.static_errors[label] = str(exc)
-
-    def learn(self, addresses: list[tuple[str, int]]) -> bool:
-        """A peer that a key holder's list named (client/gossip.py): a hint until a handshake there proves
-        it; then its record has source "gossip". False when none did."""
-        try:
-            self._open(addresses, "gossip")
-        except (OSError, GPULayerError) as exc:
-            log.debug("no peer proved at %s: %s", addresses, exc)
-            return False
-        return True
+    def _on_heartbeat(self) -> None:
+        """The engine's part of each heartbeat, before the pool's liveness round: the RELEASEs of dropped
+        held futures, and work offered to peers found while none of our tasks waited (a first burst that
+        went out before the browse found them all: they get no PING from us)."""
+        self._send_releases()
+        self._offer_to([r for r in self.directory.records() if r.up and self.pool.pooled(r.advert.peer_id) is None])
 
     def _wait_for_match(self, req: Requirements, excluded: Collection[str]) -> None:
         self.start()
         if self.static_errors and not self.placement.candidates(req, excluded):
-            for address in self.static:
-                self._probe_static(address)
+            for address in self.pool.static:
+                self.pool.probe_static(address)
         self.placement.wait_for_match(req, excluded, self.discovery_timeout)
 
     def total_slots(self, req: Requirements) -> int:
@@ -190,7 +162,7 @@ class Client:
         return self.placement.total_slots(req)
 
     def _live_load(self, peer_id: str) -> tuple[float, float, float | None] | None:
-        conn = self._connections.get(peer_id)
+        conn = self.pool.own.get(peer_id)
         if conn is None:
             return None
         leased = self.leases.in_flight(peer_id)
@@ -264,14 +236,13 @@ class Client:
     def _send_releases(self) -> None:
         while self._releases:
             peer_id, result_id = self._releases.popleft()
-            conn = self.pooled(peer_id)
+            conn = self.pool.pooled(peer_id)
             if conn is not None:
                 send_quietly(conn, messages.release(result_id))
 
     def received_bytes(self) -> int:
         """Bytes this submitter has read from its peer connections so far (on the socket: records and all)."""
-        return self._received_before + sum(conn.received for conn in
-                                           [*self._connections.values(), *self.directs.values(), *self.leases.all()])
+        return self.pool.received_bytes()
 
     def map(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], *, req: Requirements, timeout: float | None = None,
             retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
@@ -345,7 +316,7 @@ class Client:
         """The connection to a candidate if it is up and its verified advert still fits (`asking`: or
         lacks only software, which the peer looks for again); else note why not."""
         try:
-            conn = self._connection(record)
+            conn = self.pool.connection(record)
         except (OSError, GPULayerError) as exc:
             failures[f"{record.advert.name} ({record.address})"] = [f"down: {exc}"]
             return None
@@ -375,94 +346,13 @@ class Client:
         """Place the task again from a helper thread (its last connection ended before it started)."""
         self._helpers.submit(self._place_again, task, cause)
 
-    def _connection(self, record: discovery.PeerRecord) -> PeerConnection:
-        """The live connection to the record's peer, else one opened where a handshake proves that peer."""
-        peer_id = record.advert.peer_id
-        conn = self.pooled(peer_id)
-        if conn is not None:
-            return conn
-        with self._lock:
-            gate = self._connecting.setdefault(peer_id, threading.Lock())
-        with gate:
-            return self.pooled(peer_id) or self._verify(record)
-
-    def _verify(self, record: discovery.PeerRecord) -> PeerConnection:
-        """Handshake at the addresses of every claim to the record's peer id, at once; the first
-        connection that proves that id is the peer's. Raises when none does."""
-        peer_id = record.advert.peer_id
-        groups: dict[tuple[tuple[str, int], ...], list[discovery.PeerRecord]] = {}
-        for claim in self.directory.claims(peer_id) or [record]:
-            groups.setdefault(tuple(claim.addresses), []).append(claim)
-        if len(groups) == 1:
-            return self._prove(peer_id, *groups.values())
-        errors = []
-        for future in as_completed([self._handshakes.submit(self._prove, peer_id, g) for g in groups.values()]):
-            try:
-                return future.result()
-            except (OSError, GPULayerError) as exc:
-                errors.append(str(exc))
-        raise ConnectionError("; ".join(errors))
-
-    def _prove(self, peer_id: str, claims: list[discovery.PeerRecord]) -> PeerConnection:
-        """A connection at the claims' addresses (they share them) that proves `peer_id`.
-
-        An endpoint that fails is skipped for a while. One that fails the key or proves another
-        peer's id loses its claims, and a cached address that fails its own: none of them stands
-        for this peer, nor changes its row or status."""
-        try:
-            conn = self._open(claims[0].addresses, claims[0].source)
-        except (OSError, GPULayerError) as exc:
-            for claim in claims:
-                if isinstance(exc, AuthError) or claim.source == "cache":
-                    self.directory.drop(claim)
-            self.mark_down(peer_id, str(exc), claims[0].addresses)
-            raise
-        if conn.peer_id != peer_id:  # a copied advert, or a stale one: another peer answers there
-            for claim in claims:
-                self.directory.drop(claim)
-            raise ConnectionError(f"{conn.address} is another peer, {conn.name} ({conn.peer_id})")
-        return conn
-
-    def pooled(self, peer_id: str) -> PeerConnection | None:
-        """The open connection to a peer, if there is one."""
-        conn = self._connections.get(peer_id)
-        return None if conn is None or conn.closed else conn
-
     def connection_to(self, peer_id: str, addresses: list[tuple[str, int]]) -> PeerConnection:
-        """The connection to one known peer (an actor's), opened at `addresses` when there is none.
+        """The connection to one known peer (an actor's, a held result's), opened at `addresses` when
+        there is none; the heartbeat then watches it."""
+        self.start()
+        return self.pool.connection_to(peer_id, addresses)
 
-        Raises ConnectionError when another peer answers there (the actor's peer is gone).
-        """
-        conn = self.pooled(peer_id)
-        if conn is not None:
-            return conn
-        self.start()  # the heartbeat keeps the connection alive while calls run
-        conn = self._open(addresses, "mdns")
-        if conn.peer_id != peer_id:
-            raise ConnectionError(f"peer {conn.name} ({conn.peer_id}) answers at {conn.address} now")
-        return conn
-
-    def _open(self, addresses: list[tuple[str, int]], source: str) -> PeerConnection:
-        """Connect and authenticate; the peer's HELLO refreshes (or creates) its directory record."""
-        conn = PeerConnection(self, addresses, self.key, self.client_id)
-        fresh = discovery.PeerRecord(conn.advert, addresses, source if source in ("static", "gossip") else "mdns",
-                                     verified=True)
-        if not self.directory.upsert(fresh):
-            conn.fail("the peer belongs to another cluster")
-            raise AuthError(f"{conn.address} belongs to another cluster")
-        with self._lock:  # the first live connection to a peer wins: tasks may be running on it
-            old = self._connections.get(conn.peer_id)
-            if old is None or old.closed:
-                self._connections[conn.peer_id] = conn
-                return conn
-        conn.fail("a connection to this peer is already open")  # it holds no task yet
-        return old
-
-    def mark_down(self, peer_id: str, reason: str, addresses: list[tuple[str, int]] | None = None) -> None:
-        """Skip the peer (its claims at `addresses`, or all of them) for DOWN_BACKOFF seconds."""
-        self.directory.mark_down(peer_id, reason, time.monotonic() + DOWN_BACKOFF, addresses)
-
-    # ---- outcomes (the ConnectionListener of every connection) ------------------------------------
+    # ---- outcomes (the Listener of each peer's own connection) ------------------------------------
 
     def on_outcome(self, conn: PeerConnection, task: SubmittedTask, msg: dict[str, Any], buffers: list[Any]) -> None:
         self.placement.contention.heard(conn.peer_id, msg)
@@ -500,7 +390,7 @@ class Client:
         started meanwhile runs on, so that each task runs once.
         Called on the connection's reader thread: the search is in memory, and the WITHDRAW is sent
         from a helper thread (a big upload may hold the other connection's socket)."""
-        if len(self._connections) < 2 or conn.closed or conn.load[1]:
+        if len(self.pool.own) < 2 or conn.closed or conn.load[1]:
             return
         coming = sum(t.withdrawing == conn.peer_id for t in self._in_flight())  # taken back for it already
         taken: dict[str, int] = {}  # peer id -> tasks taken from its queue in this round
@@ -517,7 +407,7 @@ class Client:
         """The task to take back for the free peer of `conn` (`on_idle`), and the connection it waits on."""
         typical = self.placement.contention.typical
         best: tuple[float, SubmittedTask, PeerConnection] | None = None
-        for other in list(self._connections.values()):
+        for other in list(self.pool.own.values()):
             if other is conn or other.closed:
                 continue
             waiting = [t for t in self._waiting(other) if conn.peer_id not in t.excluded and not match(t.req, conn.advert)]
@@ -531,7 +421,7 @@ class Client:
 
     def _in_flight(self) -> list[SubmittedTask]:
         """Our tasks sent to peers and not answered yet."""
-        return [t for conn in list(self._connections.values()) for t in list(conn.pending.values())
+        return [t for conn in list(self.pool.own.values()) for t in list(conn.pending.values())
                 if isinstance(t, SubmittedTask)]
 
     @staticmethod
@@ -547,7 +437,7 @@ class Client:
     def _offer_to(self, records: list[discovery.PeerRecord]) -> None:
         """Connect (from a helper thread) to each of the peers that could run one of our tasks waiting in
         other peers' queues, and let it take them as a peer that went idle would (ADR 0011)."""
-        waiting = [t for conn in list(self._connections.values()) for t in self._waiting(conn)]
+        waiting = [t for conn in list(self.pool.own.values()) for t in self._waiting(conn)]
         for record in records if waiting and not self._closed.is_set() else ():
             if any(not match(t.req, record.advert) for t in waiting):
                 self._helpers.submit(self._offer_work, record)
@@ -555,7 +445,7 @@ class Client:
     def _offer_work(self, record: discovery.PeerRecord) -> None:
         """Connect to a peer that appeared, ask its load (a PING), then take work to it if it is idle."""
         try:
-            conn = self._connection(record)
+            conn = self.pool.connection(record)
             conn.request(messages.ping(), CONNECT_TIMEOUT)
         except (OSError, GPULayerError, FutureTimeout) as exc:
             log.debug("no work taken to peer %s that appeared: %s", record.advert.name, exc)
@@ -576,41 +466,10 @@ class Client:
             handle.died(messages.printable(msg.get("message")))
 
     def on_leaving(self, conn: PeerConnection) -> None:
-        self._forget(conn.peer_id, "the peer is shutting down")
-
-    def _forget(self, peer_id: str, reason: str) -> None:
-        """The peer is gone: drop its record, or mark a static one down."""
-        record = self.directory.get(peer_id)
-        if record is not None and record.source == "static":
-            self.mark_down(peer_id, reason)
-        else:
-            self.directory.remove(peer_id)
-
-    def _on_goodbye(self, record: discovery.PeerRecord) -> None:
-        """An mDNS goodbye for a verified or static peer is a hint: ask the peer itself."""
-        if not self._closed.is_set():
-            self._helpers.submit(self._check_leaving, record)
-
-    def _check_leaving(self, record: discovery.PeerRecord) -> None:
-        try:
-            status = self._connection(record).request(messages.status_request(), CONNECT_TIMEOUT)
-        except (OSError, GPULayerError) as exc:
-            self._forget(record.advert.peer_id, f"gone after its goodbye: {exc}")
-            return
-        if status.get("draining"):
-            self._forget(record.advert.peer_id, "the peer is shutting down")
+        self.pool.forget(conn.peer_id, "the peer is shutting down")
 
     def on_lost(self, conn: PeerConnection, tasks: list[SubmittedTask], reason: str) -> None:
-        with self._lock:
-            if self._connections.get(conn.peer_id) is conn:
-                del self._connections[conn.peer_id]
-                self._received_before += conn.received
-        if conn.silent and not self._closed.is_set():
-            # cut off or frozen: skip it for a while. A reset or a close means its host answered;
-            # if the peer is dead, the next connect is refused at once.
-            self.mark_down(conn.peer_id, reason, conn.addresses)
-            for direct in [d for d in [*self.directs.values(), *self.leases.all()] if d.peer_id == conn.peer_id]:
-                direct.fail(f"its peer {conn.name} went silent: {reason}", silent=True)  # its host, most likely
+        self.pool.lost(conn, reason)
         for task in tasks:
             if conn.refusal:  # the peer refused what we sent: retrying elsewhere would fail the same way
                 task.complete(exc=ProtocolError(f"peer {conn.name} closed the connection: {conn.refusal}"))
@@ -663,25 +522,6 @@ class Client:
         log.info("retrying task %s elsewhere after %s", task.name, exc)
         self._helpers.submit(self._place_again, task, exc)
 
-    def _heartbeat_loop(self) -> None:
-        while not self._closed.wait(self.heartbeat):
-            self._send_releases()
-            now = time.monotonic()
-            calling = {direct.peer_id for direct in [*self.directs.values(), *self.leases.all()] if direct.pending}
-            self.leases.check_alive(3 * self.heartbeat)
-            # peers found while none of our tasks waited (a first burst that went out before the browse
-            # found them all): they get no PING from us, so offer them work once tasks wait elsewhere
-            self._offer_to([r for r in self.directory.records() if r.up and self.pooled(r.advert.peer_id) is None])
-            for conn in list(self._connections.values()):
-                # a peer whose actors' workers have our calls counts as busy: its silence ends them too
-                if (conn.pending or conn.peer_id in calling) and now - conn.last_heard > 3 * self.heartbeat:
-                    conn.fail(f"no answer for {now - conn.last_heard:.1f} s", silent=True)
-                    continue
-                try:
-                    conn.ping()
-                except OSError as exc:
-                    conn.fail(f"ping failed: {exc}")
-
     # ---- inspection and shutdown ------------------------------------------------------------------
 
     def peers(self, wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]:
@@ -690,43 +530,11 @@ class Client:
         # listen for mDNS answers; 1.5 s covers the browser's second query: a peer that announced
         # itself under a second ago stays silent to the first one (a record goes out once a second)
         self._closed.wait(min(self.discovery_timeout, 1.5) if wait is None else wait)
-        rows = list(self._helpers.map(lambda record: self._describe(record, probe), self.directory.records()))
-        rows += [{"name": label, "address": label, "state": "down", "error": err, "source": "static", "verified": False}
-                 for label, err in self.static_errors.items()]
-        return sorted(rows, key=lambda r: r["name"])
+        return self.pool.peers(probe)
 
     def status(self, record: discovery.PeerRecord) -> dict[str, Any]:
         """The peer's STATUS reply, over its authenticated connection (opened if need be); untrusted."""
-        return self._connection(record).request(messages.status_request(), CONNECT_TIMEOUT)
-
-    def _describe(self, record: discovery.PeerRecord, probe: bool) -> dict[str, Any]:
-        """The peer's row; with `probe`, its STATUS from a connection that proved its id, and then the
-        claim that the handshake verified (its advert and address)."""
-        status: dict[str, Any] | None = None
-        error = ""
-        if probe:
-            try:
-                status = self.status(record)
-            except (OSError, GPULayerError) as exc:
-                error = str(exc)
-                self.mark_down(record.advert.peer_id, error)
-            record = self.directory.get(record.advert.peer_id) or record
-        a = record.advert
-        row = {"name": a.name, "peer_id": a.peer_id, "address": record.address, "accelerator": a.accelerator,
-               "device": a.device_name, "memory_kind": a.memory_kind, "device_memory_gb": list(a.device_memory_gb),
-               "ram_gb": a.ram_gb, "frameworks": dict(a.frameworks), "capabilities": sorted(a.capabilities),
-               "slots": a.slots, "busy": None, "queued": None, "util": None, "source": record.source,
-               "verified": record.verified, "state": "up" if record.up else "down", "error": record.error}
-        if status is not None:
-            row["busy"], row["queued"] = status["load"][:2]
-            row["actors"] = len(status.get("actors") or [])  # slots that actors hold
-            row["util"] = clean_sample(status.get("util"))
-            held_bytes = status.get("held_bytes")  # untrusted: a whole number of bytes, or unknown
-            row["held_bytes"] = held_bytes if type(held_bytes) is int and held_bytes >= 0 else None
-            row["state"], row["error"] = "up", ""
-        elif error:
-            row["state"], row["error"] = "down", error
-        return row
+        return self.pool.status(record)
 
     def create_actor(self, spec: Any) -> TaskFuture:
         """Place an actor (client/actors.py ActorSpec) on a matching peer; the future's result is its handle."""
@@ -748,9 +556,5 @@ class Client:
             handle.close_soon()  # the peers free their slots now, not after the grace time
         if self._started:
             self.directory.save_cache()
-        for conn in [*self._connections.values(), *self.directs.values(), *self.leases.all()]:
-            conn.fail("the client closed")
-        if self._browser is not None:
-            self._browser.close()
+        self.pool.close()
         self._helpers.shutdown(wait=False, cancel_futures=True)
-        self._handshakes.shutdown(wait=False, cancel_futures=True)

@@ -103,7 +103,7 @@ def _choose(client: Client, req: Requirements, nodes: int) -> list[str]:
 def _reached(client: Client, rank: ActorHandle) -> list[str]:
     """The addresses of a rank's peer, the one that this submitter's connection reached first."""
     advertised = [host for host, _ in rank.addresses]
-    conn = client.pooled(rank.peer_id)
+    conn = client.pool.pooled(rank.peer_id)
     if conn is None:
         return advertised
     used = conn.address.rsplit(":", 1)[0]

@@ -3,7 +3,7 @@ verified peers, sends them its own, and proves each new one with its own handsha
 
 Every ASK_EVERY seconds (and at once when its first connection opens) it sends PEERS, with the peers
 it holds a live connection to, on one of its connections in turn. An id of the reply that it has not
-verified is a hint: the engine connects there (`learn`; addresses where that failed wait AGE_OUT), and
+verified is a hint: the pool connects there (`learn`; addresses where that failed wait AGE_OUT), and
 only a handshake that proves the id adds the peer, with source "gossip". A peer learned so that the lists no longer name, and that it holds no
 connection to, is dropped (the lists drop a peer AGE_OUT after its last verification anywhere).
 """
@@ -29,7 +29,7 @@ FIRST_ASK_POLL = 0.05  # seconds between looks for a first connection to ask
 
 
 class Learner(Protocol):
-    """What gossip needs of the engine."""
+    """What gossip needs of the pool (client/pool.py)."""
 
     directory: discovery.Directory
 
@@ -41,10 +41,10 @@ class Learner(Protocol):
 class Gossip:
     """Runs on a thread of its own until `stop` is set."""
 
-    def __init__(self, engine: Learner, stop: threading.Event, run_soon: Callable[..., Any]):
-        self.engine = engine
+    def __init__(self, pool: Learner, stop: threading.Event, run_soon: Callable[..., Any]):
+        self.pool = pool
         self.stop = stop
-        self.run_soon = run_soon  # runs a handshake on the engine's helpers
+        self.run_soon = run_soon  # runs a handshake on the pool's helpers
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._trying: dict[tuple[tuple[str, int], ...], float] = {}  # addresses -> when they may be tried again
@@ -57,8 +57,8 @@ class Gossip:
 
     def connections(self) -> list[PeerConnection]:
         """The live connections to verified peers, by peer id."""
-        records = sorted(self.engine.directory.records(), key=lambda r: r.advert.peer_id)
-        pooled = [self.engine.pooled(r.advert.peer_id) for r in records if r.verified]
+        records = sorted(self.pool.directory.records(), key=lambda r: r.advert.peer_id)
+        pooled = [self.pool.pooled(r.advert.peer_id) for r in records if r.verified]
         return [conn for conn in pooled if conn is not None]
 
     def ask_once(self) -> bool:
@@ -79,7 +79,7 @@ class Gossip:
         return True
 
     def _learn(self, addresses: list[tuple[str, int]]) -> None:
-        if self.engine.learn(addresses):
+        if self.pool.learn(addresses):
             with self._lock:
                 self._trying.pop(tuple(addresses), None)
 
@@ -91,15 +91,15 @@ class Gossip:
         with self._lock:
             self._trying = {addresses: due for addresses, due in self._trying.items() if due > now}
         for peer_id, addresses, _ in entries:
-            record = self.engine.directory.get(peer_id)
+            record = self.pool.directory.get(peer_id)
             if record is None or not record.verified:
                 with self._lock:  # one handshake at a time at an address; one that failed waits AGE_OUT
                     if self._trying.get(tuple(addresses), 0.0) > now:
                         continue
                     self._trying[tuple(addresses)] = now + discovery.AGE_OUT
                 self.run_soon(self._learn, addresses)
-        for record in self.engine.directory.records():
+        for record in self.pool.directory.records():
             peer_id = record.advert.peer_id
-            if record.source == "gossip" and peer_id not in named and self.engine.pooled(peer_id) is None:
+            if record.source == "gossip" and peer_id not in named and self.pool.pooled(peer_id) is None:
                 log.info("gossip: peer %s is no longer in the lists: dropped", record.advert.name)
-                self.engine.directory.remove(peer_id)
+                self.pool.directory.remove(peer_id)

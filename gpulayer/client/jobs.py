@@ -66,7 +66,7 @@ class JobLink:
         self.conn = blocking.BlockingConnection(sock)
         self._ids = iter(range(1, 1 << 62))
         try:
-            self.hello = handshake.client_handshake(self.conn, client.key, client.client_id)
+            self.hello = handshake.client_handshake(self.conn, client.key, client.submitter_id)
         except BaseException:
             self.conn.close()
             raise

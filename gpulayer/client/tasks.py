@@ -148,7 +148,7 @@ class HeldResult:
                 return
             self.released = True
         self._finalizer.detach()
-        conn = self.client.pooled(self.peer_id)
+        conn = self.client.pool.pooled(self.peer_id)
         if conn is not None:  # else the peer frees it when this submitter's connections are gone
             send_quietly(conn, messages.release(self.result_id))
 

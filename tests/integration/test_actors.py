@@ -22,7 +22,7 @@ import pytest
 
 import gpulayer as gl
 from gpulayer import serialization
-from gpulayer.client.engine import DOWN_BACKOFF
+from gpulayer.client.pool import DOWN_BACKOFF
 from gpulayer.errors import TaskRejected, TaskTimeout
 from gpulayer.peer_table import format_peers
 from gpulayer.protocol import handshake, messages

@@ -62,7 +62,7 @@ def client(request, peer, monkeypatch):
 
 
 def only_connection(client: Client):
-    return wait_until(lambda: next(iter(client._connections.values()), None), 10)
+    return wait_until(lambda: next(iter(client.pool.own.values()), None), 10)
 
 
 SIZES = sorted({1, serialization.OUT_OF_BAND_MIN - 1, serialization.OUT_OF_BAND_MIN,

@@ -108,7 +108,7 @@ def test_a_second_connection_to_a_peer_does_not_cut_the_tasks_of_the_first(peer_
     try:
         running = client.submit(time.sleep, (1.0,), req=ANY)
         host, port = peer.address.rsplit(":", 1)
-        client._probe_static((host, int(port)))  # what start() does for each static peer, now while a task runs
+        client.pool.probe_static((host, int(port)))  # what start() does for each static peer, now while a task runs
         assert running.result(30) is None  # the task's connection was not replaced
         assert client.submit(lambda: "still up", req=ANY).result(30) == "still up"
     finally:

@@ -63,7 +63,7 @@ def test_a_wrong_key_is_refused_both_ways_and_logged(target):
     intruder = Client(key=b"not-the-key", peers=peer.address, mdns=False, echo_output=False)
     try:
         with pytest.raises(AuthError, match="refused authentication"):
-            PeerConnection(intruder, [("127.0.0.1", peer.port)], intruder.key, intruder.client_id)
+            PeerConnection(intruder, [("127.0.0.1", peer.port)], intruder.key, intruder.submitter_id)
         with pytest.raises(NoMatchingPeer, match="static peer unreachable"):
             intruder.submit(lambda: 1, req=ANY)
     finally:

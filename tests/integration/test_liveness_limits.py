@@ -51,7 +51,7 @@ def test_a_frozen_peer_served_from_the_cache_gives_peer_lost_within_seconds(peer
     client = Client(key=key.encode(), mdns=False, echo_output=False, heartbeat=0.5)  # the cache is all it knows
     try:
         future = client.submit(time.sleep, (60,), req=ANY)
-        wait_until(lambda: client._connections, 10)
+        wait_until(lambda: client.pool.own, 10)
         os.kill(peer.pid, signal.SIGSTOP)
         with pytest.raises(PeerLost, match="no answer"):  # the heartbeat's verdict, long before the 60 s task ends
             future.result(10)  # 3 heartbeats of 0.5 s of silence, plus the check's period: about 2 s

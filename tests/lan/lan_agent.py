@@ -67,16 +67,16 @@ class Agent:
             options["leases"] = leases
         self.client = gl.configure(**options)
         self.goodbyes = []
-        check = self.client._on_goodbye  # mDNS goodbyes that the directory passed on to be checked
+        check = self.client.pool._on_goodbye  # mDNS goodbyes that the directory passed on to be checked
 
         def on_goodbye(record, check=check):
             self.goodbyes.append(record.advert.name)
             check(record)
 
-        self.client._on_goodbye = on_goodbye  # before start(), which hands it to the browser
+        self.client.pool._on_goodbye = on_goodbye  # before start(), which hands it to the browser
         if start:
             self.client.start()
-        return {"client_id": self.client.client_id, "cluster": self.client.cluster}
+        return {"submitter_id": self.client.submitter_id, "cluster": self.client.cluster}
 
     def records(self) -> list[dict]:
         return [{"name": r.advert.name, "peer_id": r.advert.peer_id, "cluster": r.advert.cluster, "up": r.up,
@@ -87,7 +87,7 @@ class Agent:
         """The service names whose PTR records this submitter's mDNS cache holds (what the browser heard)."""
         from gpulayer.discovery import SERVICE_TYPE
 
-        browser = self.client._browser
+        browser = self.client.pool._browser
         if browser is None:
             return {"names": []}
         return {"names": sorted({r.alias for r in browser.zc.cache.get_all_by_details(SERVICE_TYPE, 12, 1)})}
@@ -354,7 +354,7 @@ class Agent:
 
     def op_open_connections(self, peer=None):
         """The ids of this submitter's connections (leases too) that are open now, to `peer` (a name) if given."""
-        conns = [*self.client._connections.values(), *self.client.leases.all()]
+        conns = [*self.client.pool.own.values(), *self.client.leases.all()]
         return {"ids": [id(c) for c in conns if not c.closed and peer in (None, c.name)]}
 
     def op_stacks(self):

@@ -58,7 +58,7 @@ class ScaleAgent:
         return {"threads": threading.active_count(), "os_threads": me.num_threads(),
                 "fds": len(os.listdir("/proc/self/fd")), "rss": me.memory_info().rss,
                 "thread_names": sorted({t.name.rstrip("0123456789_-") for t in threading.enumerate()}),
-                "connections": len(self.client._connections), "leases": len(self.client.leases.by_peer)}
+                "connections": len(self.client.pool.own), "leases": len(self.client.leases.by_peer)}
 
     def op_exit(self):
         gl.api.shutdown()
