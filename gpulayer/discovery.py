@@ -1,8 +1,9 @@
 """Finding peers: mDNS advertise and browse, the peer directory, static peers and the cache.
 
-Every peer registers `<label>-<peer id>._gpulayer._tcp.local.` with its Advert in the TXT
-record, the label being its name made fit for one DNS label (`instance_label`). Registration
-skips probing (the name holds a unique peer id), so a new peer is seen in milliseconds;
+Every peer registers `<label>-<tag>._gpulayer._tcp.local.` with its Advert in the TXT record, the
+label being its name made fit for one DNS label (`instance_label`), the tag one it keeps across
+restarts (`kept_tag`) or its peer id. Its IPv4 and IPv6 addresses go out on each interface, that
+interface's only. Registration skips probing (the name holds a unique tag), so a new peer is seen in milliseconds;
 browsers ask with QM questions, so a late joiner gets multicast answers at once instead of
 waiting about a second for unicast ones. zeroconf keeps a peer that died without a goodbye
 listed for up to about 19 minutes, so liveness is the client's job.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import ipaddress
 import json
 import logging
 import os
@@ -30,8 +32,8 @@ from typing import Any
 import ifaddr
 import zeroconf._core as zeroconf_core
 import zeroconf._utils.net as zeroconf_net
-from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, DNSRecord, InterfaceChoice, IPVersion,
-                      ServiceBrowser, ServiceInfo, ServiceListener, ServiceStateChange, Zeroconf)
+from zeroconf import (DNSAddress, DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, DNSRecord, InterfaceChoice,
+                      IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, ServiceStateChange, Zeroconf)
 
 from .errors import ConfigError
 from .resources.model import TXT_VALUE_MAX, Advert
@@ -51,14 +53,11 @@ LABEL_MAX = 63  # bytes in one DNS label (RFC 1035): a peer's mDNS instance name
 MAX_LOOKUPS = 32  # mDNS service-info look-ups outstanding at once; more names wait for the next announcement
 LOOKUP_TIMEOUT_MS = 1500
 MAX_FOREIGN = 256  # peers of other clusters counted at most (their ids only)
-AGE_OUT = 10.0  # seconds after its last verification anywhere that gossip drops a peer (ADR 0017)
-MAX_LIST = 256  # entries of one gossiped list, sent or taken
-MAX_ADDRESSES = 8  # addresses of one entry
 Address = tuple[str, int]
 
 
 def configured_interfaces(interfaces: list[str] | None = None) -> list[str] | None:
-    """The IPv4 addresses to use for mDNS: the argument, else GPULAYER_INTERFACES, else None (all)."""
+    """The addresses (IPv4 or IPv6) to use for mDNS: the argument, else GPULAYER_INTERFACES, else None (all)."""
     if interfaces:
         return list(interfaces)
     env = os.environ.get(INTERFACES_ENV, "").strip()
@@ -69,19 +68,29 @@ def _zeroconf(interfaces: list[str] | None) -> Zeroconf:
     """A Zeroconf on its own thread, even when called from inside a running event loop, with its
     sockets bound to the mDNS group where the system allows it (`group_sockets`)."""
     choice = interfaces if interfaces else InterfaceChoice.All
+    version = ip_version(interfaces)
 
     def make() -> Zeroconf:
         if not GROUP_BOUND:
-            return Responder(interfaces=choice, ip_version=IPVersion.V4Only)
+            return Responder(interfaces=choice, ip_version=version)
         with _SOCKETS_LOCK:  # zeroconf looks its socket factory up by name when it starts
             setattr(zeroconf_core, "create_sockets", group_sockets)
             try:
-                return Responder(interfaces=choice, ip_version=IPVersion.V4Only)
+                return Responder(interfaces=choice, ip_version=version)
             finally:
                 setattr(zeroconf_core, "create_sockets", zeroconf_net.create_sockets)
 
     with ThreadPoolExecutor(1) as pool:  # no event loop runs there, so zeroconf starts its own thread
         return pool.submit(make).result()
+
+
+def ip_version(interfaces: list[str] | None) -> IPVersion:
+    """IPv4 and IPv6 on all interfaces where this host has IPv6; else those of the addresses given."""
+    if interfaces:
+        has_v6 = any(":" in i for i in interfaces)
+        return (IPVersion.All if any(":" not in i for i in interfaces) else IPVersion.V6Only) if has_v6 \
+            else IPVersion.V4Only
+    return IPVersion.All if socket.has_ipv6 else IPVersion.V4Only
 
 
 LEGACY_UNICAST_TTL = 10  # seconds at most in an answer to a query from a port other than 5353 (RFC 6762 6.7)
@@ -98,7 +107,54 @@ class Responder(Zeroconf):
         if addr is not None and port != _MDNS_PORT:
             out.answers = [(_capped(record), when) for record, when in out.answers]
             out.additionals = [_capped(record) for record in out.additionals]
-        super().async_send(out, addr, port, v6_flow_scope, transport)
+        if not any(isinstance(r, DNSAddress) for r in [a for a, _ in out.answers] + out.additionals):
+            return super().async_send(out, addr, port, v6_flow_scope, transport)
+        for sender in [transport] if transport is not None else list(self.engine.senders):
+            own = _own_addresses(sender.transport.get_extra_info("socket"), addr, v6_flow_scope)
+            super().async_send(_only(out, own), addr, port, v6_flow_scope, sender)
+
+
+def _own_addresses(sock: Any, addr: str | None, scope: tuple[()] | tuple[int, int]) -> set[bytes] | None:
+    """The packed addresses of the interface a message goes out on: for a reply to `addr`, the one
+    toward it (its IPv6 scope, else the subnet that holds it: the socket it came in on says nothing);
+    else the one `sock` sends on (its IPv6 scope, its IPv4 multicast interface). None when unknown."""
+    adapters = ifaddr.get_adapters()
+    try:
+        if addr is not None:
+            target = ipaddress.ip_address(addr.split("%")[0])
+            chosen = [a for a in adapters if a.index == scope[1]] if scope and scope[1] else \
+                [a for a in adapters for ip in a.ips
+                 if target in ipaddress.ip_network(f"{_plain(ip.ip)}/{ip.network_prefix}", False)]
+        elif len(sock.getsockname()) == 4:  # IPv6: bound to the group at the interface's scope
+            chosen = [a for a in adapters if a.index == sock.getsockname()[3]]
+        else:
+            where = socket.inet_ntoa(sock.getsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, 4))
+            chosen = [a for a in adapters if any(ip.ip == where for ip in a.ips)]
+    except (OSError, ValueError, TypeError):
+        return None
+    return {_packed(_plain(ip.ip)) for a in chosen[:1] for ip in a.ips} or None
+
+
+def _plain(ip: str | tuple[str, int, int]) -> str:
+    """An ifaddr address as text, without IPv6's flow and scope."""
+    return ip if isinstance(ip, str) else ip[0]
+
+
+def _packed(address: str) -> bytes:
+    return socket.inet_pton(socket.AF_INET6 if ":" in address else socket.AF_INET, address)
+
+
+def _only(out: DNSOutgoing, own: set[bytes] | None) -> DNSOutgoing:
+    """A copy of `out` whose address records are those of `own` only (RFC 6762 section 6.2: each interface
+    its own addresses); `out` itself when `own` is None."""
+    if own is None:
+        return out
+    kept = DNSOutgoing(out.flags, out.multicast, out.id)
+    kept.questions = list(out.questions)
+    kept.answers = [(r, when) for r, when in out.answers if not isinstance(r, DNSAddress) or r.address in own]
+    kept.authorities = list(out.authorities)
+    kept.additionals = [r for r in out.additionals if not isinstance(r, DNSAddress) or r.address in own]
+    return kept
 
 
 def _capped(record: DNSRecord) -> DNSRecord:
@@ -117,17 +173,20 @@ _IP_MULTICAST_ALL = 49  # Linux: deliver to a socket only the groups it joined i
 
 def group_sockets(interfaces: zeroconf_net.InterfacesType, unicast: bool, ip_version: IPVersion,
                   apple_p2p: bool = False) -> tuple[socket.socket | None, list[socket.socket]]:
-    """zeroconf's sockets (`create_sockets`), bound to 224.0.0.251:5353 instead of the wildcard and
-    each interface's address: they receive what is sent to the mDNS group and nothing sent to this
-    host's own addresses, so that unicast queries to port 5353 (RFC 6762 section 6.7; `dig -p 5353
-    @HOST`) reach the system's responder (avahi, mDNSResponder), which binds the wildcard. Bound to a
-    group, a socket sends from the address of the interface that IP_MULTICAST_IF picks, from port
-    5353. The listen socket joins the group on every interface; each interface's responder only sends."""
+    """zeroconf's sockets (`create_sockets`), bound to the mDNS groups (224.0.0.251:5353, [ff02::fb]:5353)
+    instead of the wildcard and each interface's address: they receive what is sent to the group and
+    nothing sent to this host's own addresses, so that unicast queries to port 5353 (RFC 6762 section
+    6.7; `dig -p 5353 @HOST`) reach the system's responder (avahi, mDNSResponder), which binds the
+    wildcard. Bound to a group, a socket sends from the address of the interface that IP_MULTICAST_IF
+    (IPV6_MULTICAST_IF) picks, from port 5353. IPv4: the listen socket joins the group on every
+    interface, and each interface's responder only sends. IPv6: one socket an interface, bound to the
+    group at that interface's scope, receives and sends."""
     listen = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP,), ip_version=IPVersion.V4Only, apple_p2p=apple_p2p)
     if listen is None:
         return zeroconf_net.create_sockets(interfaces, unicast, ip_version, apple_p2p)
     responders = []
-    for interface in zeroconf_net.normalize_interface_choice(interfaces, IPVersion.V4Only):
+    chosen = zeroconf_net.normalize_interface_choice(interfaces, ip_version)
+    for interface in [i for i in chosen if isinstance(i, str)] if ip_version != IPVersion.V6Only else []:
         if not zeroconf_net.add_multicast_member(listen, interface):
             continue
         sock = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP,), ip_version=IPVersion.V4Only, apple_p2p=apple_p2p)
@@ -138,16 +197,54 @@ def group_sockets(interfaces: zeroconf_net.InterfacesType, unicast: bool, ip_ver
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(str(interface)))
         zeroconf_net.set_respond_socket_multicast_options(sock, IPVersion.V4Only)
         responders.append(sock)
+    indexes = {i[1] for i in chosen if isinstance(i, tuple)} if ip_version != IPVersion.V4Only else set()
+    responders += filter(None, (_group_socket_v6(index, apple_p2p) for index in sorted(indexes)))
     return listen, responders
 
 
+_MDNS_GROUP6 = "ff02::fb"
+
+
+def _group_socket_v6(index: int, apple_p2p: bool) -> socket.socket | None:
+    """A socket bound to [ff02::fb%index]:5353 that joined the group there and sends there; None where
+    that interface has no IPv6 multicast."""
+    try:
+        sock = zeroconf_net.new_socket(bind_addr=(_MDNS_GROUP6, 0, index), ip_version=IPVersion.V6Only,
+                                       apple_p2p=apple_p2p)
+    except OSError as exc:
+        log.debug("no IPv6 mDNS on interface %d: %s", index, exc)
+        return None
+    if sock is None:
+        return None
+    if not zeroconf_net.add_multicast_member(sock, (("", 0, 0), index)):
+        sock.close()
+        return None
+    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, index)
+    zeroconf_net.set_respond_socket_multicast_options(sock, IPVersion.V6Only)
+    return sock
+
+
 def advertised_addresses(interfaces: list[str] | None) -> list[str]:
-    """The addresses a peer puts in its mDNS record."""
+    """The addresses a peer puts in its mDNS record: IPv4 and IPv6 (global, and link-local without the
+    scope, which each receiver adds: its own interface's), never loopback unless it has nothing else."""
     if interfaces:
-        return [i for i in interfaces if i != "0.0.0.0"]
-    found = [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
-             if isinstance(ip.ip, str) and not ip.ip.startswith("127.")]
-    return found or ["127.0.0.1"]
+        return [i for i in interfaces if i not in ("0.0.0.0", "::")]
+    found = [_plain(ip.ip) for adapter in ifaddr.get_adapters() for ip in adapter.ips]
+    return [a for a in found if not ipaddress.ip_address(a).is_loopback] or ["127.0.0.1"]
+
+
+def remote(addr: tuple[Any, ...]) -> Address:
+    """(host, port) of an accepted connection's other side: an IPv4-mapped IPv6 address as the IPv4 one."""
+    host = ipaddress.ip_address(addr[0].split("%")[0])
+    if isinstance(host, ipaddress.IPv6Address) and host.ipv4_mapped is not None:
+        return str(host.ipv4_mapped), addr[1]
+    return addr[0], addr[1]
+
+
+def host_port(address: Address) -> str:
+    """HOST:PORT, with an IPv6 host in brackets."""
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def check_name(name: str) -> str:
@@ -161,16 +258,33 @@ def check_name(name: str) -> str:
     return name
 
 
-def instance_label(name: str, peer_id: str) -> str:
+def instance_label(name: str, tag: str) -> str:
     """The mDNS instance label of a peer: its name with dots and non-printable characters as '-' (a dot
     would split the label: other browsers would not see the service), cut to fit one DNS label with
-    its peer id, which keeps it unique. The whole name travels in the TXT record."""
-    suffix = f"-{peer_id}"
+    its tag (its peer id, or the tag it keeps: `kept_tag`), which keeps it unique. The whole name travels
+    in the TXT record."""
+    suffix = f"-{tag}"
     shown = "".join(ch if ch.isprintable() and ch != "." else "-" for ch in name)
     room = LABEL_MAX - len(suffix.encode())
     return shown.encode()[:room].decode("utf-8", "ignore") + suffix
 
 
+def kept_tag(folder: Path) -> str | None:
+    """The instance tag kept in the peer's state folder (made at its first start there), or None where the
+    folder cannot keep one. The folder is this peer's alone while it runs (peer/jobs.py holds it)."""
+    path = folder / "mdns-instance"
+    try:
+        tag = path.read_text().strip() if path.exists() else ""
+        if len(tag) != TAG_HEX or tag.strip("0123456789abcdef"):
+            tag = secrets.token_hex(TAG_HEX // 2)
+            path.write_text(tag + "\n")
+        return tag
+    except (OSError, UnicodeDecodeError) as exc:
+        log.debug("no stable instance name (%s): the peer id names the advert", exc)
+        return None
+
+
+TAG_HEX = 12  # hex digits of a kept instance tag, as many as a peer id's
 ANNOUNCEMENTS = 3  # of a record, and of each update (RFC 6762 section 8.3: at least 2, at most 8)
 ANNOUNCE_PAUSE = 1.0  # seconds from the first to the second; each later pause doubles the last gap
 
@@ -181,13 +295,16 @@ class Advertiser:
     The record is announced ANNOUNCEMENTS times, at once, then after 1 s, then after twice the last
     gap (RFC 6762 section 8.3: at least one second apart, the interval doubling), and again so for each
     update; it answers queries from the
-    first announcement on. No probing: the name holds the peer id."""
+    first announcement on. No probing: the name holds the peer id, or a tag that the peer keeps in its
+    `state` folder across restarts (`kept_tag`), so that browsers see one service, not a goodbye and a
+    new one at each restart."""
 
-    def __init__(self, advert: Advert, port: int, interfaces: list[str] | None = None):
+    def __init__(self, advert: Advert, port: int, interfaces: list[str] | None = None, state: Path | None = None):
+        tag = kept_tag(state) if state is not None else None
         self.zc = _zeroconf(interfaces)
         self.info = ServiceInfo(
             SERVICE_TYPE,
-            f"{instance_label(advert.name, advert.peer_id)}.{SERVICE_TYPE}",
+            f"{instance_label(advert.name, tag or advert.peer_id)}.{SERVICE_TYPE}",
             port=port,
             properties=advert.to_txt(),
             server=f"gpulayer-{advert.peer_id}.local.",
@@ -264,7 +381,7 @@ class PeerRecord:
 
     @property
     def address(self) -> str:
-        return "%s:%d" % self.addresses[0] if self.addresses else "?"
+        return host_port(self.addresses[0]) if self.addresses else "?"
 
     @property
     def claim(self) -> tuple[str, str]:
@@ -492,40 +609,10 @@ def every_peer(wait: float, interfaces: list[str] | None = None) -> list[tuple[s
         for name in list(names):
             info = zc.get_service_info(SERVICE_TYPE, name, timeout=LOOKUP_TIMEOUT_MS)
             if info is not None and info.port:
-                found += [(address, info.port) for address in info.parsed_addresses(IPVersion.V4Only)]
+                found += [(address, info.port) for address in info.parsed_scoped_addresses()]
         return found
     finally:
         zc.close()
-
-
-def gossip_entries(value: Any) -> list[tuple[str, list[Address], float]]:
-    """The well-formed entries of a gossiped list (ADR 0017), MAX_LIST at most: (peer id, addresses, age
-    in seconds); the others are skipped (a list comes from a key holder, but of another version, maybe)."""
-    out = []
-    for entry in value[:MAX_LIST] if isinstance(value, list) else []:
-        if not isinstance(entry, dict):
-            continue
-        peer_id, addresses, age = entry.get("id"), entry.get("a"), entry.get("age")
-        if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 64 or not peer_id.isalnum():
-            continue
-        if isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age <= AGE_OUT:
-            continue
-        good = [(a[0], a[1]) for a in (addresses[:MAX_ADDRESSES] if isinstance(addresses, list) else [])
-                if isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and 0 < len(a[0]) <= 255
-                and port_of(a[1]) is not None]
-        if good:
-            out.append((peer_id, good, float(age)))
-    return out
-
-
-def gossip_entry(peer_id: str, addresses: list[Address], age: float) -> dict[str, Any]:
-    """One entry of a gossiped list."""
-    return {"id": peer_id, "a": [list(a) for a in addresses], "age": round(age, 3)}
-
-
-def port_of(value: Any) -> int | None:
-    """A TCP port from the wire, or None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else None
 
 
 class Browser(ServiceListener):
@@ -594,7 +681,7 @@ class Browser(ServiceListener):
     def _found(self, name: str, info: ServiceInfo) -> None:
         if not info.port:
             return
-        addresses = [(a, info.port) for a in info.parsed_addresses(IPVersion.V4Only)]
+        addresses = [(a, info.port) for a in info.parsed_scoped_addresses()]  # link-local: with our scope
         try:
             advert = Advert.from_txt(info.properties)
         except ValueError as exc:
@@ -620,7 +707,7 @@ class Browser(ServiceListener):
         query.add_question(DNSQuestion(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN))
         selector = selectors.DefaultSelector()
         sockets: dict[int, socket.socket] = {}
-        for ip in self.interfaces or advertised_addresses(None):
+        for ip in [a for a in self.interfaces or advertised_addresses(None) if ":" not in a]:  # IPv4
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             try:
                 sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(ip))

@@ -40,8 +40,6 @@ MAX_INVITES = 16  # open invites one peer holds at most
 MAX_SESSIONS = 32  # exchanges half done (a PAKE message answered, no proof yet) one peer holds at most
 SESSION_SECONDS = 10.0  # the time a joiner has between its two messages
 MAX_STARTS = 8  # exchanges a peer starts a second at most (each costs it about 10 ms of CPU)
-MAX_TTL = 24 * 3600.0
-MAX_USES = 100
 DEFAULT_TTL = 600.0
 CHANNELS = 1000  # channel numbers 1..999
 MAX_CANDIDATES = 64  # addresses a joiner tries at most
@@ -89,19 +87,9 @@ def parse_ttl(text: str) -> float:
     """Seconds of `--ttl`: a number with s, m or h (seconds without), at most a day; else ValueError."""
     found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
     seconds = float(found[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[found[2]] if found else 0.0
-    if not 0 < seconds <= MAX_TTL:
+    if not 0 < seconds <= messages.INVITE_MAX_TTL:
         raise ValueError(f"bad time to live {text!r}: expected like 90s, 10m or 2h, at most 24h")
     return seconds
-
-
-def check_request(msg: Mapping[str, Any]) -> str | None:
-    """Why an INVITE request is bad, or None: 'ttl' seconds (0, MAX_TTL], 'uses' 1..MAX_USES."""
-    ttl, uses = msg.get("ttl"), msg.get("uses")
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
-        return f"an INVITE needs 'ttl', seconds up to {MAX_TTL:.0f}"
-    if isinstance(uses, bool) or not isinstance(uses, int) or not 0 < uses <= MAX_USES:
-        return f"an INVITE needs 'uses', from 1 to {MAX_USES}"
-    return None
 
 
 def transcript(channel: int, hello: Mapping[str, Any], joiner: bytes, peer: bytes) -> bytes:
@@ -120,12 +108,12 @@ def _seal(key: bytes, secret: bytes, said: bytes) -> bytes:
     return AESGCM(key).encrypt(_SEAL_NONCE, secret, said)
 
 
-def _open(key: bytes, sealed: object, said: bytes) -> bytes:
+def _open(key: bytes, sealed: bytes, said: bytes) -> bytes:
     from cryptography.exceptions import InvalidTag
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     try:
-        return AESGCM(key).decrypt(_SEAL_NONCE, sealed, said) if isinstance(sealed, bytes) else b""
+        return AESGCM(key).decrypt(_SEAL_NONCE, sealed, said)
     except InvalidTag:
         return b""
 
@@ -185,7 +173,7 @@ class Invites:
 
     def answer(self, msg: Mapping[str, Any]) -> messages.Message:
         """The reply to an authenticated INVITE request: the new code, or an ERROR."""
-        problem = check_request(msg)
+        problem = messages.check_invite(msg)
         if problem is not None:
             return _refusal("bad-request", problem, msg.get("id"))
         try:
@@ -202,6 +190,9 @@ class Invites:
         session = self._sessions.pop(conn, None)
         if session is None:
             return _refusal("protocol", "a PAKE_CONFIRM needs a PAKE first on this connection"), False
+        problem = messages.check_pake_confirm(msg, from_joiner=True)
+        if problem is not None:
+            return _refusal("protocol", problem), False
         invite = session.invite
         if self.open.get(invite.channel) is not invite:
             return _refusal(REFUSED, "the invite closed during the exchange"), False
@@ -223,13 +214,16 @@ class Invites:
                 "box": _seal(seal_key, self.key, session.said)}, False
 
     def _start(self, conn: object, hello: Mapping[str, Any], msg: Mapping[str, Any]) -> tuple[messages.Message, bool]:
-        channel, joiner = msg.get("ch"), msg.get("m")
-        invite = self.open.get(channel) if isinstance(channel, int) and not isinstance(channel, bool) else None
+        problem = messages.check_pake(msg, from_joiner=True)
+        if problem is not None:
+            return _refusal("protocol", problem), False
+        channel, joiner = msg["ch"], msg["m"]
+        invite = self.open.get(channel)
         if invite is None:
-            return _refusal(NO_INVITE, f"no open invite on channel {messages.printable(channel, 12)} here "
+            return _refusal(NO_INVITE, f"no open invite on channel {channel} here "
                                          "(expired, used up, closed, or made on another peer)"), False
-        if conn in self._sessions or not isinstance(joiner, bytes):
-            return _refusal("protocol", "a PAKE needs 'm', once a connection"), False
+        if conn in self._sessions:
+            return _refusal("protocol", "one PAKE a connection"), False
         now = self.clock()
         while self._starts and self._starts[0] <= now - 1.0:
             self._starts.popleft()
@@ -272,8 +266,8 @@ def request(key: bytes, address: tuple[str, int], ttl: float, uses: int, timeout
         reply, _ = conn.recv(deadline)
         if reply["t"] == messages.ERROR:
             raise InviteError(f"the peer made no invite: {messages.printable(reply.get('message'))}")
-        if reply["t"] != messages.INVITE or not isinstance(reply.get("code"), str):
-            raise ProtocolError("expected the peer's INVITE reply")
+        if reply["t"] != messages.INVITE or (problem := messages.check_invite_reply(reply)) is not None:
+            raise ProtocolError(f"expected the peer's INVITE reply: {problem or messages.printable(reply['t'], 20)}")
         return reply
     finally:
         conn.close()
@@ -313,9 +307,9 @@ def _exchange(conn: BlockingConnection, channel: int, password: bytes,
         return None
     if reply["t"] == messages.ERROR:
         raise InviteError(f"the peer refused the exchange: {messages.printable(reply.get('message'))}")
-    peer = reply.get("m")
-    if reply["t"] != messages.PAKE or not isinstance(peer, bytes):
-        raise ProtocolError("expected the peer's PAKE message")
+    if reply["t"] != messages.PAKE or (problem := messages.check_pake(reply, from_joiner=False)) is not None:
+        raise ProtocolError(f"expected the peer's PAKE message: {problem or messages.printable(reply['t'], 20)}")
+    peer = reply["m"]
     try:
         shared = spake.finish(peer)
     except Exception as exc:  # spake2's errors for a bad element
@@ -329,9 +323,10 @@ def _exchange(conn: BlockingConnection, channel: int, password: bytes,
     if reply["t"] == messages.ERROR:
         raise InviteError(f"peer {name} refused the code ({messages.printable(reply.get('message'))}): check it; "
                           f"each wrong try counts, and the invite closes after {MAX_FAILED}")
-    if reply["t"] != messages.PAKE_CONFIRM or not security.proofs_equal(reply.get("mac"), _proof(peer_key, said)):
+    if reply["t"] != messages.PAKE_CONFIRM or messages.check_pake_confirm(reply, from_joiner=False) is not None \
+            or not security.proofs_equal(reply["mac"], _proof(peer_key, said)):
         raise InviteError(f"peer {name} did not prove that it knows the code: not taking a key from it")
-    key = _open(seal_key, reply.get("box"), said)
+    key = _open(seal_key, reply["box"], said)
     if not key:
         raise InviteError(f"the key from peer {name} did not open")
     try:

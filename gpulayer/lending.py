@@ -78,19 +78,6 @@ def install(send: Callable[[dict[str, Any]], None]) -> Lender:
 
 
 @contextlib.contextmanager
-def sending(send: Callable[[dict[str, Any]], None]) -> Iterator[None]:
-    """Tell the peer through `send` while this lasts (a lease's locked link)."""
-    if lender is None:
-        yield
-        return
-    before, lender.send = lender.send, send
-    try:
-        yield
-    finally:
-        lender.send = before
-
-
-@contextlib.contextmanager
 def lent() -> Iterator[None]:
     """Around a wait on a future: in a worker, the task's slot is lent to the peer meanwhile."""
     current = lender

@@ -21,15 +21,14 @@ LAYERS: list[dict[str, set[str]]] = [
     {"protocol": {"protocol"}},
     {"transport": {"transport", "lending", "invite", "jobs.transfer"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
-    {"worker": {"peer.worker", "peer.actor_worker", "peer.lease_worker", "peer.running", "peer.spawning"},
-     "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
+    {"worker": {"worker"}, "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
     {"backends": {"backends"}},
     {"surface": {"", "__main__", "runtime", "api", "actor_class", "cli", "dashboard", "demo", "benchmark",
                  "jobs_cli"}},
 ]
 # Edges the layers would allow that stay out all the same (prefixes of module names): the Ray backend
-# runs tasks without the peer's code; the option table needs no transport.
-BREAKS = {("backends", "peer"), ("task_options", "transport")}
+# runs tasks without the peer's or the worker's code; the option table needs no transport.
+BREAKS = {("backends", "peer"), ("backends", "worker"), ("task_options", "transport")}
 # Inside the client: a connection, and the pool that opens and watches them, know nothing of tasks, their
 # placement, leases, actors or the engine (they report through connection.Listener).
 BREAKS |= {(low, high) for low in ("client.connection", "client.pool")

@@ -61,21 +61,27 @@ class Gossip:
         pooled = [self.pool.pooled(r.advert.peer_id) for r in records if r.verified]
         return [conn for conn in pooled if conn is not None]
 
+    def askable(self, conns: list[PeerConnection]) -> list[PeerConnection]:
+        """Those of `conns` whose peer answers PEERS (its HELLO's advert names the feature): an older peer
+        would close the connection, and end the tasks on it."""
+        return [conn for conn in conns if messages.PEERS in conn.advert.features]
+
     def ask_once(self) -> bool:
         """Ask one connected peer (in turn) for its list and act on it; False when none is connected."""
         conns = self.connections()
-        if not conns:
+        askable = self.askable(conns)
+        if not askable:
             return False
-        conn = conns[next(self._turn) % len(conns)]
+        conn = askable[next(self._turn) % len(askable)]
         now = time.monotonic()
-        mine = [discovery.gossip_entry(c.peer_id, c.addresses, min(now - c.last_heard, discovery.AGE_OUT))
+        mine = [messages.peers_entry(c.peer_id, c.addresses, min(now - c.last_heard, messages.AGE_OUT))
                 for c in conns]
         try:
-            reply = conn.request({"t": messages.PEERS, "peers": mine}, CONNECT_TIMEOUT)
+            reply = conn.request(messages.peers(None, mine), CONNECT_TIMEOUT)
         except (OSError, GPULayerError, TimeoutError) as exc:
             log.debug("no list from %s: %s", conn.name, exc)
             return True
-        self.take(discovery.gossip_entries(reply.get("peers")))
+        self.take(messages.check_peers(reply)[0])
         return True
 
     def _learn(self, addresses: list[tuple[str, int]]) -> None:
@@ -96,7 +102,7 @@ class Gossip:
                 with self._lock:  # one handshake at a time at an address; one that failed waits AGE_OUT
                     if self._trying.get(tuple(addresses), 0.0) > now:
                         continue
-                    self._trying[tuple(addresses)] = now + discovery.AGE_OUT
+                    self._trying[tuple(addresses)] = now + messages.AGE_OUT
                 self.run_soon(self._learn, addresses)
         for record in self.pool.directory.records():
             peer_id = record.advert.peer_id

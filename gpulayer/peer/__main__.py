@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
-    parser.add_argument("--ready-file", default=None, help="write {port, peer_id, name} as JSON here once serving")
+    parser.add_argument("--ready-file", default=None, help="write {port, peer_id, name, instance} as JSON here once serving")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -151,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     )
 
 
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s gpulayer-peer %(levelname)s %(message)s")
@@ -169,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         if args.ready_file:  # written whole, then renamed: whoever waits for it never reads half of it
             partial = f"{args.ready_file}.partial"
             with open(partial, "w") as f:
-                json.dump({"port": peer.port, "peer_id": peer.peer_id, "name": peer.name}, f)
+                json.dump({"port": peer.port, "peer_id": peer.peer_id, "name": peer.name,
+                           "instance": peer.instance}, f)
             os.replace(partial, args.ready_file)
 
     try:

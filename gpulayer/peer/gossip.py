@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol import handshake, messages
+from ..protocol.messages import AGE_OUT, MAX_LIST, peers_entry
 from ..transport.blocking import connections
-from ..discovery import AGE_OUT, MAX_LIST, Address, gossip_entries, gossip_entry, port_of
+from ..discovery import Address
+from ..resources.model import features_of
 from ..errors import GPULayerError
 
 log = logging.getLogger("gpulayer.peer")
@@ -61,13 +63,14 @@ class Gossip:
         self.age_out()
         now = self.clock()
         members = sorted(self.members.items(), key=lambda item: -item[1].verified)[:MAX_LIST - 1]
-        return [gossip_entry(self.peer_id, self.addresses, 0.0)] + [
-            gossip_entry(peer_id, m.addresses, now - m.verified) for peer_id, m in members]
+        return [peers_entry(self.peer_id, self.addresses, 0.0)] + [
+            peers_entry(peer_id, m.addresses, now - m.verified) for peer_id, m in members]
 
-    def merge(self, entries: Any) -> None:
-        """Take a received list: fresher ages for members, hints for the ids not verified here."""
+    def merge(self, entries: list[messages.PeerEntry]) -> None:
+        """Take a received list (`messages.check_peers`): fresher ages for members, hints for the ids not
+        verified here."""
         now = self.clock()
-        for peer_id, addresses, age in gossip_entries(entries):
+        for peer_id, addresses, age in entries:
             member = self.members.get(peer_id)
             if member is not None:
                 member.verified = max(member.verified, now - age)
@@ -82,8 +85,8 @@ class Gossip:
 
     def heard_from(self, host: str, msg: messages.Message) -> None:
         """A PEERS request from a key holder: its list, and its own port at the address it came from."""
-        self.merge(msg.get("peers"))
-        port = port_of(msg.get("port"))
+        entries, port = messages.check_peers(msg)
+        self.merge(entries)
         if port is not None:
             self.hint([(host, port)])
 
@@ -124,20 +127,24 @@ class Gossip:
         stale = [m.addresses for m in self.members.values() if now - m.verified >= AGE_OUT / 2]
         return random.choice(stale or [m.addresses for m in self.members.values()]) if self.members else None
 
-    def exchange(self, addresses: list[Address], port: int, listing: list[dict[str, Any]]) -> tuple[str, Any]:
+    def exchange(self, addresses: list[Address], port: int,
+                 listing: list[dict[str, Any]]) -> tuple[str, list[messages.PeerEntry]]:
         """Connect to the first of `addresses` that answers, prove the key both ways, send `listing` and
-        this peer's `port`; return (the id its HELLO named, the list it sent back). Raises OSError or
-        GPULayerError."""
+        this peer's `port`; return (the id its HELLO named, the list it sent back). A peer whose HELLO
+        does not name PEERS among its features (an older one) is verified and asked nothing. Raises
+        OSError or GPULayerError."""
         errors: list[str] = []
         with closing(connections(addresses, EXCHANGE_TIMEOUT, errors)) as reachable:
             for _, conn in reachable:  # the first that answers: its failure is the exchange's
                 deadline = time.monotonic() + EXCHANGE_TIMEOUT
                 hello = handshake.client_handshake(conn, self.key, f"peer-{self.peer_id}", EXCHANGE_TIMEOUT)
-                conn.send({"t": messages.PEERS, "id": 1, "peers": listing, "port": port})
+                if messages.PEERS not in features_of(hello["advert"]):
+                    return hello["peer"], []
+                conn.send(messages.peers(1, listing, port))
                 reply, _ = conn.recv(deadline)
                 if reply["t"] != messages.PEERS:
                     raise ConnectionError(f"expected PEERS, got {messages.printable(reply['t'], 20)}")
-                return hello["peer"], reply.get("peers")
+                return hello["peer"], messages.check_peers(reply)[0]
         raise ConnectionError("; ".join(errors) or "no address")
 
 

@@ -211,8 +211,8 @@ class Peer:
         _raise_fd_limit()
         await self.scheduler.start()
         self.jobs.recover()
-        host = self.config.interfaces[0] if self.config.interfaces else "0.0.0.0"
-        self._server = socket.create_server((host, self.config.port), backlog=1024)
+        host = self.config.interfaces[0] if self.config.interfaces else ""
+        self._server = listen_socket(host, self.config.port)
         self._server.setblocking(False)
         self.port = self._server.getsockname()[1]
         self._loop.add_reader(self._server.fileno(), self._on_accept)
@@ -224,8 +224,9 @@ class Peer:
         self.sampler.start()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
-                None, discovery.Advertiser, self.advert, self.port, self.config.interfaces)
-        log.info("peer %s (%s) listening on %s:%d with %d slot(s): %s", self.name, self.peer_id, host, self.port,
+                None, discovery.Advertiser, self.advert, self.port, self.config.interfaces, self.jobs.dir)
+        log.info("peer %s (%s) listening on %s with %d slot(s): %s", self.name, self.peer_id,
+                 discovery.host_port((host or "*", self.port)),
                  len(self.slots), ", ".join(s.device for s in self.slots))
 
     async def wait_stopped(self) -> None:
@@ -235,6 +236,11 @@ class Peer:
     @property
     def draining(self) -> bool:
         return self._draining
+
+    @property
+    def instance(self) -> str | None:
+        """The mDNS instance name it advertises under, None when it does not advertise."""
+        return self._advertiser.info.name if self._advertiser is not None else None
 
     async def stop(self, drain: bool = True) -> None:
         """Withdraw the mDNS record first, then drain (or cancel) the tasks, then close."""
@@ -312,7 +318,7 @@ class Peer:
             self._accept_pause = 0.0
             self._make_room()
             sockets.tune(sock)
-            conn = Connection(self, sock, f"{addr[0]}:{addr[1]}")
+            conn = Connection(self, sock, discovery.host_port(discovery.remote(addr)))
             self._unauthenticated[conn] = time.monotonic() + self.config.handshake_timeout
 
     def _make_room(self) -> None:
@@ -526,8 +532,8 @@ class Peer:
 
     def _peers(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Gossip (gossip.py): what the other peer knows, for what this one knows."""
-        self.gossip.heard_from(conn.address.rpartition(":")[0], msg)
-        conn.channel.write({"t": messages.PEERS, "id": msg.get("id"), "peers": self.gossip.listing()})
+        self.gossip.heard_from(conn.address.rpartition(":")[0].strip("[]"), msg)
+        conn.channel.write(messages.peers(msg.get("id"), self.gossip.listing()))
 
     def _admit(self, conn: Connection, msg: messages.Message, buffers: list[Any], probed: bool = False) -> None:
         """Check a SUBMIT (or an ACTOR, which creates an actor) and queue it, or REJECT it with the reason.
@@ -742,6 +748,16 @@ def memory_refusal(total: int, headroom: int) -> str | None:
 def _receive_buffer(size: int, owner: str) -> Any:
     """Where a large frame of submitter `owner` is received: a segment, which goes on to the worker by descriptor."""
     return shm.receive_segment(size, owner) if size >= shm.SHM_MIN else framing.receive_buffer(size)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The peer's TCP socket: on `host`, an IPv4 or IPv6 address; on every address, IPv4 and IPv6, for ""."""
+    if host:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=1024)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=1024)
+    return socket.create_server(("", port), backlog=1024)
 
 
 def _raise_fd_limit() -> None:

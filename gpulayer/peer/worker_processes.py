@@ -127,7 +127,7 @@ class Worker:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, env.get("PYTHONPATH")) if p)
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                self.python, "-m", "gpulayer.peer.worker", str(child.fileno()), "--preload", ",".join(self.preload),
+                self.python, "-m", "gpulayer.worker", str(child.fileno()), "--preload", ",".join(self.preload),
                 *(["--link", str(link.fileno())] if link is not None else []),
                 *(["--keep-task-folders"] if self.keep_folders else []),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=passed,
@@ -294,7 +294,7 @@ async def kill_tree(pid: int) -> None:
     Everything is stopped (SIGSTOP) first, the tree walked again until no new process shows up,
     and only then killed, so that nothing forks or is re-parented between the walk and the kill.
     A descendant whose parent exited before this is re-parented away (to init) and escapes,
-    unless the worker made itself a child subreaper (Linux; gpulayer.peer.worker does).
+    unless the worker made itself a child subreaper (Linux; gpulayer.worker does).
     """
     try:
         root = psutil.Process(pid)

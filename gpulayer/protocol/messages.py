@@ -40,6 +40,9 @@ MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RE
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
                            LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END, WAIT, BLOB, FILE, INVITE, PAKE, PAKE_CONFIRM,
                            PEERS, *JOB_REQUESTS, JOB_NEED, JOB_INFO, JOB_LOG})
+# Messages added within one protocol version, that a peer answers only when its advert names them ("ft"):
+# an older peer of the same version refuses an unknown type and closes the connection.
+FEATURES = frozenset({PEERS})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.
@@ -336,6 +339,90 @@ def printable(value: object, limit: int = 200) -> str:
     """Peer-supplied text fit for a terminal: no control characters, at most `limit` characters."""
     return "".join(ch for ch in str(value) if ch.isprintable())[:limit]
 
+
+# ---- invite codes (invite.py, docs/security.md) -------------------------------------------------------
+
+INVITE_MAX_TTL = 24 * 3600.0  # seconds an invite may stay open at most
+INVITE_MAX_USES = 100
+PROOF_BYTES = 32  # a PAKE_CONFIRM's MAC (HMAC-SHA256)
+
+
+def check_invite(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with an INVITE request, or None: 'ttl' seconds (0, INVITE_MAX_TTL], 'uses' 1..INVITE_MAX_USES."""
+    ttl, uses = msg.get("ttl"), msg.get("uses")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= INVITE_MAX_TTL:
+        return f"an INVITE needs 'ttl', seconds up to {INVITE_MAX_TTL:.0f}"
+    if isinstance(uses, bool) or not isinstance(uses, int) or not 0 < uses <= INVITE_MAX_USES:
+        return f"an INVITE needs 'uses', from 1 to {INVITE_MAX_USES}"
+    return None
+
+
+def check_invite_reply(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with the peer's INVITE reply (its new code), or None."""
+    code = msg.get("code")
+    return None if isinstance(code, str) and 0 < len(code) <= 64 else "an INVITE reply needs its 'code'"
+
+
+def check_pake(msg: Mapping[str, Any], from_joiner: bool) -> str | None:
+    """What is wrong with a PAKE, or None: its SPAKE2 message 'm', and the joiner's the invite's channel 'ch'."""
+    channel = msg.get("ch")
+    if from_joiner and (not isinstance(channel, int) or isinstance(channel, bool)):
+        return "a PAKE needs the invite's channel 'ch', a number"
+    if not isinstance(msg.get("m"), bytes) or not 0 < len(msg["m"]) <= 256:
+        return "a PAKE needs its SPAKE2 message 'm', bytes"
+    return None
+
+
+def check_pake_confirm(msg: Mapping[str, Any], from_joiner: bool) -> str | None:
+    """What is wrong with a PAKE_CONFIRM, or None: its proof 'mac', and the peer's the sealed key 'box'."""
+    mac, box = msg.get("mac"), msg.get("box")
+    if not isinstance(mac, bytes) or len(mac) != PROOF_BYTES:
+        return f"a PAKE_CONFIRM needs its proof 'mac', {PROOF_BYTES} bytes"
+    if not from_joiner and (not isinstance(box, bytes) or not 0 < len(box) <= 1024):
+        return "the peer's PAKE_CONFIRM needs the sealed key 'box', bytes"
+    return None
+
+
+# ---- lists of verified peers (peer/gossip.py, client/gossip.py, ADR 0017) --------------------------
+
+AGE_OUT = 10.0  # seconds after its last verification anywhere that gossip drops a peer: the oldest age sent
+MAX_LIST = 256  # entries of one PEERS list, sent or taken
+MAX_ADDRESSES = 8  # addresses of one entry
+PeerEntry = tuple[str, list[tuple[str, int]], float]  # (peer id, addresses, seconds since its last verification)
+
+
+def peers(request_id: int | None, entries: list[dict[str, Any]], port: int | None = None) -> Message:
+    """A PEERS message: a request (with the sender's own `port` when it is a peer) or the reply."""
+    msg: Message = {"t": PEERS, "id": request_id, "peers": entries}
+    if port is not None:
+        msg["port"] = port
+    return msg
+
+
+def peers_entry(peer_id: str, addresses: list[tuple[str, int]], age: float) -> dict[str, Any]:
+    """One entry of a PEERS list."""
+    return {"id": peer_id, "a": [list(a) for a in addresses], "age": round(age, 3)}
+
+
+def check_peers(msg: Mapping[str, Any]) -> tuple[list[PeerEntry], int | None]:
+    """The well-formed entries of a PEERS message (MAX_LIST at most) and the sender's port (None: none or
+    bad). The others are skipped, not refused: a list comes from a key holder, of another version maybe."""
+    out = []
+    value = msg.get("peers")
+    for entry in value[:MAX_LIST] if isinstance(value, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        peer_id, addresses, age = entry.get("id"), entry.get("a"), entry.get("age")
+        if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 64 or not peer_id.isalnum():
+            continue
+        if isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age <= AGE_OUT:
+            continue
+        good = [(a[0], a[1]) for a in (addresses[:MAX_ADDRESSES] if isinstance(addresses, list) else [])
+                if _address(a) and a[0]]
+        if good:
+            out.append((peer_id, good, float(age)))
+    port = msg.get("port")
+    return out, port if _address(["", port]) else None
 
 
 # A job's bytes (gpulayer/jobs/transfer.py; the receivers check order and sizes against what they expect)

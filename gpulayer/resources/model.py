@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from ..accelerators import DEDICATED, HOST_MEMORY, KINDS, UNIFIED, UNSUPPORTED, is_gpu, machine_accelerator
+from ..protocol.messages import FEATURES
 from ..protocol.messages import PROTOCOL_VERSION as PROTOCOL_VERSION  # re-exported: adverts carry it
 
 TXT_VALUE_MAX = 255  # bytes in one TXT string, key and '=' included
@@ -120,6 +121,7 @@ class Advert:
     python: str
     version: int = PROTOCOL_VERSION
     validation: str = "detected"
+    features: frozenset[str] = FEATURES  # the optional parts of the protocol it speaks (`features_of`)
     # (distribution_key(name), version) pairs; not part of the advert's identity, which is its TXT form
     distributions: frozenset[tuple[str, str]] | None = field(default=None, compare=False)
 
@@ -185,6 +187,7 @@ class Advert:
             "cap": ",".join(sorted(self.capabilities)),
             "sl": str(self.slots),
             "py": self.python,
+            "ft": ",".join(sorted(self.features)),
         }
         return {k: _fit_txt(k, v) for k, v in txt.items()}
 
@@ -219,6 +222,7 @@ class Advert:
                 capabilities=frozenset(_printable(c) for c in t.get("cap", "").split(",") if c),
                 slots=max(1, _number(t, "sl", int, MAX_COUNT, 1)),
                 python=_printable(t.get("py", "")),
+                features=features_of(t),
             )
         except KeyError as exc:
             raise ValueError(f"malformed GPUlayer TXT record: {exc.args[0]!r} is missing") from None
@@ -229,6 +233,13 @@ class Advert:
 MAX_MEMORY_GB = 1 << 20  # bounds on advertised numbers: beyond any machine, far below overflow
 MAX_COUNT = 1 << 16
 MEMORY_KINDS = (DEDICATED, UNIFIED, HOST_MEMORY)
+
+
+def features_of(txt: Mapping[Any, Any]) -> frozenset[str]:
+    """The features a TXT record (an advert, or the one in a HELLO) names in "ft": those of FEATURES only.
+    An older peer names none: it answers no PEERS (and closes a connection that sends one)."""
+    value = txt.get("ft", txt.get(b"ft", "")) if isinstance(txt, Mapping) else ""
+    return FEATURES & set(_text(value or "").split(","))
 _TOKEN = re.compile(r"[0-9A-Za-z_-]{1,64}")
 _N = TypeVar("_N", int, float)
 

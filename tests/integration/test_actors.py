@@ -495,6 +495,8 @@ def test_hostile_input_on_a_direct_connection_costs_that_connection_only(peer, c
                     messages.call(4, rec.actor_id, "history", args, float("nan"))]:
             reply = answer(conn, bad)
             assert (reply["t"], reply["code"], reply["id"]) == (messages.ERROR, "bad-request", bad["id"])
+        odd = answer(conn, {**messages.call(4, rec.actor_id, "history", args, None), "id": [4]})  # not an integer
+        assert (odd["t"], odd["code"], odd["id"]) == (messages.ERROR, "bad-request", None)
         conn.send(messages.ping())
         assert conn.recv(time.monotonic() + 10)[0]["t"] == messages.PONG  # the worker answers it
         called = answer(conn, messages.call(5, rec.actor_id, "record", serialization.dumps((("raw",), {}))[0], None))

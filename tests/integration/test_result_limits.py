@@ -78,9 +78,9 @@ def send_a_result_over_4_gib():
     from gpulayer.transport import shm
 
     frame = sys._getframe()
-    while frame.f_code.co_name != "main":  # the worker's loop: its connection and the message it runs
+    while frame.f_code.co_name != "_run":  # the worker's receiver: the stream and the message it runs
         frame = frame.f_back
-    conn, task_id = frame.f_locals["conn"], frame.f_locals["msg"]["id"]
+    conn, task_id = frame.f_locals["stream"].conn, frame.f_locals["msg"]["id"]
     size = 5 << 30
     segment = shm.Handle(shm._memfd(size), size).map()
     conn.send({"t": "result", "id": task_id, "data": b""}, [segment])

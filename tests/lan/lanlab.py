@@ -35,6 +35,7 @@ AGENT = HERE / "lan_agent.py"
 OWNERS = Path(os.environ.get("GPULAYER_LAN_STATE", "/tmp/gpulayer-lan"))  # one <id>.pid file per live LAN
 NAME = re.compile(r"^gl([0-9a-f]{5})(?:br|n\d{1,3}|h\d{1,3})(?:@.*)?$")
 SUBNET_PREFIX = "10.77.0."
+IPV6_PREFIX = "fd77::"
 READY_TIMEOUT = 60.0
 _live: dict[str, "Lan"] = {}
 _live_lock = threading.Lock()
@@ -188,10 +189,12 @@ def _install_safety_net() -> None:
 class Lan:
     """One bridge and the hosts (namespaces) on it; `close()` removes all of it.
 
-    Its hosts are `subnet`<k>/`prefix_len` (10.77.0.<k>/16 by default); `add_router` joins two LANs
+    Its hosts are `subnet`<k>/`prefix_len` (10.77.0.<k>/16 by default), with `ipv6` also fd77::<k>/64
+    (without `ipv4`, only that and their link-local address); `add_router` joins two LANs
     of distinct subnets through a host that forwards unicast, and never multicast (no mrouted)."""
 
-    def __init__(self, workdir: Path, subnet: str = SUBNET_PREFIX, prefix_len: int = 16):
+    def __init__(self, workdir: Path, subnet: str = SUBNET_PREFIX, prefix_len: int = 16, ipv4: bool = True,
+                 ipv6: bool = False):
         reason = why_unavailable()
         if reason:
             raise LanUnavailable(reason)
@@ -202,6 +205,7 @@ class Lan:
         self.id = secrets.token_hex(3)[:5]
         self.bridge = f"gl{self.id}br"
         self.subnet, self.prefix_len = subnet, prefix_len
+        self.ipv4, self.ipv6 = ipv4, ipv6  # the hosts' addresses: 10.77.0.<k>, fd77::<k> (link-local: always)
         self.routes: list[tuple[str, str]] = []  # (destination, gateway) that every host gets
         self.hosts: list[Host] = []
         self.procs: list[subprocess.Popen] = []
@@ -339,7 +343,7 @@ class Host:
         self.index = index
         self.ns = f"gl{lan.id}n{index}"
         self.veth = f"gl{lan.id}h{index}"
-        self.ip = f"{lan.subnet}{index}"
+        self.ip = f"{lan.subnet}{index}" if lan.ipv4 else f"{IPV6_PREFIX}{index:x}"
         self.peers: list[LanPeer] = []
         self.agents: list[Agent] = []
         ip("netns", "add", self.ns)
@@ -347,10 +351,15 @@ class Host:
         _no_ipv6(self.veth)
         ip("link", "set", self.veth, "master", lan.bridge)
         ip("link", "set", self.veth, "up")
-        ip("-n", self.ns, "addr", "add", f"{self.ip}/{lan.prefix_len}", "dev", "eth0")
+        if lan.ipv6:  # no duplicate address detection: the addresses are usable at once
+            self.run(["sysctl", "-qw", "net.ipv6.conf.eth0.accept_dad=0"], timeout=15).check_returncode()
+            ip("-n", self.ns, "addr", "add", f"{IPV6_PREFIX}{index:x}/64", "dev", "eth0", "nodad")
+        if lan.ipv4:
+            ip("-n", self.ns, "addr", "add", f"{self.ip}/{lan.prefix_len}", "dev", "eth0")
         ip("-n", self.ns, "link", "set", "lo", "up")
         ip("-n", self.ns, "link", "set", "eth0", "up")
-        ip("-n", self.ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
+        if lan.ipv4:
+            ip("-n", self.ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
         for destination, gateway in lan.routes:
             ip("-n", self.ns, "route", "add", destination, "via", gateway)
 

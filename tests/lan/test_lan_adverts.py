@@ -19,7 +19,7 @@ import pytest
 from lanlab import HERE, lan_env, runs
 from support import wait_until
 
-from gpulayer.discovery import SERVICE_TYPE, instance_label
+from gpulayer.discovery import SERVICE_TYPE
 
 LAN_PEERS = 2
 LAN_CONCURRENCY = 2
@@ -64,10 +64,6 @@ def rogue(lan):
     assert set(lan.names) <= set(adverts), heard
     agent.adverts = adverts
     return agent
-
-
-def instance_of(name: str, peer_id: str) -> str:
-    return f"{instance_label(name, peer_id)}.{SERVICE_TYPE}"
 
 
 def canary(rogue, port: int, label: str) -> str:
@@ -116,7 +112,7 @@ def test_a_twin_advert_and_forged_goodbyes_leave_verified_and_static_peers_liste
         rogue.call("unregister", instance=twin)
     for peer in lan.peers:
         advert = rogue.adverts[peer.name]
-        assert advert["instance"] == instance_of(peer.name, peer.peer_id)
+        assert advert["instance"] == peer.info["instance"]
         rogue.call("forge_goodbye", instance=advert["instance"], txt=advert["txt"], port=advert["port"],
                    addresses=advert["addresses"], server=advert["server"])
     rogue.call("unregister", instance=barrier)

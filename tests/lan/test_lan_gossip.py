@@ -12,21 +12,20 @@ import pytest
 from lanlab import lan_env, new_lan
 from support import new_key, wait_until
 
-from gpulayer.discovery import AGE_OUT
+from gpulayer.protocol.messages import AGE_OUT
 from gpulayer.peer.gossip import GOSSIP_ROUND
 
 LEARN_BOUND = 2.0  # seconds for a fresh submitter with one seed to list every peer (issue 30): the wait's timeout
 DROP_BOUND = AGE_OUT + 3 * GOSSIP_ROUND  # a dead peer's last verification ages out, and each list's next round
 LIST = """
 import json, socket, sys, time
-from gpulayer import discovery
 from gpulayer.protocol import handshake, messages
 from gpulayer.transport.blocking import BlockingConnection
 conn = BlockingConnection(socket.create_connection((sys.argv[1], int(sys.argv[2])), 5))
 handshake.client_handshake(conn, sys.argv[3].encode(), "lister")
 conn.send({"t": messages.PEERS, "id": 1})
 reply, _ = conn.recv(time.monotonic() + 5)
-print(json.dumps([peer_id for peer_id, _, _ in discovery.gossip_entries(reply["peers"])]))
+print(json.dumps([peer_id for peer_id, _, _ in messages.check_peers(reply)[0]]))
 """
 
 

@@ -103,3 +103,34 @@ def test_a_peer_announces_itself_at_least_a_second_apart_the_gaps_doubling(net):
     gaps = [b - a for a, b in zip(times, times[1:])]
     # sleeps are never shorter than asked; 20 ms allows for the capture's own clock reading
     assert gaps[0] >= 1.0 - 0.02 and all(later >= 2 * earlier - 0.02 for earlier, later in zip(gaps, gaps[1:])), gaps
+
+
+BUS_CONF = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig><type>system</type><listen>unix:path=/run/dbus/system_bus_socket</listen><auth>EXTERNAL</auth>
+<policy context="default"><allow user="*"/><allow own="*"/><allow send_destination="*"/>
+<allow receive_sender="*"/></policy></busconfig>
+"""
+# in a mount namespace of its own, with its own /run: a system bus, avahi-daemon on it once the bus listens,
+# and avahi-browse asked until it resolves a service (50 tries, 0.2 s apart) or gives up
+BROWSE = """mount -t tmpfs tmpfs /run && mkdir -p /run/dbus || exit 1
+dbus-daemon --config-file={bus} --nofork --nopidfile >/dev/null 2>&1 & BUS=$!
+for i in $(seq 50); do [ -S /run/dbus/system_bus_socket ] && break; sleep 0.1; done
+avahi-daemon -f {conf} --no-drop-root --no-chroot --no-rlimits >/dev/null 2>&1 & AVAHI=$!
+for i in $(seq 50); do avahi-browse -rpt _gpulayer._tcp > {out} 2>&1 && grep -q '^=' {out} && break; sleep 0.2; done
+kill $AVAHI $BUS; cat {out}"""
+
+
+def test_avahi_browse_resolves_a_peer(net):
+    if not (shutil.which("avahi-daemon") and shutil.which("avahi-browse") and shutil.which("dbus-daemon")):
+        pytest.skip("needs avahi-daemon, avahi-utils and dbus (.ci/run installs avahi-daemon)")
+    peer = net.add_host("browsed").start_peer("browsed", new_key(), 1).wait_ready()
+    host = net.add_host("avahi-browse")
+    conf, bus, out = net.workdir / "avahi-browse.conf", net.workdir / "bus.conf", net.workdir / "browse.out"
+    conf.write_text(AVAHI_CONF.format(name=host.ns).replace("enable-dbus=no", "enable-dbus=yes"))
+    bus.write_text(BUS_CONF)
+    done = host.run(["unshare", "-m", "sh", "-c", BROWSE.format(bus=bus, conf=conf, out=out)], timeout=60,
+                    env=lan_env(None))
+    resolved = [line.split(";") for line in done.stdout.splitlines() if line.startswith("=")]
+    assert [(r[2], r[7], r[8]) for r in resolved if r[3].startswith("browsed-")] == \
+        [("IPv4", peer.host.ip, str(peer.port))], done.stdout + done.stderr  # the module's other peers run too

@@ -4,9 +4,8 @@ may carry. The exchanges themselves run in tests/lan/test_lan_gossip.py."""
 
 from __future__ import annotations
 
-from gpulayer import discovery
 from gpulayer.protocol import messages
-from gpulayer.discovery import AGE_OUT, MAX_LIST, gossip_entries, gossip_entry
+from gpulayer.protocol.messages import AGE_OUT, MAX_LIST, check_peers, peers_entry
 from gpulayer.peer.gossip import MAX_HINTS, Gossip
 
 A, B, C = ("10.77.1.1", 7000), ("10.77.2.1", 7000), ("10.77.2.2", 7000)
@@ -19,6 +18,11 @@ class Clock:
         return self.now
 
 
+def listed(*entries):
+    """The entries of a PEERS message as a peer reads them."""
+    return check_peers(messages.peers(None, list(entries)))[0]
+
+
 def gossip(seeds=()):
     clock = Clock()
     return Gossip(b"k" * 32, "self0000", [("10.77.1.9", 7000)], list(seeds), clock), clock
@@ -26,15 +30,15 @@ def gossip(seeds=()):
 
 def test_a_listed_peer_is_a_hint_until_this_peer_verifies_it_and_then_a_member_with_the_freshest_age():
     g, clock = gossip()
-    g.merge([gossip_entry("bbbb", [B], 1.0)])
+    g.merge(listed(peers_entry("bbbb", [B], 1.0)))
     assert not g.members and list(g.hints) == [(B,)]
     assert g.next_target() == [B]
     g.verified("bbbb", [B])
     assert set(g.members) == {"bbbb"} and not g.hints
     clock.now += 8
-    g.merge([gossip_entry("bbbb", [B], 2.0)])  # another key holder verified it 2 s ago
+    g.merge(listed(peers_entry("bbbb", [B], 2.0)))  # another key holder verified it 2 s ago
     assert [e["age"] for e in g.listing() if e["id"] == "bbbb"] == [2.0]
-    g.merge([gossip_entry("bbbb", [B], 9.0)])  # an older word changes nothing
+    g.merge(listed(peers_entry("bbbb", [B], 9.0)))  # an older word changes nothing
     assert [e["age"] for e in g.listing() if e["id"] == "bbbb"] == [2.0]
 
 
@@ -43,7 +47,7 @@ def test_a_member_verified_nowhere_for_age_out_drops_out_of_the_list():
     g.verified("bbbb", [B])
     g.verified("cccc", [C])
     clock.now += AGE_OUT - 1
-    g.merge([gossip_entry("cccc", [C], 0.0)])
+    g.merge(listed(peers_entry("cccc", [C], 0.0)))
     clock.now += 2
     assert [e["id"] for e in g.listing()] == ["self0000", "cccc"]
 
@@ -54,7 +58,7 @@ def test_the_rounds_go_to_hints_then_seeds_then_the_members_half_way_to_ageing_o
     g.verified("aaaa", [A])  # the seed answered: a member there, no need to try it as a seed
     g.verified("bbbb", [B])
     clock.now += AGE_OUT / 2
-    g.merge([gossip_entry("bbbb", [B], 0.0)])
+    g.merge(listed(peers_entry("bbbb", [B], 0.0)))
     assert {tuple(g.next_target()) for _ in range(20)} == {(A,)}  # the stale one
     g.hint([C])
     assert g.next_target() == [C]
@@ -74,12 +78,12 @@ def test_a_seed_that_is_this_peer_itself_is_not_tried_again_and_a_failed_one_wai
 
 def test_what_a_list_may_carry_is_bounded_and_checked():
     g, _ = gossip()
-    g.heard_from("10.77.2.7", {"t": messages.PEERS, "peers": [gossip_entry(f"p{i}", [("10.77.3.1", 1000 + i)], 0.0)
-                                                           for i in range(MAX_HINTS + 10)], "port": 7001})
+    g.heard_from("10.77.2.7", messages.peers(None, [peers_entry(f"p{i}", [("10.77.3.1", 1000 + i)], 0.0)
+                                                    for i in range(MAX_HINTS + 10)], 7001))
     assert len(g.hints) == MAX_HINTS
     bad = [{"id": "x y", "a": [["h", 1]], "age": 0}, {"id": "ok", "a": [["h", 0]], "age": 0},
            {"id": "ok", "a": [["h", 1]], "age": AGE_OUT + 1}, {"id": "ok", "a": "h:1", "age": 0},
            {"id": "ok", "a": [["h", 1]], "age": True}, "nonsense", {"id": "ok", "a": [["h", 1]], "age": 1}]
-    assert gossip_entries(bad) == [("ok", [("h", 1)], 1.0)]
-    assert len(gossip_entries([gossip_entry(f"p{i}", [A], 0.0) for i in range(MAX_LIST + 5)])) == MAX_LIST
-    assert gossip_entries({"not": "a list"}) == [] and discovery.port_of(True) is None
+    assert listed(*bad) == [("ok", [("h", 1)], 1.0)]
+    assert len(listed(*[peers_entry(f"p{i}", [A], 0.0) for i in range(MAX_LIST + 5)])) == MAX_LIST
+    assert check_peers({"t": messages.PEERS, "peers": {"not": "a list"}, "port": True}) == ([], None)

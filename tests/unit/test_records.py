@@ -477,7 +477,7 @@ def test_a_worker_imports_nothing_of_cryptography():
     import subprocess
     import sys
 
-    code = ("import sys, gpulayer.peer.worker; "
+    code = ("import sys, gpulayer.worker.__main__; "
             "print('cryptography' in sys.modules or 'gpulayer.protocol.records' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

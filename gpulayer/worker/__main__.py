@@ -1,11 +1,11 @@
-"""The warm worker: a process of the job interpreter that runs tasks one at a time.
+"""The warm worker: a process of the job interpreter that runs tasks (receiver.py).
 
-Started by the peer as `python -m gpulayer.peer.worker FD [--preload torch,mlx] [--link FD2]`, it
-talks frames over the inherited socket FD; big buffers come and go as shared-memory descriptors
-on the local link FD2 (shm.py). It needs only msgpack and cloudpickle (and cryptography, where it
-has it, to take an actor's direct connections: actor_worker.py), and it is the only place where
-task data is ever unpickled. Its stdout and stderr are pipes that the peer
-streams back to the submitter.
+Started by the peer as `python -m gpulayer.worker FD [--preload torch,mlx] [--link FD2]`, it talks
+frames over the inherited socket FD; big buffers come and go as shared-memory descriptors on the
+local link FD2 (shm.py). It needs only msgpack and cloudpickle (and cryptography, where it has it,
+to take the connections handed over for a lease or an actor's direct calls), and it is the only
+place where task data is ever unpickled. Its stdout and stderr are pipes that the peer streams back
+to the submitter.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import importlib.util
 import os
 import socket
 import sys
-import threading
 import time
 
 from .. import lending, taskenv
 from ..protocol import framing, messages
 from ..transport import blocking, shm
 from . import spawning
-from .running import FunctionCache, run_task, serve_owner
+from .receiver import Receiver
+
 
 def preload(names: list[str]) -> list[str]:
     """Import frameworks now so that tasks find them warm; returns those that imported."""
@@ -109,43 +109,9 @@ def main(argv=None) -> None:
     taskenv.open_clean_room(os.getcwd(), keep=args.keep_task_folders)
     conn.send({"t": messages.STATUS, "pid": os.getpid(), "preloaded": loaded, "fds": link is not None,
                "direct": link is not None and importlib.util.find_spec("cryptography") is not None})
-    functions = FunctionCache()
-    link_lock = threading.Lock()  # a thread of a task that waits on a future tells the peer (lending.py)
-
-    def tell_peer(msg: dict) -> None:
-        with link_lock:
-            conn.send(msg)
-
-    lending.install(tell_peer)
-    while True:
-        try:
-            msg, buffers = conn.recv()
-        except (ConnectionError, OSError):
-            return
-        if msg["t"] == messages.BYE:
-            return
-        if msg["t"] == messages.ACTOR:  # its environment was set when the peer started this worker for it
-            from .actor_worker import become_actor
-
-            become_actor(conn, msg, buffers)
-        if msg["t"] == messages.LEASE:  # the peer lent this worker to a submitter's connection
-            from .lease_worker import serve_lease
-
-            serve_owner(msg, functions)
-            if not serve_lease(conn, msg, functions):
-                return
-            continue
-        if msg["t"] != messages.SUBMIT:  # the peer's acknowledgement of a lease's end, or a cancel that came late
-            continue
-        serve_owner(msg, functions)
-        with taskenv.task_environment(msg.get("env")):
-            reply, out = run_task(msg, buffers, functions)
-        del msg, buffers
-        with link_lock:
-            conn.send(reply, out)
-        del reply, out  # a result may be a view of an argument's segment: let the mapping go now
-        if reaper is not None:
-            reaper.maybe_reap()
+    receiver = Receiver(conn, reaper.maybe_reap if reaper is not None else None)
+    lending.install(receiver.peer.send)  # a thread of a task that waits on a future tells the peer
+    receiver.serve_peer()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Running one call in a worker process, for every kind of worker (worker.py, actor_worker.py,
-lease_worker.py): the function loaded from its pickle, the arguments unpickled, the call made, and
+"""Running one call in a worker process, for every stream and runner of the receiver (receiver.py,
+actors.py): the function loaded from its pickle, the arguments unpickled, the call made, and
 the RESULT or ERROR message built. Needs only msgpack and cloudpickle, as the worker does.
 """
 
@@ -25,7 +25,7 @@ class FunctionCache:
     next one's. A mutable value changed in place stays changed (docs/scheduling.md, "Clean workers").
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._fns: dict[bytes, tuple[object, list[tuple[dict, dict]]]] = {}
 
     def load(self, data: bytes):
@@ -53,7 +53,8 @@ def serve_owner(msg: dict, functions: FunctionCache) -> None:
     than the last, nothing that this worker keeps of the others is left for its code to read (pooled
     segments are zeroed or let go of, cached functions forgotten). What their tasks left in the
     process itself is not wiped: tasks on one peer are not isolated (docs/security.md)."""
-    if shm.POOL.serve(str(msg.get("owner"))):
+    owner = str(msg.get("owner"))
+    if owner != shm.POOL.owner and shm.POOL.serve(owner):  # the same as the last one's: nothing to look at
         functions.clear()
 
 
@@ -73,8 +74,12 @@ def run_task(msg: dict, buffers: list, functions: FunctionCache) -> tuple[dict, 
     whole of one of the task's own argument segments goes back in it, with no copy (a task keeps
     nothing after it ends; an actor may, so its results are always copies)."""
     own, values = held_arguments(msg, buffers)
-    with held.provided(values):
-        reply, out = run_call(msg.get("id"), lambda: functions.load(msg["fn"]), msg["args"], own)
+    target = lambda: functions.load(msg["fn"])  # noqa: E731
+    if values:
+        with held.provided(values):
+            reply, out = run_call(msg.get("id"), target, msg["args"], own)
+    else:  # most tasks take no held result: nothing to provide
+        reply, out = run_call(msg.get("id"), target, msg["args"], own)
     if lending.lender is not None:
         lending.lender.task_ended()
     return reply, shm.reuse(out, own)
