@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import os
-import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ from typing import Any, Protocol
 from ..errors import ConfigError
 from ..checks import check_timeout
 from ..protocol import messages
-from .workers import Slot, Worker
+from .slots import Slot
+from .worker_processes import Worker
 
 log = logging.getLogger("gpulayer.peer")
 
@@ -85,10 +85,6 @@ class Actor:
     def short_id(self) -> str:
         """What STATUS shows of the id: enough to tell actors apart, too little to call one."""
         return self.actor_id[:8]
-
-
-def new_actor_id() -> str:
-    return secrets.token_hex(messages.ACTOR_ID_HEX // 2)
 
 
 class Actors:

@@ -88,6 +88,20 @@ def test_submit_without_auth_never_runs_code(target, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("kind", [messages.STATUS, messages.PING, messages.LEASE, messages.DIRECT, messages.LOCAL,
+                                  messages.FETCH, messages.CANCEL, messages.BYE])
+def test_before_auth_every_kind_but_auth_is_refused(target, kind):
+    """Before authentication the peer's only handlers are AUTH's and an invite's: a STATUS gets no
+    status, a LEASE no worker, a LOCAL no link; each closes the connection as a failed authentication."""
+    peer, client = target
+    sock, conn, _ = raw(peer)
+    conn.send({"t": kind, "id": 1, "beat": 1.0, "req": {}, "ref": {}})
+    reply = closing_error(conn)
+    assert (reply["t"], reply["code"]) == (messages.ERROR, "auth")
+    sock.close()
+    assert honest_call_works(client)
+
+
 def test_a_replayed_auth_is_refused(target):
     peer, client = target
     _, first, hello1 = raw(peer)
