@@ -65,13 +65,15 @@ class ActorSpec:
         return getattr(self.cls, "__qualname__", type(self.cls).__name__)
 
 
-def create(client: Client, spec: ActorSpec, handle: ActorHandle | None = None) -> TaskFuture:
-    """Place the actor on a matching peer; the future's result is its handle (`handle`, re-created)."""
+def create(client: Client, spec: ActorSpec, handle: ActorHandle | None = None,
+           taken: threading.Event | None = None) -> TaskFuture:
+    """Place the actor on a matching peer; the future's result is its handle (`handle`, re-created).
+    `taken` is set when its peer says that it took a slot and its worker starts (a peer of this build)."""
     cls_bytes = serialization.dumps(spec.cls)[0]
     data, buffers = serialization.dumps_call(spec.cls, tuple(spec.args), spec.kwargs)
     req = inference.with_inferred(spec.req, spec.cls, cls_bytes, data)
     task = ActorCreation(cls_bytes, data, buffers, req, spec.timeout, spec.retries, spec.name,
-                         client.echo_output, spec.env, client=client, spec=spec, handle=handle)
+                         client.echo_output, spec.env, client=client, spec=spec, handle=handle, taken=taken)
     client.place(task)
     return task.future
 
@@ -83,6 +85,12 @@ class ActorCreation(SubmittedTask):
     client: Client | None = None
     spec: ActorSpec | None = None
     handle: ActorHandle | None = None
+    taken: threading.Event | None = None
+
+    def accepted(self, queued: bool, started: bool) -> None:
+        super().accepted(queued, started)
+        if started and self.taken is not None:
+            self.taken.set()
 
     def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None and self.spec is not None

@@ -36,7 +36,9 @@ class ConnectionTask(Protocol):
     """What a connection needs of a task it carries."""
 
     task_id: int
-    queued: bool  # the peer queued it and said it may be withdrawn (an ACCEPT with "w")
+
+    def accepted(self, queued: bool, started: bool) -> None:
+        """The peer's ACCEPT: queued and withdrawable ("w"), or an actor that took its slot ("s")."""
 
     def message(self) -> tuple[messages.Outgoing, list[Any]]: ...
 
@@ -275,7 +277,7 @@ class PeerConnection:
     def _accept(self, msg: dict[str, Any], buffers: list[Any]) -> None:
         task = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
         if task is not None:
-            task.queued = msg.get("w") is True  # it waits in the peer's queue, and may be withdrawn
+            task.accepted(queued=msg.get("w") is True, started=msg.get("s") is True)
 
     def _log(self, msg: dict[str, Any], buffers: list[Any]) -> None:
         task = self.pending.get(msg.get("id"))  # type: ignore[arg-type]

@@ -199,7 +199,7 @@ class Client(Listener):
                     req: Requirements, nodes: int, timeout: float | None = None, retries: int = 0,
                     env: dict[str, str] | None = None) -> Future[list[Any]]:
         """fn(*args, **kwargs) as a gang of `nodes` ranks on distinct peers (client/gangs.py, ADR 0018);
-        the future's result is the ranks' results in rank order."""
+        the future's result is the ranks' results in rank order, and cancelling it stops every rank."""
         from .gangs import submit_gang
 
         return submit_gang(self, fn, args, kwargs, req=req, nodes=nodes, timeout=check_timeout(timeout),

@@ -223,6 +223,11 @@ class SubmittedTask:
         else:
             self.future.set_result(result)
 
+    def accepted(self, queued: bool, started: bool) -> None:
+        """The peer's ACCEPT: it waits in the peer's queue and may be withdrawn (`queued`), or (an actor's
+        creation) it took its slot and its worker starts (`started`)."""
+        self.queued = queued
+
     def abandon(self) -> None:
         """The future was cancelled: tell the peer and forget the task."""
         with self._lock:

@@ -578,7 +578,10 @@ class Peer:
         if isinstance(task, TaskHolder) and msg.get("refs"):
             conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id}))
             self.scheduler.spawn(self._enqueue_with_refs(conn, task, msg["refs"]))
-        elif not self.scheduler.enqueue(task) and not task.answered:
+        elif self.scheduler.enqueue(task):
+            if msg["t"] == messages.ACTOR:  # its slot is taken: a gang creates its next rank now (ADR 0018)
+                conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id, "s": True}))
+        elif not task.answered:
             # it waits: say so, and that it may be withdrawn until it starts (a task that started needs no ACCEPT)
             conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id, "w": msg["t"] == messages.SUBMIT}))
 

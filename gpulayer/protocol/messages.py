@@ -61,6 +61,7 @@ class Envelope(TypedDict, total=False):
     submitters: int  # on the peer's replies: how many submitters contend for its slots (ADR 0011)
     ran: float  # on a task's outcome: the seconds it ran (ADR 0011)
     w: bool  # on an ACCEPT: the task is queued, and WITHDRAW may take it back until it starts (ADR 0011)
+    s: bool  # on an ACCEPT of an ACTOR: it took its slot at once, and its worker starts (ADR 0018)
 
 
 class _SubmitOptions(TypedDict, total=False):

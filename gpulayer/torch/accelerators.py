@@ -125,11 +125,11 @@ def resolve(accelerator: str = AUTO, devices: int = 1, num_nodes: int = 1) -> Pl
 
 
 def _check_gang(num_nodes: int, devices: int) -> None:
-    """num_nodes > 1 trains over the ranks of the gang this runs in, one device each (docs/gangs.md)."""
+    """num_nodes > 1 trains over the ranks of the gang this runs in, `devices` processes each (docs/gangs.md)."""
     world = os.environ.get("WORLD_SIZE") if os.environ.get("GPULAYER_RANK_ADDR") else None
     if world is None:
         raise UnsupportedConfiguration(f"num_nodes={num_nodes} trains over the ranks of a gang: run the function "
                                        f"that calls fit with gl.run(train, nodes={num_nodes})")
-    if devices != 1 or world != str(num_nodes):
-        raise UnsupportedConfiguration(f"num_nodes={num_nodes}, devices={devices} in a gang of {world} ranks: "
-                                       "a gang trains with num_nodes equal to its nodes= and devices=1")
+    if world != str(num_nodes):
+        raise UnsupportedConfiguration(f"num_nodes={num_nodes} in a gang of {world} ranks: a gang trains with "
+                                       "num_nodes equal to its nodes=")

@@ -1,16 +1,18 @@
-"""Single-node DDP: one spawned process per device, gradients synchronized by DDP.
+"""DDP: one spawned process per device, gradients synchronized by DDP; in a gang, over its ranks.
 
 The parent process spawns `devices` workers (torch.multiprocessing.spawn). Each joins a process
-group (NCCL on CUDA, gloo on CPU), trains a copy of the model on its shard of the data, and
-rank 0 writes the final weights and metrics to a temporary file the parent loads afterwards.
+group (NCCL on CUDA, gloo on CPU), trains a copy of the model on its shard of the data, and the
+first writes the final weights and metrics to a temporary file the parent loads afterwards. In a
+gang's rank (num_nodes=N), the group spans the N × devices processes of all the ranks; with one
+device, the rank's own process trains (`fit_in_gang`).
 """
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import tempfile
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  before any process group: see _fit_worker
@@ -73,13 +75,15 @@ def _free_port() -> int:
 
 
 def spawn_fit(trainer, module, train, val, ckpt_path) -> dict:
-    """Run `trainer.fit` in one process per device; returns rank 0's `trainer.rank_zero_summary()`."""
-    world_size = trainer.placement.devices
+    """Run `trainer.fit` in one process per device; returns the first process's `trainer.rank_zero_summary()`.
+    In a gang's rank (num_nodes > 1) the processes are this rank's part of DDP over all the gang's."""
+    devices = trainer.placement.devices
     with tempfile.TemporaryDirectory(prefix="glt-ddp-") as tmp:
         result = os.path.join(tmp, "rank0.pt")
-        args = (world_size, _free_port(), randomness.capture(torch.device(CPU)), trainer, module, train, val,
-                ckpt_path, result)
-        mp.spawn(_fit_worker, args=args, nprocs=world_size, join=True)
+        # cloudpickle: classes that came to this process by value (a task's, a rank's) reach the processes too
+        work = cloudpickle.dumps((trainer, module, train, val))
+        args = (devices, _free_port(), randomness.capture(torch.device(CPU)), work, ckpt_path, result)
+        mp.spawn(_fit_worker, args=args, nprocs=devices, join=True)
         return torch.load(result, map_location=CPU, weights_only=True)
 
 
@@ -96,29 +100,43 @@ def fit_in_gang(trainer, module, train, val, ckpt_path) -> None:
         gang.shutdown()
 
 
-def _fit_worker(rank, world_size, port, rng, trainer, module, train, val, ckpt_path, result) -> None:
+def _fit_worker(local, devices, port, rng, work, ckpt_path, result) -> None:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    trainer, module, train, val = cloudpickle.loads(work)  # this process's own copy
     kind = trainer.placement.kind
     if kind == CUDA:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
     randomness.restore(rng, torch.device(CPU))
-    # spawn hands tensors over in shared memory: without a private copy, CPU ranks would share parameters
-    module = copy.deepcopy(module)
     # torch.distributed.nn.functional binds the WORLD group of the moment as its functions' default argument.
     # DDP imports it: imported only after init_process_group, it would keep this group (gloo's threads) alive
     # past destroy_process_group, to the interpreter's exit, which then aborted the rank now and then
     # ("terminate called without an active exception"). It is imported with this module, before the group.
-    dist.init_process_group(DISTRIBUTED[CUDA] if kind == CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world_size)
+    rank, world_size = _join(local, devices, trainer.placement.nodes, DISTRIBUTED[CUDA] if kind == CUDA else "gloo",
+                             port)
     try:
         trainer.fit_as_rank(rank, world_size, module, train, val, ckpt_path)
-        if rank == 0:
+        if local == 0:
             torch.save(trainer.rank_zero_summary(module), result)
         # no rank tears gloo down while another still talks to it (that aborts the process); should a rank
         # fail instead, spawn terminates the others, so this never waits for a rank that is gone
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _join(local: int, devices: int, nodes: int, backend: str, port: int) -> tuple[int, int]:
+    """Join the process group as the `local`th of this host's `devices` processes: alone, over a local
+    port; in a gang's rank, as rank RANK × devices + local of WORLD_SIZE × devices, through the gang's
+    rendezvous (its variables set to this process's). Returns (rank, world size)."""
+    if nodes == 1:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=local, world_size=devices)
+        return local, devices
+    from .. import distributed as gang
+
+    rank, world_size = int(os.environ["RANK"]) * devices + local, int(os.environ["WORLD_SIZE"]) * devices
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(devices))
+    gang.init(backend=backend)
+    return rank, world_size

@@ -310,7 +310,7 @@ class Trainer:
         val = datamodules.check_single(val_dataloaders, "val_dataloaders") if val_dataloaders is not None \
             else None if train_dataloaders is not None else _Source(source, "val_dataloader")
         try:
-            if self.placement.nodes > 1:  # this process is one rank of a gang (docs/gangs.md)
+            if self.placement.nodes > 1 and self.placement.devices == 1:  # one rank of a gang (docs/gangs.md)
                 distributed.fit_in_gang(self, model, _resolve(train), _resolve(val), ckpt_path)
             elif self.placement.devices > 1:
                 for lg in self.loggers:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from gpulayer.client import Client
+from gpulayer.client.actors import ActorSpec
 from gpulayer.errors import GangFailed, NoMatchingPeer
 from gpulayer.matching import Requirements
 from support import new_key, process_gone, wait_until, write_override
@@ -105,6 +106,26 @@ def test_kill_9_of_one_rank_stops_the_gang_and_names_that_rank(four, tmp_path):
     wait_until(lambda: all(process_gone(pid) for pid in pids), 30)  # no process of the gang survives
 
 
+def note_pid_and_wait(folder: str) -> None:
+    """Note this rank's pid, then wait to be stopped."""
+    import os
+    import time
+
+    with open(os.path.join(folder, f"rank-{os.environ['RANK']}"), "w") as out:
+        out.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_cancelling_a_running_gang_stops_every_rank(four, tmp_path):
+    client, _ = four
+    gang = client.submit_gang(note_pid_and_wait, (str(tmp_path),), {}, req=CPU, nodes=3)
+    pids = wait_until(lambda: [int((tmp_path / f"rank-{r}").read_text()) for r in range(3)]
+                      if all((tmp_path / f"rank-{r}").exists() for r in range(3)) else None, 120)
+    assert gang.cancel() and gang.cancelled()
+    wait_until(lambda: all(process_gone(pid) for pid in pids), 30)  # every rank's worker ended
+    assert len(set(client.submit_gang(whoami, (), {}, req=CPU, nodes=4).result(120))) == 4  # their slots are free
+
+
 def whoami() -> str:
     import os
 
@@ -127,6 +148,30 @@ def test_a_gang_larger_than_the_matching_peers_is_refused_with_reasons(four):
     gpu = Requirements.build(accelerator="cuda")
     with pytest.raises(NoMatchingPeer, match="task needs cuda"):
         client.submit_gang(whoami, (), {}, req=gpu, nodes=2).result(60)
+
+
+class Holder:
+    """An actor that only holds its slot."""
+
+    def peer(self) -> str:
+        import os
+
+        return os.environ["GPULAYER_PEER_NAME"]
+
+
+def test_a_gang_leaves_out_a_peer_held_by_the_submitters_own_actor_or_says_so_at_once(four):
+    """A rank on a peer whose slot the submitter's own actor holds would wait for the caller itself:
+    the gang takes the other peers, and with too few of them it is refused at once, naming the actor."""
+    client, _ = four
+    holder = client.create_actor(ActorSpec(Holder, (), {}, CPU)).result(60)
+    try:
+        held = holder.call("peer", (), {}, None).result(60)
+        assert held not in client.submit_gang(whoami, (), {}, req=CPU, nodes=3).result(120)
+        with pytest.raises(NoMatchingPeer, match=f"every slot of peer {held} holds an actor of this submitter "
+                                                 r"\(Holder\)"):
+            client.submit_gang(whoami, (), {}, req=CPU, nodes=4).result(60)  # it would wait ten minutes
+    finally:
+        holder.close()
 
 
 def die_once(folder: str) -> int:
@@ -153,7 +198,7 @@ def test_retries_run_the_whole_gang_again(four, tmp_path):
         client.submit_gang(die_once, (str(fresh),), {}, req=CPU, nodes=2).result(120)
 
 
-def train_rank(num_nodes: int, batch_size: int) -> dict:
+def train_rank(num_nodes: int, batch_size: int, devices: int = 1) -> dict:
     """Fit a small regressor (seed 0) with glt.Trainer(num_nodes=...) on CPU; its weights."""
     import torch
     from torch import nn
@@ -179,7 +224,7 @@ def train_rank(num_nodes: int, batch_size: int) -> dict:
     data = TensorDataset(x, 3 * x[:, :1] - 2 * x[:, 1:])
     torch.manual_seed(0)
     model = Regressor()
-    glt.Trainer(accelerator="cpu", num_nodes=num_nodes, max_epochs=2, logger=False, enable_checkpointing=False,
+    glt.Trainer(accelerator="cpu", num_nodes=num_nodes, devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False).fit(model, DataLoader(data, batch_size))
     return {name: value.tolist() for name, value in model.state_dict().items()}
 
@@ -191,6 +236,19 @@ def test_the_trainer_over_a_gang_of_two_matches_one_process_with_twice_the_batch
 
     client, _ = four
     ranks = client.submit_gang(train_rank, (2, 8), {}, req=CPU, nodes=2).result(300)
+    single = train_rank(1, 16)
+    for weights in ranks:
+        for name, value in single.items():
+            torch.testing.assert_close(torch.tensor(weights[name]), torch.tensor(value), rtol=1e-5, atol=1e-6)
+
+
+def test_the_trainer_over_a_gang_of_two_with_two_devices_each_matches_one_process_with_four_times_the_batch(four):
+    """DDP over 2 ranks of 2 CPU processes each (Lightning's num_nodes x devices), each process on
+    every fourth sample of batches of 4: the weights of one process on batches of 16, on both ranks."""
+    import torch
+
+    client, _ = four
+    ranks = client.submit_gang(train_rank, (2, 4, 2), {}, req=CPU, nodes=2).result(300)
     single = train_rank(1, 16)
     for weights in ranks:
         for name, value in single.items():
