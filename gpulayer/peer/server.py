@@ -478,7 +478,13 @@ class Peer:
         handler = self._post_auth.get(kind)
         if handler is None:
             return self.refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
-        handler(conn, msg, buffers)
+        problem = messages.check(msg)  # its kind's validator, before its handler (h11's events)
+        if problem is None:
+            handler(conn, msg, buffers)
+        elif kind in (messages.SUBMIT, messages.ACTOR):
+            self._reject(conn, msg.get("id"), "bad-request", problem)
+        else:
+            conn.channel.write(messages.error("bad-request", problem, None if request_id(msg) == -1 else msg["id"]))
 
     def _cancel(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Cancel a task, one on a lease of this submitter (ADR 0013), one waiting for a probe, or an actor call."""
@@ -522,7 +528,7 @@ class Peer:
         conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
 
     def _release(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
-        self.held.release(msg.get("ref"), conn.client)
+        self.held.release(msg["ref"], conn.client)
 
     def _job_request(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         self.jobs.handle(conn, msg, buffers, self._draining)
@@ -536,16 +542,12 @@ class Peer:
         conn.channel.write(messages.peers(msg.get("id"), self.gossip.listing()))
 
     def _admit(self, conn: Connection, msg: messages.Message, buffers: list[Any], probed: bool = False) -> None:
-        """Check a SUBMIT (or an ACTOR, which creates an actor) and queue it, or REJECT it with the reason.
-        A task that asks for software the job interpreter lacked waits for a new probe, when one is
-        due (`_admit_after_probe`); `probed` says that it did."""
-        task_id = msg.get("id")
-        problem = messages.check_submit(msg) if msg["t"] == messages.SUBMIT else messages.check_actor(msg)
-        if problem is None and (task_id in conn.tasks or task_id in conn.probing and not probed):
-            problem = f"task id {task_id} is already in use on this connection"
-        if problem is not None:
-            return self._reject(conn, task_id, "bad-request", problem)
-        assert isinstance(task_id, int)
+        """Queue a SUBMIT (or an ACTOR, which creates an actor; both checked by their validators), or
+        REJECT it with the reason. A task that asks for software the job interpreter lacked waits for a
+        new probe, when one is due (`_admit_after_probe`); `probed` says that it did."""
+        task_id = msg["id"]
+        if task_id in conn.tasks or task_id in conn.probing and not probed:
+            return self._reject(conn, task_id, "bad-request", f"task id {task_id} is already in use on this connection")
         if self._draining:
             return self._reject(conn, task_id, "busy", "the peer is shutting down")
         try:
@@ -630,10 +632,7 @@ class Peer:
 
     @staticmethod
     def _hand_over_problem(conn: Connection, msg: messages.Message) -> str | None:
-        """Why a DIRECT or LEASE may not have this connection: it needs an integer id, and nothing in flight."""
-        request_id = msg.get("id")
-        if not isinstance(request_id, int) or isinstance(request_id, bool):
-            return f"a {messages.printable(msg['t'], 20).upper()} needs an integer 'id'"
+        """Why a DIRECT or LEASE may not have this connection: it needs nothing in flight on it."""
         if conn.tasks or conn.calls or conn.link is not None:
             return f"a {messages.printable(msg['t'], 20).upper()} needs a connection with nothing in flight on it"
         return None
@@ -641,11 +640,10 @@ class Peer:
     def _direct(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Hand the connection to the worker of the actor it names, which answers its calls from then
         on without this peer in the way (ADR 0012); or answer why not (the connection stays ours)."""
-        request_id = msg.get("id")
-        problem = self._hand_over_problem(conn, msg) or messages.check_actor_id(msg.get("actor"))
+        request_id = msg["id"]
+        problem = self._hand_over_problem(conn, msg)
         if problem is not None:
             return conn.channel.write(messages.error("bad-request", problem, request_id))
-        assert isinstance(request_id, int)
         actor = self.scheduler.actors.live.get(msg["actor"])
         if actor is None:
             return conn.channel.write(self.scheduler.actors.gone(msg["actor"], request_id))
@@ -661,19 +659,13 @@ class Peer:
     def _lease(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Lend a warm worker to this connection: the worker runs the tasks sent on it and answers them
         there, until the lease ends (ADR 0013); or answer why not (the connection stays ours)."""
-        request_id = msg.get("id")
+        request_id, beat = msg["id"], msg["beat"]
         problem = self._hand_over_problem(conn, msg)
         if problem is None:
             try:
                 req = Requirements.from_wire(msg.get("req") or {})
             except ValueError as exc:
                 problem = str(exc)
-        if problem is not None:
-            return conn.channel.write(messages.error("bad-request", problem, request_id))
-        beat = msg.get("beat")
-        if problem is None and (isinstance(beat, bool) or not isinstance(beat, (int, float))
-                                or not messages.BEAT_MIN <= beat <= messages.BEAT_MAX):
-            problem = f"a LEASE needs 'beat', seconds from {messages.BEAT_MIN} to {messages.BEAT_MAX}"
         if problem is not None:
             return conn.channel.write(messages.error("bad-request", problem, request_id))
         refusal = "the peer is shutting down" if self._draining else "; ".join(match(req, self.advert))
