@@ -37,6 +37,10 @@ BREAKS.add(("client.connection", "client.pool"))
 # What a job interpreter has besides the standard library: the worker side needs nothing else (torch
 # only where a task's data holds tensors, which serialization rebuilds; no psutil, no zeroconf).
 JOB_INTERPRETER = {"msgpack", "cloudpickle", "cryptography", "torch"}
+# The peer's decisions, pure (ADR 0015): they import no event loop, socket, process or thread, and of the
+# peer's modules only each other; the asyncio side (peer/scheduler) performs what they return.
+PURE = {"peer.scheduler_state", "peer.slots"}
+IO = {"asyncio", "socket", "selectors", "subprocess", "signal", "threading", "multiprocessing", "psutil", "zeroconf"}
 
 
 def module_name(path: Path) -> str:
@@ -204,3 +208,11 @@ def test_no_module_uses_another_modules_private_names():
             elif not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) and node.attr in elsewhere:
                 wrong.append(f"{where}: {ast.unparse(node)} (defined in another module)")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_peers_decisions_do_no_io():
+    pure = {f"gpulayer.{name}" for name in PURE}
+    assert pure <= MODULES.keys()
+    wrong = {name: sorted(IO & imports(name)[1] | {t for t in GRAPH[name] if place(t)[1] == "peer"} - pure)
+             for name in pure}
+    assert not any(wrong.values()), f"the pure modules import (module: what): {wrong}"

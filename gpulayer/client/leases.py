@@ -57,7 +57,7 @@ class Leases(Listener):
         if lease is None:
             self._ask(main, task)
             return None
-        if lease.closed or not _fits(task.req, lease.requirements):
+        if lease.closed or not _lease_slot_takes(task.req, lease.requirements):
             return None
         # short tasks queue up on the lease (the worker gets through them faster than the submitter sends
         # them); a longer one goes through the peer while the lease is busy, to another slot, if the peer
@@ -142,7 +142,7 @@ class LeaseConnection(PeerConnection):
     def __init__(self, leases: Leases, addresses: list[tuple[str, int]], req: Requirements):
         client = leases.client
         self.leases = leases
-        self.requirements = req  # what it was asked for with (`_fits`)
+        self.requirements = req  # what it was asked for with (`_lease_slot_takes`)
         self.lease_ended = ""  # why, once the leased worker said LEASE_END
         self._outbox_lock = threading.Lock()  # guards the outbox and _at_worker
         self._outbox: list[Any] = []  # SUBMITs kept back while the worker is busy
@@ -233,7 +233,7 @@ def _free_besides_lease(main: PeerConnection) -> bool:
     return max(main.estimated_load, len(main.pending) + 1) < main.advert.slots
 
 
-def _fits(req: Requirements, lease: Requirements) -> bool:
+def _lease_slot_takes(req: Requirements, lease: Requirements) -> bool:
     """Whether a task of `req`, placed on the lease's peer (which matched it), may run on the lease's
     slot: the same accelerator (the slot's device variables follow it) and no more memory than the
     lease reserved there."""

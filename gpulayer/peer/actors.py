@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import os
-import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ from typing import Any, Protocol
 from ..errors import ConfigError
 from ..checks import check_timeout
 from ..protocol import messages
-from .workers import Slot, Worker
+from .slots import Slot
+from .worker_processes import Worker
 
 log = logging.getLogger("gpulayer.peer")
 
@@ -87,10 +87,6 @@ class Actor:
         return self.actor_id[:8]
 
 
-def new_actor_id() -> str:
-    return secrets.token_hex(messages.ACTOR_ID_HEX // 2)
-
-
 class Actors:
     """The live actors of a peer, by id; `free(slot, worker)` gives an ended actor's slot back."""
 
@@ -113,12 +109,14 @@ class Actors:
     # ---- from submitters ----------------------------------------------------------------------
 
     def call(self, owner: CallOwner, msg: messages.Message, buffers: list[Any]) -> None:
-        """Send a CALL on to its actor's worker, or answer it with an error."""
-        call_id = msg.get("id")
-        actor = self._addressed(owner, msg, _call_problem(owner, msg))
+        """Send a CALL (checked by messages.check_call) on to its actor's worker, or answer it with an error."""
+        call_id = msg["id"]
+        if call_id in owner.calls:
+            return owner.send(messages.error("bad-request", f"call id {call_id} is already in use on this connection",
+                                             call_id))
+        actor = self._addressed(owner, msg)
         if actor is None:
             return
-        assert isinstance(call_id, int)
         seq = next(actor.ids)
         call = actor.calls[seq] = Call(owner, call_id)
         owner.calls[call_id] = (actor, seq)
@@ -139,8 +137,8 @@ class Actors:
         owner.send(messages.error("cancelled", "cancelled by the submitter", call_id))
 
     def close(self, owner: CallOwner, msg: messages.Message) -> None:
-        """CLOSE from a submitter: only the actor's creator may close it."""
-        actor = self._addressed(owner, msg, None)
+        """CLOSE (checked by messages.check_close) from a submitter: only the actor's creator may close it."""
+        actor = self._addressed(owner, msg)
         if actor is None:
             return
         if actor.client != owner.client:
@@ -149,19 +147,11 @@ class Actors:
             actor.owner = owner  # the answer goes to the connection that asked
             self.end(actor, "closed", "the actor was closed by its submitter", msg["id"])
 
-    def _addressed(self, owner: CallOwner, msg: messages.Message, problem: str | None) -> Actor | None:
-        """The live actor a CALL or CLOSE names; None once the request was answered with why not."""
-        request_id = msg.get("id")
-        if not isinstance(request_id, int) or isinstance(request_id, bool):
-            owner.send(messages.error("bad-request", f"a {msg['t'].upper()} needs an integer 'id'"))
-            return None
-        problem = messages.check_actor_id(msg.get("actor")) or problem
-        if problem is not None:
-            owner.send(messages.error("bad-request", problem, request_id))
-            return None
+    def _addressed(self, owner: CallOwner, msg: messages.Message) -> Actor | None:
+        """The live actor a CALL or CLOSE (checked already) names; None once answered that it is gone."""
         actor = self.live.get(msg["actor"])
         if actor is None:
-            owner.send(self.gone(msg["actor"], request_id))
+            owner.send(self.gone(msg["actor"], msg["id"]))
         return actor
 
     def gone(self, actor_id: str, request_id: int) -> messages.ErrorMessage:
@@ -263,14 +253,6 @@ class Actors:
     def end_all(self, reason: str) -> None:
         for actor in list(self.live.values()):
             self.end(actor, "died", reason)
-
-
-def _call_problem(owner: CallOwner, msg: messages.Message) -> str | None:
-    """What is wrong with a CALL's method, arguments, id or timeout, or None."""
-    problem = messages.check_call(msg)
-    if problem is None and msg.get("id") in owner.calls:
-        problem = f"call id {msg.get('id')} is already in use on this connection"
-    return problem
 
 
 def _stop_timer(call: Call) -> None:

@@ -192,9 +192,8 @@ def answer_fetch(table: HeldResults, msg: messages.Message, client: str) -> tupl
 
     A peer fetching for a task names the result's submitter ("for"); the id is the capability,
     and an unknown id, a released one and another submitter's all get the same answer."""
-    request_id = msg.get("id") if isinstance(msg.get("id"), int) else 0
-    owner = msg.get("for", client)
-    held = table.get(msg.get("ref"), owner if isinstance(owner, str) else "")
+    request_id, owner = msg["id"], msg.get("for", client)  # checked by messages.check_fetch
+    held = table.get(msg.get("ref"), owner)
     if held is None:
         return messages.error("no-result", "no such result is held here for this submitter (never held, "
                                        "released, or freed after its submitter left)", request_id), []

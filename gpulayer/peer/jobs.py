@@ -1,6 +1,6 @@
 """The peer's jobs (ADR 0016): received with their folder, recorded in the store, run on a slot, watched.
 
-A job is one more holder of the scheduler's slots (`ScheduledTask.job`): queued like a task, and once
+A job is one more holder of the scheduler's slots (`slots.JobHolder`): queued like a task, and once
 started it runs a supervisor (jobs/shim.py) in a session of its own, in the job's folder, and gives
 the slots back when the supervisor exits. Nothing here depends on the connection that submitted it:
 a job goes on when its submitter goes. Every request is answered from the store, so a peer restarted
@@ -34,8 +34,9 @@ from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
 from ..transport.channel import AsyncChannel
-from .scheduler import Scheduler, ScheduledTask
-from .workers import Slot, job_pythonpath, worker_env
+from .scheduler import Scheduler
+from .slots import JobHolder, Slot
+from .worker_processes import job_pythonpath, worker_env
 
 log = logging.getLogger("gpulayer.peer")
 
@@ -71,23 +72,6 @@ class JobConnection(Protocol):
     address: str
 
 
-class JobOwner:
-    """A job as the scheduler's task owner: nothing goes back to a connection (its output is its log)."""
-
-    def __init__(self, job_id: str):
-        self.address = f"job {job_id}"
-        self.client = job_id
-
-    def task_done(self, task: ScheduledTask, reply: messages.Outgoing, buffers: list[Any]) -> None:
-        pass
-
-    def task_output(self, task: ScheduledTask, msg: messages.LogMessage) -> None:
-        pass
-
-    def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
-        pass
-
-
 @dataclass
 class Upload:
     """A job being received: its spec, its manifest, and the blobs the peer still waits for."""
@@ -102,7 +86,7 @@ class Upload:
 class Run:
     """A running job's supervisor, and why it is being stopped (if it is)."""
 
-    task: ScheduledTask
+    task: JobHolder
     proc: asyncio.subprocess.Process | None = None
     stopping: str = ""  # "stopped", "timeout", "preempted", or "lost" (the peer stops)
     timer: asyncio.TimerHandle | None = None
@@ -124,7 +108,7 @@ class Jobs:
         self.bin = self._interpreter_bin()
         self._pythonpath = job_pythonpath(python)
         self.runs: dict[str, Run] = {}
-        self.queued: dict[str, ScheduledTask] = {}
+        self.queued: dict[str, JobHolder] = {}
         self._limited: dict[str, str] = {}  # the queued or running jobs of arrays with a limit: id -> array
         self._parked: dict[str, list[str]] = {}  # array -> its jobs held back by its limit, in order
         self._uploads: dict[tuple[object, int], Upload] = {}
@@ -375,15 +359,14 @@ class Jobs:
                 self._parked.setdefault(row.spec.array, []).append(row.id)
                 return
             self._limited[row.id] = row.spec.array
-        task = ScheduledTask(JobOwner(row.id), 0, {"name": row.spec.name or row.spec.command[0]}, None,
-                             Requirements.from_wire(row.spec.req), None, priority=row.spec.priority,
-                             share=row.spec.share)
-        task.job = lambda group, env: self._start(row.id, task, env)
+        task = JobHolder(req=Requirements.from_wire(row.spec.req), job_id=row.id,
+                         name=row.spec.name or row.spec.command[0], priority=row.spec.priority,
+                         share=row.spec.share, start=lambda group, env: self._start(row.id, task, env))
         self.queued[row.id] = task
         if not self.scheduler.enqueue(task):
             self._preempt_for(row, task)
 
-    def _preempt_for(self, row: JobRow, task: ScheduledTask) -> None:
+    def _preempt_for(self, row: JobRow, task: JobHolder) -> None:
         """`row` waits: stop one running preemptible job of lower priority whose slots it could start on
         (the lowest priority, then the last started) for its grace, to queue it again once it stopped.
         The waiting job, first in the queue's order, then takes the slots."""
@@ -404,7 +387,7 @@ class Jobs:
         _write_private(self.store.folder(victim.id) / GRACE_FILE, str(victim.spec.grace).encode())
         _signal(run, signal.SIGTERM)
 
-    def _start(self, job_id: str, task: ScheduledTask, slot_env: dict[str, str]) -> None:
+    def _start(self, job_id: str, task: JobHolder, slot_env: dict[str, str]) -> None:
         """The scheduler gave the job its slots: run it."""
         self.queued.pop(job_id, None)
         run = self.runs[job_id] = Run(task)

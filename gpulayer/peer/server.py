@@ -37,13 +37,16 @@ from .jobs import Jobs
 from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
-from .workers import Worker
+from .worker_processes import Worker
 from . import gossip, held
-from .scheduler import LeaseOwner, ScheduledTask, Scheduler, default_preload, plan_slots
+from .scheduler import Scheduler, default_preload, plan_slots
+from .slots import ActorHolder, Submission, TaskHolder
 
 log = logging.getLogger("gpulayer.peer")
 
 ACCEPT_PAUSE_MIN, ACCEPT_PAUSE_MAX = 0.05, 1.0  # back-off of accepting when out of descriptors (s)
+
+Handler = Callable[["Connection", messages.Message, list[Any]], None]  # one kind of message from a submitter
 
 
 @dataclass
@@ -79,7 +82,7 @@ class Connection:
         self.address = address
         self.client = "?"
         self.authenticated = False
-        self.tasks: dict[int, ScheduledTask] = {}
+        self.tasks: dict[int, Submission] = {}  # its tasks and actor creations, queued or running
         self.calls: dict[int, tuple[Actor, int]] = {}  # its actor calls in flight (peer/actors.py)
         self.probing: set[int] = set()  # its tasks waiting for a new probe of the job interpreter (reprobe.py)
         self.last_pong = 0.0
@@ -95,7 +98,7 @@ class Connection:
                     buffers = self._attach(msg, buffers)
                 self.peer.handle(self, msg, buffers)
             else:
-                self.peer.authenticate(self, msg)
+                self.peer.handle_unauthenticated(self, msg)
         except shm.ShmError as exc:
             self.peer.refuse(self, "protocol", str(exc))
         except FrameTooLarge as exc:
@@ -121,13 +124,14 @@ class Connection:
 
     # ---- TaskOwner: where the scheduler sends a task's outcome and output ----
 
-    def task_done(self, task: ScheduledTask, reply: messages.Outgoing, buffers: list[Any]) -> None:
+    def task_done(self, task: Submission, reply: messages.Outgoing, buffers: list[Any]) -> None:
         self.tasks.pop(task.client_id, None)
-        if task.keep is not None and reply["t"] == messages.RESULT:  # type: ignore[typeddict-item]
-            reply, buffers = self.peer.held.keep(task.keep, self.client, reply, buffers)
+        keep = task.keep if isinstance(task, TaskHolder) else None
+        if keep is not None and reply["t"] == messages.RESULT:  # type: ignore[typeddict-item]
+            reply, buffers = self.peer.held.keep(keep, self.client, reply, buffers)
         self.send(reply, buffers)
 
-    def task_output(self, task: ScheduledTask, msg: messages.LogMessage) -> None:
+    def task_output(self, task: Submission, msg: messages.LogMessage) -> None:
         self.channel.write(msg)
 
     def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
@@ -185,6 +189,7 @@ class Peer:
                              config.job_retention_days, config.job_retention_gb)
         except (OSError, StateDirInUse) as exc:
             raise ConfigError(f"the state folder: {exc}") from None
+        self._pre_auth, self._post_auth = self._handlers()
 
     def _memory_refusal(self, total: int) -> str | None:
         return memory_refusal(total, self._headroom)
@@ -279,23 +284,23 @@ class Peer:
 
     @property
     def tasks_done(self) -> int:
-        return self.scheduler.tasks_done
+        return self.scheduler.state.tasks_done
 
     @property
     def load_total(self) -> int:
         """Tasks running or queued (actors are not waited for: they end when the peer stops; jobs are
         recorded, lost if they ran, and queued ones start after a restart)."""
-        return self.scheduler.busy - self.scheduler.held_by_actors - self.scheduler.held_by_jobs + \
-            self.scheduler.queued - len(self.jobs.queued)
+        state = self.scheduler.state
+        return state.busy - state.held_by_actors - state.held_by_jobs + state.queued - len(self.jobs.queued)
 
     def status(self) -> dict[str, Any]:
         return {"t": messages.STATUS, "advert": self.advert.to_txt(), **self.scheduler.report({}), "slots": len(self.slots),
-                "done": self.tasks_done, "withdrawn": self.scheduler.withdrawn, "draining": self._draining,
+                "done": self.tasks_done, "withdrawn": self.scheduler.state.withdrawn, "draining": self._draining,
                 "actors": self.scheduler.actors.rows(),
                 "devices": [{"slot": s.index, "device": s.device, "busy": s.task is not None,
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
-                "unreserved_gb": self.scheduler.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held),
+                "unreserved_gb": self.scheduler.state.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held),
                 "jobs": self.jobs.summary()}
 
     # ---- connections --------------------------------------------------------------------------
@@ -363,10 +368,8 @@ class Peer:
                     conn.last_pong = now
                     conn.channel.write(self.scheduler.report({"t": messages.PONG, "id": None}))
 
-    def authenticate(self, conn: Connection, msg: messages.Message) -> None:
-        self._unauthenticated.pop(conn, None)
-        if msg["t"] in (messages.PAKE, messages.PAKE_CONFIRM):
-            return self._invite_step(conn, msg)
+    def authenticate(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        """Check an AUTH: the connection is a key holder's from now on, its later frames sealed; else refuse it."""
         checked = handshake.check_auth(msg, self.config.key, conn.hello)
         if checked is None:
             self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
@@ -381,7 +384,7 @@ class Peer:
         self.scheduler.actors.connected(conn)
         self.held.connected(conn.client)
 
-    def _invite_step(self, conn: Connection, msg: messages.Message) -> None:
+    def _invite_step(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """One message of an invite's exchange (invite.py): unauthenticated, it can get the cluster key
         for the right code and nothing else; the connection closes after it."""
         reply, more = self.invites.step(conn, conn.hello, msg)
@@ -438,6 +441,32 @@ class Peer:
             else:  # its actors' ACTOR_END goes there now (the connection that went was handed over, say)
                 self.scheduler.actors.connected(remaining)
 
+    # ---- messages: one handler a kind ------------------------------------------------------------
+
+    def _handlers(self) -> tuple[dict[str, Handler], dict[str, Handler]]:
+        """The kinds of message a connection may send before it authenticated (AUTH, and an invite's PAKE
+        steps, which give the cluster key for the right code and nothing else: nothing there is
+        unpickled, queued or answered with data) and after (as rpyc's `_request_handlers()`)."""
+        pre_auth: dict[str, Handler] = {messages.AUTH: self.authenticate, messages.PAKE: self._invite_step,
+                                        messages.PAKE_CONFIRM: self._invite_step}
+        post_auth: dict[str, Handler] = {
+            messages.SUBMIT: self._admit, messages.ACTOR: self._admit, messages.CANCEL: self._cancel,
+            messages.WITHDRAW: self._withdraw, messages.PING: self._ping, messages.STATUS: self._status,
+            messages.BYE: self._bye, messages.CALL: self.scheduler.actors.call, messages.CLOSE: self._close_actor,
+            messages.DIRECT: self._direct, messages.LEASE: self._lease, messages.LOCAL: self._local_link,
+            messages.FETCH: self._fetch, messages.RELEASE: self._release, messages.INVITE: self._invite,
+            messages.PEERS: self._peers, **dict.fromkeys(messages.JOB_REQUESTS, self._job_request)}
+        return pre_auth, post_auth
+
+    def handle_unauthenticated(self, conn: Connection, msg: messages.Message) -> None:
+        """Route one message of a connection that has not authenticated yet: an AUTH or an invite's step,
+        else it is refused."""
+        self._unauthenticated.pop(conn, None)  # an invite's next step puts it back, last (oldest first)
+        handler = self._pre_auth.get(msg["t"])
+        if handler is None:
+            return self.refuse(conn, "auth", "authentication failed: wrong cluster key, or no AUTH first")
+        handler(conn, msg, [])
+
     def handle(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Route one message of an authenticated submitter."""
         kind = msg["t"]
@@ -446,67 +475,79 @@ class Peer:
             if kind in (messages.SUBMIT, messages.ACTOR):
                 return self._reject(conn, msg.get("id"), "too-large", refusal)
             return conn.channel.write(messages.error("too-large", refusal, msg.get("id")))
-        if kind in (messages.SUBMIT, messages.ACTOR):
-            self._admit(conn, msg, buffers)
-        elif kind == messages.CALL:
-            self.scheduler.actors.call(conn, msg, buffers)
-        elif kind == messages.CLOSE:
-            self.scheduler.actors.close(conn, msg)
-        elif kind == messages.FETCH:
-            conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
-        elif kind == messages.RELEASE:
-            self.held.release(msg.get("ref"), conn.client)
-        elif kind == messages.DIRECT:
-            self._direct(conn, msg)
-        elif kind == messages.LEASE:
-            self._lease(conn, msg)
-        elif kind == messages.LOCAL:  # the submitter asks for a local link: the answer has none when there is none
-            offer = self._local.offer(conn) if self._local is not None and conn.link is None else {"t": messages.LOCAL}
-            conn.channel.write({**offer, "id": msg.get("id")})
-        elif kind == messages.PING:
-            conn.channel.write(self.scheduler.report({"t": messages.PONG, "id": msg.get("id")}))
-        elif kind == messages.WITHDRAW:
-            task = conn.tasks.get(request_id(msg))
-            if task is not None and self.scheduler.withdraw(task):
-                del conn.tasks[task.client_id]
-                conn.channel.write(self.scheduler.report(
-                    messages.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
-        elif kind == messages.CANCEL:
-            task = conn.tasks.get(request_id(msg))
-            if msg.get("lease") is not None:  # a task that runs on a lease of this submitter (ADR 0013)
-                self.scheduler.cancel_leased(msg["lease"], conn.client, request_id(msg))
-            elif task is not None:
-                self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
-            elif request_id(msg) in conn.probing:
-                conn.probing.discard(request_id(msg))
-            elif request_id(msg) in conn.calls:
-                self.scheduler.actors.cancel(conn, msg["id"])
-        elif kind == messages.STATUS:
-            conn.channel.write({**self.status(), "id": msg.get("id")})
-        elif kind in messages.JOB_REQUESTS:
-            self.jobs.handle(conn, msg, buffers, self._draining)
-        elif kind == messages.INVITE:
-            conn.channel.write(self.invites.answer(msg))
-        elif kind == messages.PEERS:
-            self.gossip.heard_from(conn.address.rpartition(":")[0].strip("[]"), msg)
-            conn.channel.write(messages.peers(msg.get("id"), self.gossip.listing()))
-        elif kind == messages.BYE:
-            conn.channel.close()
-            self.drop(conn)
+        handler = self._post_auth.get(kind)
+        if handler is None:
+            return self.refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
+        problem = messages.check(msg)  # its kind's validator, before its handler (h11's events)
+        if problem is None:
+            handler(conn, msg, buffers)
+        elif kind in (messages.SUBMIT, messages.ACTOR):
+            self._reject(conn, msg.get("id"), "bad-request", problem)
         else:
-            self.refuse(conn, "protocol", f"unexpected message type {kind!r} from a submitter")
+            conn.channel.write(messages.error("bad-request", problem, None if request_id(msg) == -1 else msg["id"]))
+
+    def _cancel(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        """Cancel a task, one on a lease of this submitter (ADR 0013), one waiting for a probe, or an actor call."""
+        task = conn.tasks.get(request_id(msg))
+        if msg.get("lease") is not None:
+            self.scheduler.cancel_leased(msg["lease"], conn.client, request_id(msg))
+        elif task is not None:
+            self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
+        elif request_id(msg) in conn.probing:
+            conn.probing.discard(request_id(msg))
+        elif request_id(msg) in conn.calls:
+            self.scheduler.actors.cancel(conn, msg["id"])
+
+    def _withdraw(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        """Give a queued task back to its submitter, to place elsewhere (ADR 0011); nothing once it started."""
+        task = conn.tasks.get(request_id(msg))
+        if task is not None and self.scheduler.withdraw(task):
+            del conn.tasks[task.client_id]
+            conn.channel.write(self.scheduler.report(
+                messages.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
+
+    def _ping(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        conn.channel.write(self.scheduler.report({"t": messages.PONG, "id": msg.get("id")}))
+
+    def _status(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        conn.channel.write({**self.status(), "id": msg.get("id")})
+
+    def _bye(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        conn.channel.close()
+        self.drop(conn)
+
+    def _close_actor(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        self.scheduler.actors.close(conn, msg)
+
+    def _local_link(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        """The submitter asks for a local link: the answer has none when there is none."""
+        offer = self._local.offer(conn) if self._local is not None and conn.link is None else {"t": messages.LOCAL}
+        conn.channel.write({**offer, "id": msg.get("id")})
+
+    def _fetch(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
+
+    def _release(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        self.held.release(msg["ref"], conn.client)
+
+    def _job_request(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        self.jobs.handle(conn, msg, buffers, self._draining)
+
+    def _invite(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        conn.channel.write(self.invites.answer(msg))
+
+    def _peers(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
+        """Gossip (gossip.py): what the other peer knows, for what this one knows."""
+        self.gossip.heard_from(conn.address.rpartition(":")[0].strip("[]"), msg)
+        conn.channel.write(messages.peers(msg.get("id"), self.gossip.listing()))
 
     def _admit(self, conn: Connection, msg: messages.Message, buffers: list[Any], probed: bool = False) -> None:
-        """Check a SUBMIT (or an ACTOR, which creates an actor) and queue it, or REJECT it with the reason.
-        A task that asks for software the job interpreter lacked waits for a new probe, when one is
-        due (`_admit_after_probe`); `probed` says that it did."""
-        task_id = msg.get("id")
-        problem = messages.check_submit(msg) if msg["t"] == messages.SUBMIT else messages.check_actor(msg)
-        if problem is None and (task_id in conn.tasks or task_id in conn.probing and not probed):
-            problem = f"task id {task_id} is already in use on this connection"
-        if problem is not None:
-            return self._reject(conn, task_id, "bad-request", problem)
-        assert isinstance(task_id, int)
+        """Queue a SUBMIT (or an ACTOR, which creates an actor; both checked by their validators), or
+        REJECT it with the reason. A task that asks for software the job interpreter lacked waits for a
+        new probe, when one is due (`_admit_after_probe`); `probed` says that it did."""
+        task_id = msg["id"]
+        if task_id in conn.tasks or task_id in conn.probing and not probed:
+            return self._reject(conn, task_id, "bad-request", f"task id {task_id} is already in use on this connection")
         if self._draining:
             return self._reject(conn, task_id, "busy", "the peer is shutting down")
         try:
@@ -521,18 +562,22 @@ class Peer:
             return
         if reasons:
             return self._reject(conn, task_id, "no-match", "; ".join(reasons))
-        if self.scheduler.queued >= self.config.max_queue:
+        if self.scheduler.state.queued >= self.config.max_queue:
             return self._reject(conn, task_id, "busy", f"the queue is full ({self.config.max_queue} tasks)")
-        if self.scheduler.actors_hold_all(req):
+        if self.scheduler.state.actors_hold_all(req):
             return self._reject(conn, task_id, "busy", "actors hold the slots that fit")
         keep = msg.get("keep") if msg["t"] == messages.SUBMIT else None  # checked by check_submit; actors keep nothing
         if keep is not None and keep in self.held:
             return self._reject(conn, task_id, "bad-request", "the keep id names a result held already")
-        task = ScheduledTask(conn, task_id, msg, buffers, req, msg.get("timeout"),
-                             actor_class=messages.printable(msg["name"]) if msg["t"] == messages.ACTOR else None,
-                             keep=keep)
+        task: Submission
+        if msg["t"] == messages.SUBMIT:
+            task = TaskHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
+                              timeout=msg.get("timeout"), keep=keep)
+        else:
+            task = ActorHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
+                               timeout=msg.get("timeout"), class_name=messages.printable(msg["name"]))
         conn.tasks[task_id] = task
-        if msg.get("refs"):
+        if isinstance(task, TaskHolder) and msg.get("refs"):
             conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id}))
             self.scheduler.spawn(self._enqueue_with_refs(conn, task, msg["refs"]))
         elif self.scheduler.enqueue(task):
@@ -569,7 +614,7 @@ class Peer:
         for conn in list(self._connections):
             conn.channel.write(self.scheduler.report({"t": messages.PONG, "id": None, "advert": advert.to_txt()}))
 
-    async def _enqueue_with_refs(self, conn: Connection, task: ScheduledTask, refs: list[dict[str, Any]]) -> None:
+    async def _enqueue_with_refs(self, conn: Connection, task: TaskHolder, refs: list[dict[str, Any]]) -> None:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched
         from their peers); a lost one fails it with "held-lost"."""
         def fetch(ref: dict[str, Any]) -> tuple[bytes, list[Any]]:
@@ -587,22 +632,18 @@ class Peer:
 
     @staticmethod
     def _hand_over_problem(conn: Connection, msg: messages.Message) -> str | None:
-        """Why a DIRECT or LEASE may not have this connection: it needs an integer id, and nothing in flight."""
-        request_id = msg.get("id")
-        if not isinstance(request_id, int) or isinstance(request_id, bool):
-            return f"a {messages.printable(msg['t'], 20).upper()} needs an integer 'id'"
+        """Why a DIRECT or LEASE may not have this connection: it needs nothing in flight on it."""
         if conn.tasks or conn.calls or conn.link is not None:
             return f"a {messages.printable(msg['t'], 20).upper()} needs a connection with nothing in flight on it"
         return None
 
-    def _direct(self, conn: Connection, msg: messages.Message) -> None:
+    def _direct(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Hand the connection to the worker of the actor it names, which answers its calls from then
         on without this peer in the way (ADR 0012); or answer why not (the connection stays ours)."""
-        request_id = msg.get("id")
-        problem = self._hand_over_problem(conn, msg) or messages.check_actor_id(msg.get("actor"))
+        request_id = msg["id"]
+        problem = self._hand_over_problem(conn, msg)
         if problem is not None:
             return conn.channel.write(messages.error("bad-request", problem, request_id))
-        assert isinstance(request_id, int)
         actor = self.scheduler.actors.live.get(msg["actor"])
         if actor is None:
             return conn.channel.write(self.scheduler.actors.gone(msg["actor"], request_id))
@@ -615,10 +656,10 @@ class Peer:
         self.scheduler.spawn(self._hand_over(conn, actor.worker, {"t": messages.DIRECT},
                                              lambda: actor.actor_id in self.scheduler.actors.live))
 
-    def _lease(self, conn: Connection, msg: messages.Message) -> None:
+    def _lease(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Lend a warm worker to this connection: the worker runs the tasks sent on it and answers them
         there, until the lease ends (ADR 0013); or answer why not (the connection stays ours)."""
-        request_id = msg.get("id")
+        request_id, beat = msg["id"], msg["beat"]
         problem = self._hand_over_problem(conn, msg)
         if problem is None:
             try:
@@ -627,21 +668,15 @@ class Peer:
                 problem = str(exc)
         if problem is not None:
             return conn.channel.write(messages.error("bad-request", problem, request_id))
-        beat = msg.get("beat")
-        if problem is None and (isinstance(beat, bool) or not isinstance(beat, (int, float))
-                                or not messages.BEAT_MIN <= beat <= messages.BEAT_MAX):
-            problem = f"a LEASE needs 'beat', seconds from {messages.BEAT_MIN} to {messages.BEAT_MAX}"
-        if problem is not None:
-            return conn.channel.write(messages.error("bad-request", problem, request_id))
         refusal = "the peer is shutting down" if self._draining else "; ".join(match(req, self.advert))
-        lease = refusal or self.scheduler.lease(LeaseOwner(conn.address, conn.client), req)
+        lease = refusal or self.scheduler.lease(conn.address, conn.client, req)
         if isinstance(lease, str):
             return conn.channel.write(messages.error("no-lease", lease, request_id))
         assert lease.slot is not None
         worker = lease.slot.worker
         assert worker is not None
         conn.channel.pause_reading()
-        conn.channel.write({"t": messages.LEASE, "id": request_id, "lease": lease.lease})
+        conn.channel.write({"t": messages.LEASE, "id": request_id, "lease": lease.lease_id})
         self.scheduler.spawn(self._hand_over(conn, worker, {**self.scheduler.lease_message(lease), "beat": beat},
                                              lambda: lease.slot is not None and lease.slot.task is lease,
                                              lambda: self.scheduler.lease_failed(lease)))

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from .. import security
 from ..errors import AuthError, ProtocolError
 from .messages import AUTH, AUTH_OK, ERROR, HELLO, PROTOCOL_VERSION, HelloMessage, Message, Outgoing, printable
+from .messages import check_auth as check_auth_shape, check_hello
 
 
 class Link(Protocol):
@@ -59,10 +60,9 @@ def client_handshake(conn: Link, key: bytes, client_id: str,
     msg, _ = conn.recv(deadline)
     if msg["t"] == ERROR:
         raise ProtocolError(f"peer refused the connection: {printable(msg.get('message'))}")
-    nonce_p = msg.get("nonce")
-    if msg["t"] != HELLO or not isinstance(nonce_p, bytes) or len(nonce_p) != security.NONCE_BYTES \
-            or not isinstance(msg.get("peer"), str):
-        raise ProtocolError("expected HELLO with a nonce and a peer id from the peer")
+    problem = check_hello(msg)
+    if problem is not None:
+        raise ProtocolError(problem)
     name = printable(msg["peer"])
     request, proven = auth(msg, key, client_id)
     conn.send(request)
@@ -77,11 +77,9 @@ def client_handshake(conn: Link, key: bytes, client_id: str,
 
 def check_auth(msg: Message, key: bytes, hello_msg: Mapping[str, Any]) -> tuple[Message, tuple[bytes, bytes]] | None:
     """The peer's check of an AUTH answering `hello_msg`: (AUTH_OK, (send_key, recv_key)), or None."""
-    nonce_s, client = msg.get("nonce"), msg.get("client", "")
-    if msg["t"] != AUTH or not isinstance(nonce_s, bytes) or len(nonce_s) != security.NONCE_BYTES \
-            or not isinstance(client, str):
+    if check_auth_shape(msg) is not None:
         return None
-    proven = transcript(hello_msg, nonce_s, client)
+    proven = transcript(hello_msg, msg["nonce"], msg.get("client", ""))
     if not security.proofs_equal(msg.get("mac"), security.submitter_proof(key, proven)):
         return None
     return {"t": AUTH_OK, "mac": security.peer_proof(key, proven)}, security.session_keys(key, proven, security.PEER)

@@ -2,16 +2,16 @@
 
 A message is a msgpack map {"t": type, "v": version, ...} (framing.py carries it); docs/wire.md has the
 full table. A builder makes the map a sender passes to its connection; a validator (`check_*`) says what
-is wrong with one that was read, or None, and is the one check of that message wherever it is read
-(ADR 0015 names the messages still checked where they are handled).
+is wrong with one that was read, or None, and is the one check of that message wherever it is read;
+the peer calls a request's (`check`, by CHECKS) before its handler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypedDict, Union
+from typing import Any, Callable, TypedDict, Union
 
-from .. import held
+from .. import held, security
 from ..checks import check_concurrency, check_timeout
 from ..taskenv import check_env, read_at_load
 
@@ -183,9 +183,34 @@ def check_method(value: Any) -> str | None:
     return None
 
 
+def _request_id_problem(msg: Mapping[str, Any]) -> str | None:
+    """Why a request's "id" is not an integer (its answer carries it), or None."""
+    value = msg.get("id")
+    if not isinstance(value, int) or isinstance(value, bool):
+        return f"a {printable(msg.get('t'), 20).upper()} needs an integer 'id'"
+    return None
+
+
+def check_close(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with a CLOSE's (or a DIRECT's) id or actor id, or None."""
+    return _request_id_problem(msg) or check_actor_id(msg.get("actor"))
+
+
+check_direct = check_close  # a DIRECT names its actor as a CLOSE does
+
+
+def check_lease(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with a LEASE's id or beat, or None (its "req" is read as Requirements by the peer)."""
+    problem, beat = _request_id_problem(msg), msg.get("beat")
+    if problem is None and (isinstance(beat, bool) or not isinstance(beat, (int, float))
+                            or not BEAT_MIN <= beat <= BEAT_MAX):
+        problem = f"a LEASE needs 'beat', seconds from {BEAT_MIN} to {BEAT_MAX}"
+    return problem
+
+
 def check_call(msg: Mapping[str, Any]) -> str | None:
-    """What is wrong with a CALL's method, arguments or timeout, or None."""
-    problem = check_method(msg.get("method"))
+    """What is wrong with a CALL's id, actor id, method, arguments or timeout, or None."""
+    problem = _request_id_problem(msg) or check_actor_id(msg.get("actor")) or check_method(msg.get("method"))
     if problem is None and not isinstance(msg.get("args"), bytes):
         problem = "a CALL needs 'args' as a binary pickle"
     return problem or _timeout_problem(msg.get("timeout"))
@@ -300,6 +325,19 @@ def fetch(request_id: int, result_id: str, owner: str | None = None) -> Message:
     if owner is not None:
         msg["for"] = owner
     return msg
+
+
+def check_fetch(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with a FETCH's id or "for", or None. Its "ref" is not checked: any id that names no
+    result held for the submitter gets the same "no-result" (the id is the capability)."""
+    if not isinstance(msg.get("for", ""), str):
+        return "a FETCH's 'for' names a submitter"
+    return _request_id_problem(msg)
+
+
+def check_release(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with a RELEASE (it names a held result), or None."""
+    return check_result_id(msg.get("ref"))
 
 
 def release(result_id: str) -> Message:
@@ -484,3 +522,37 @@ def check_file(msg: Mapping[str, Any], buffers: int) -> str | None:
     if buffers != 1 or not _count(msg.get("n")) or not _count(msg.get("off")):
         return "a FILE chunk needs 'n' and 'off' (whole numbers) and one buffer"
     return None
+
+
+def _nonce_problem(msg: Mapping[str, Any]) -> str | None:
+    nonce = msg.get("nonce")
+    if not isinstance(nonce, bytes) or len(nonce) != security.NONCE_BYTES:
+        return f"a {printable(msg.get('t'), 20).upper()} needs a nonce of {security.NONCE_BYTES} bytes"
+    return None
+
+
+def check_hello(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with the peer's HELLO (a nonce and a peer id), or None."""
+    if msg.get("t") != HELLO or not isinstance(msg.get("peer"), str):
+        return "expected HELLO with a nonce and a peer id from the peer"
+    return _nonce_problem(msg)
+
+
+def check_auth(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with an AUTH's shape (a nonce and a client id), or None; handshake.check_auth checks its proof."""
+    if msg.get("t") != AUTH or not isinstance(msg.get("client", ""), str):
+        return "expected AUTH with a nonce and a client id"
+    return _nonce_problem(msg)
+
+
+CHECKS: dict[str, Callable[[Mapping[str, Any]], str | None]] = {
+    SUBMIT: check_submit, ACTOR: check_actor, CALL: check_call, CLOSE: check_close, DIRECT: check_direct,
+    LEASE: check_lease, FETCH: check_fetch, RELEASE: check_release}
+
+
+def check(msg: Mapping[str, Any]) -> str | None:
+    """What is wrong with a request a peer read from an authenticated submitter, by its kind's validator
+    (CHECKS), or None; the kinds not there carry nothing to check, or are checked as they are read
+    (INVITE, PEERS, the job requests: their answers say more than bad-request)."""
+    validator = CHECKS.get(msg["t"])
+    return validator(msg) if validator is not None else None

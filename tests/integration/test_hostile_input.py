@@ -7,6 +7,7 @@ import re
 import resource
 import socket
 import struct
+import time
 
 import msgpack
 import pytest
@@ -88,6 +89,20 @@ def test_submit_without_auth_never_runs_code(target, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("kind", [messages.STATUS, messages.PING, messages.LEASE, messages.DIRECT, messages.LOCAL,
+                                  messages.FETCH, messages.CANCEL, messages.BYE])
+def test_before_auth_every_kind_but_auth_is_refused(target, kind):
+    """Before authentication the peer's only handlers are AUTH's and an invite's: a STATUS gets no
+    status, a LEASE no worker, a LOCAL no link; each closes the connection as a failed authentication."""
+    peer, client = target
+    sock, conn, _ = raw(peer)
+    conn.send({"t": kind, "id": 1, "beat": 1.0, "req": {}, "ref": {}})
+    reply = closing_error(conn)
+    assert (reply["t"], reply["code"]) == (messages.ERROR, "auth")
+    sock.close()
+    assert honest_call_works(client)
+
+
 def test_a_replayed_auth_is_refused(target):
     peer, client = target
     _, first, hello1 = raw(peer)
@@ -114,6 +129,66 @@ def test_malformed_frames_close_the_connection_with_a_clear_error(target, payloa
     sock.sendall(payload)
     reply = closing_error(conn)
     assert reply["code"] == code and reply["message"]
+    assert honest_call_works(client)
+
+
+def authenticated(peer) -> blocking.BlockingConnection:
+    conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
+    handshake.client_handshake(conn, peer.key.encode(), "hostile9876")
+    return conn
+
+
+def answer(conn: blocking.BlockingConnection, request_id: int | None) -> dict:
+    """The next answer with this id (past the peer's unasked messages: a PONG with its advert, say)."""
+    for _ in range(8):
+        msg, _ = conn.recv(time.monotonic() + 10)
+        if msg.get("id") == request_id and msg["t"] != messages.PONG:
+            return msg
+    raise AssertionError(f"no answer with id {request_id} among 8 messages")
+
+
+ACTOR_ID = "ab" * (messages.ACTOR_ID_HEX // 2)
+
+
+@pytest.mark.parametrize("bad, refused", [
+    (messages.lease(1, {}, float("nan")), (1, "a LEASE needs 'beat'")),
+    (messages.lease(2, {}, 0.0), (2, "a LEASE needs 'beat'")),
+    ({**messages.lease(3, {}, 1.0), "id": "three"}, (None, "a LEASE needs an integer 'id'")),
+    (messages.direct(4, "nope"), (4, "an actor id is 32 lowercase hex digits")),
+    ({**messages.direct(5, ACTOR_ID), "id": True}, (None, "a DIRECT needs an integer 'id'")),
+    (messages.close(6, ACTOR_ID.upper()), (6, "an actor id is 32 lowercase hex digits")),
+    ({**messages.close(7, ACTOR_ID), "id": None}, (None, "a CLOSE needs an integer 'id'")),
+    ({**messages.call(8, ACTOR_ID, "run", b"", None), "id": 8.5}, (None, "a CALL needs an integer 'id'")),
+    (messages.call(9, "x", "run", b"", None), (9, "an actor id is 32 lowercase hex digits")),
+    ({**messages.fetch(10, "0" * 32), "for": 7}, (10, "a FETCH's 'for' names a submitter")),
+    ({**messages.fetch(11, "0" * 32), "id": "eleven"}, (None, "a FETCH needs an integer 'id'")),
+    ({**messages.release("0" * 32), "ref": 7}, (None, "a result id is 32 lowercase hex digits")),
+], ids=lambda value: value["t"] if isinstance(value, dict) else "")
+def test_each_malformed_request_is_refused_by_its_validator(target, bad, refused):
+    """After authentication each kind's validator (protocol/messages.CHECKS) answers a malformed request
+    before its handler runs: ERROR bad-request with the reason, and the connection serves on."""
+    peer, client = target
+    conn = authenticated(peer)
+    try:
+        conn.send(bad)
+        reply = answer(conn, refused[0])
+        assert (reply["t"], reply["code"]) == (messages.ERROR, "bad-request")
+        assert refused[1] in reply["message"]
+        conn.send({"t": messages.STATUS, "id": 99})  # the connection serves on
+        assert answer(conn, 99)["t"] == messages.STATUS
+    finally:
+        conn.close()
+    assert honest_call_works(client)
+
+
+@pytest.mark.parametrize("nonce", [b"short", "not bytes", None])
+def test_an_auth_without_a_nonce_is_refused_as_a_failed_authentication(target, nonce):
+    peer, client = target
+    sock, conn, hello = raw(peer)
+    good, _ = handshake.auth(hello, peer.key.encode(), "shapeless")
+    conn.send({**good, "nonce": nonce})
+    assert closing_error(conn)["code"] == "auth"
+    sock.close()
     assert honest_call_works(client)
 
 

@@ -1,4 +1,5 @@
-"""Warm worker subprocesses, one per slot, driven from the peer's event loop."""
+"""The peer's handle on its worker processes (the warm ones, one per slot, and those started for one task
+or an actor), driven from its event loop: start, send, hand a connection over, kill the whole tree."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -23,26 +23,11 @@ from ..security import KEY_ENV
 from ..transport import shm
 from ..transport.channel import AsyncChannel
 
+if TYPE_CHECKING:
+    from .slots import Slot
+
 log = logging.getLogger("gpulayer.peer")
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class Slot:
-    """The right to run one task on one device. `env` is given to its worker."""
-
-    index: int
-    device: str  # "cpu", "cuda:0", "mps"
-    memory_gb: float | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    unified: bool = False  # its device's memory is the system's (a Mac)
-    worker: Worker | None = None
-    task: object = None  # the scheduler's running ScheduledTask, if any
-    lent_by: object = None  # a borrowed slot: the blocked task whose slot it stands in for (ADR 0014)
-
-    @property
-    def ready(self) -> bool:
-        return self.task is None and self.worker is not None and self.worker.ready
 
 
 def job_pythonpath(python: str) -> str | None:
