@@ -6,6 +6,7 @@ Needs root and iproute2. SUBNETS LANs of PER_SUBNET peers each (network namespac
 every other LAN joined to the first by a router host that forwards unicast and no multicast. Every peer
 runs with --no-mdns and one seed, the first peer of the first LAN: all they know of each other comes
 from gossip (ADR 0017). Measured:
+- seconds from the last peer ready until a submitter given the one seed lists every peer (converged_s);
 - a fresh submitter process in the first LAN given that one seed (mDNS off): seconds from its
   configure until it lists every peer, and until a task ran on a peer of the last LAN;
 - the bytes each peer's interface sent and received per minute at rest (the cluster converged, no
@@ -83,11 +84,13 @@ def measure(subnets: int, per_subnet: int, window: float) -> dict:
                            for i, lan in enumerate(lans) for k in range(per_subnet) if (i, k) != (0, 0)]
         for peer in peers:
             peer.wait_ready()
+        ready = time.monotonic()
         names = [p.name for p in peers]
         submitter = lans[0].add_host("submitter").agent(key, name="submitter")
         submitter.call("configure", peers=first.address, mdns=False)
         if not submitter.call("wait_names", present=names, timeout=120)["ok"]:
             raise RuntimeError("the cluster did not converge in 120 s")
+        converged = time.monotonic() - ready
         submitter.close()  # the cluster has converged: now a fresh submitter
         fresh = lans[0].add_host("fresh").agent(key, name="fresh")
         started = time.monotonic()
@@ -109,7 +112,7 @@ def measure(subnets: int, per_subnet: int, window: float) -> dict:
     finally:
         for lan in lans:  # the first (it holds the routers) first
             lan.close()
-    result = {"subnets": subnets, "per_subnet": per_subnet, "peers": subnets * per_subnet,
+    result = {"subnets": subnets, "per_subnet": per_subnet, "peers": subnets * per_subnet, "converged_s": converged,
               "fresh_submitter": {"lists_all_s": configured - started + seen["elapsed"],
                                   "listed": seen["ok"],
                                   "first_result_on_last_subnet_s": first_result, "ran": ran["ok"]},

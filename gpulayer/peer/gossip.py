@@ -2,9 +2,10 @@
 
 Each peer keeps the members it has verified itself: peers whose handshake it ran (their HELLO named
 the id, at the address it connected to), with the time of the freshest verification it knows of.
-Once a round (GOSSIP_ROUND) it runs one exchange: it connects to a hint (an address it heard of and
-has not verified), else to a seed it has no member at, else to a random member (of those half way
-to ageing out, when there are some), proves the key
+Once a round (GOSSIP_ROUND) it runs its exchanges, MAX_EXCHANGES side by side at most: with the oldest
+hints (addresses it heard of and has not verified) and the members about to age out (DUE), else with
+one seed it has no member at, else with one random member (of those half way to ageing out, when
+there are some); each proves the key
 both ways, sends its list and its port in a PEERS message and merges the list that comes back.
 Lists travel only over the secure channel, between key holders; an entry is a peer id, its
 addresses and the age of its last verification, never an advert. An id that is not a member yet
@@ -16,6 +17,7 @@ AGE_OUT of its last handshake. Lists hold MAX_LIST entries, hints MAX_HINTS.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -35,6 +37,8 @@ log = logging.getLogger("gpulayer.peer")
 
 GOSSIP_ROUND = 2.0  # seconds between a peer's exchanges
 MAX_HINTS = 64  # addresses heard of and not verified yet
+MAX_EXCHANGES = 8  # exchanges side by side in one round, at most (a join of N peers takes N / 8 rounds)
+DUE = AGE_OUT - 2 * GOSSIP_ROUND  # a member not verified for so long is verified this round
 EXCHANGE_TIMEOUT = 3.0
 
 
@@ -127,6 +131,19 @@ class Gossip:
         stale = [m.addresses for m in self.members.values() if now - m.verified >= AGE_OUT / 2]
         return random.choice(stale or [m.addresses for m in self.members.values()]) if self.members else None
 
+    def next_targets(self) -> list[list[Address]]:
+        """Whom to verify this round, side by side (MAX_EXCHANGES at most): the oldest hints, then the members
+        about to age out (DUE of AGE_OUT gone: verifying them beats dropping and learning them again), else
+        `next_target`'s one seed or member (none when there is nobody)."""
+        self.age_out()
+        now = self.clock()
+        due = sorted((m for m in self.members.values() if now - m.verified >= DUE), key=lambda m: m.verified)
+        targets = [list(hint) for hint in itertools.islice(self.hints, MAX_EXCHANGES)] + [m.addresses for m in due]
+        if targets:
+            return targets[:MAX_EXCHANGES]
+        target = self.next_target()
+        return [] if target is None else [target]
+
     def exchange(self, addresses: list[Address], port: int,
                  listing: list[dict[str, Any]]) -> tuple[str, list[messages.PeerEntry]]:
         """Connect to the first of `addresses` that answers, prove the key both ways, send `listing` and
@@ -149,19 +166,21 @@ class Gossip:
 
 
 async def rounds(gossip: Gossip, port: int) -> None:
-    """Run an exchange every GOSSIP_ROUND while the peer lives (its blocking part on a helper thread);
-    a hint that fails is dropped, a member that fails is not refreshed (it ages out)."""
-    loop = asyncio.get_running_loop()
+    """Run a round's exchanges every GOSSIP_ROUND while the peer lives (their blocking parts on helper
+    threads, side by side)."""
     while True:
         await asyncio.sleep(GOSSIP_ROUND)
-        target = gossip.next_target()
-        if target is None:
-            continue
-        try:
-            peer_id, entries = await loop.run_in_executor(None, gossip.exchange, target, port, gossip.listing())
-        except (OSError, GPULayerError) as exc:
-            log.debug("gossip with %s failed: %s", target, exc)
-            gossip.failed(target)
-            continue
-        gossip.verified(peer_id, target)
-        gossip.merge(entries)
+        await asyncio.gather(*(visit(gossip, target, port) for target in gossip.next_targets()))
+
+
+async def visit(gossip: Gossip, target: list[Address], port: int) -> None:
+    """One exchange: a hint that fails is dropped, a member that fails is not refreshed (it ages out)."""
+    try:
+        peer_id, entries = await asyncio.get_running_loop().run_in_executor(
+            None, gossip.exchange, target, port, gossip.listing())
+    except (OSError, GPULayerError) as exc:
+        log.debug("gossip with %s failed: %s", target, exc)
+        gossip.failed(target)
+        return
+    gossip.verified(peer_id, target)
+    gossip.merge(entries)

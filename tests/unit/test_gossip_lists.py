@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from gpulayer.protocol import messages
 from gpulayer.protocol.messages import AGE_OUT, MAX_LIST, check_peers, peers_entry
-from gpulayer.peer.gossip import MAX_HINTS, Gossip
+from gpulayer.peer.gossip import DUE, MAX_EXCHANGES, MAX_HINTS, Gossip
 
 A, B, C = ("10.77.1.1", 7000), ("10.77.2.1", 7000), ("10.77.2.2", 7000)
 
@@ -64,6 +64,32 @@ def test_the_rounds_go_to_hints_then_seeds_then_the_members_half_way_to_ageing_o
     assert g.next_target() == [C]
     g.failed([C])
     assert not g.hints
+
+
+def test_a_round_verifies_several_hints_side_by_side_the_oldest_first_and_a_bounded_number():
+    g, _ = gossip(seeds=[A])
+    hints = [[(f"10.77.3.{i}", 7000)] for i in range(1, 2 * MAX_EXCHANGES + 1)]
+    g.merge(listed(*(peers_entry(f"p{i:03d}", h, 0.0) for i, h in enumerate(hints))))
+    assert g.next_targets() == hints[:MAX_EXCHANGES]
+    for i, h in enumerate(hints[:MAX_EXCHANGES]):
+        g.verified(f"p{i:03d}", h)
+    assert g.next_targets() == hints[MAX_EXCHANGES:]
+    for h in hints[MAX_EXCHANGES:]:
+        g.failed(h)
+    assert g.next_targets() == [[A]]  # no hint left: one exchange, with the seed
+
+
+def test_the_members_about_to_age_out_are_verified_side_by_side_before_they_do():
+    g, clock = gossip()
+    members = [[(f"10.77.3.{i}", 7000)] for i in range(1, MAX_EXCHANGES + 3)]
+    for i, m in enumerate(members):
+        g.verified(f"p{i:03d}", m)
+        clock.now += 0.1
+    assert len(g.next_targets()) == 1  # all fresh: one exchange a round
+    clock.now += DUE
+    assert g.next_targets() == members[:MAX_EXCHANGES]  # the oldest first
+    g.hint([C])
+    assert g.next_targets() == [[C]] + members[:MAX_EXCHANGES - 1]  # hints go first
 
 
 def test_a_seed_that_is_this_peer_itself_is_not_tried_again_and_a_failed_one_waits():
