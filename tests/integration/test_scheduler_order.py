@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from gpulayer import serialization
 from gpulayer.matching import Requirements
@@ -56,10 +55,12 @@ def holder(owner, client_id: int, seconds: float, timeout: float | None = None) 
 
 
 async def until(condition, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
+    """Wait on the event loop until condition() holds; asyncio.TimeoutError after `seconds`."""
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), seconds)
 
 
 async def scenario() -> tuple[dict, dict]:

@@ -13,6 +13,7 @@ items 3 to 5); the rogue (lan_rogue.py, WITHOUT the cluster key) sends them with
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 from lanlab import lan_env
@@ -126,7 +127,8 @@ def test_a_long_or_dotted_name_goes_out_as_one_label_and_is_found_whole(lan, rog
         instance = heard[peer.name]["instance"]  # as another mDNS browser sees it
         label = instance[:-len(SERVICE_TYPE) - 1]
         assert instance.endswith(f".{SERVICE_TYPE}") and "." not in label, instance
-        assert len(label.encode()) <= LABEL_MAX and label.endswith(f"-{peer.peer_id}"), label
+        # its tag keeps it unique: the 12 hex digits kept in its state folder (discovery.kept_tag)
+        assert len(label.encode()) <= LABEL_MAX and re.fullmatch(r".+-[0-9a-f]{12}", label), label
     agent = lan.submitter("names")
     assert agent.call("wait_names", present=[p.name for p in peers], timeout=10)["ok"]
     for peer in peers:
