@@ -109,16 +109,18 @@ class Responder(Zeroconf):
             out.additionals = [_capped(record) for record in out.additionals]
         if not any(isinstance(r, DNSAddress) for r in [a for a, _ in out.answers] + out.additionals):
             return super().async_send(out, addr, port, v6_flow_scope, transport)
+        adapters = list(ifaddr.get_adapters())  # once a message, not once a sender: it reads every interface
         for sender in [transport] if transport is not None else list(self.engine.senders):
-            own = _own_addresses(sender.transport.get_extra_info("socket"), addr, v6_flow_scope)
+            own = _own_addresses(adapters, sender.transport.get_extra_info("socket"), addr, v6_flow_scope)
             super().async_send(_only(out, own), addr, port, v6_flow_scope, sender)
 
 
-def _own_addresses(sock: Any, addr: str | None, scope: tuple[()] | tuple[int, int]) -> set[bytes] | None:
-    """The packed addresses of the interface a message goes out on: for a reply to `addr`, the one
-    toward it (its IPv6 scope, else the subnet that holds it: the socket it came in on says nothing);
-    else the one `sock` sends on (its IPv6 scope, its IPv4 multicast interface). None when unknown."""
-    adapters = ifaddr.get_adapters()
+def _own_addresses(adapters: list[ifaddr.Adapter], sock: Any, addr: str | None,
+                   scope: tuple[()] | tuple[int, int]) -> set[bytes] | None:
+    """The packed addresses of the interface (among `adapters`) a message goes out on: for a reply to
+    `addr`, the one toward it (its IPv6 scope, else the subnet that holds it: the socket it came in on
+    says nothing); else the one `sock` sends on (its IPv6 scope, its IPv4 multicast interface). None
+    when unknown."""
     try:
         if addr is not None:
             target = ipaddress.ip_address(addr.split("%")[0])
