@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, transfer
-from ..jobs.store import ENDED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
+from ..jobs.store import ARRIVING, ENDED, MOVED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
 from ..protocol import handshake, jobs as job_protocol, messages
 from ..transport import blocking, sockets
@@ -31,6 +31,7 @@ from .inference import with_inferred
 
 PING_EVERY_S = 1.0  # while waiting on a long answer (wait, a followed log), a PING this often keeps it open
 SILENCE_S = 15.0  # nothing heard from the peer this long: the connection is lost
+MAX_HOPS = 8  # a job that moved (pulled by another peer) is followed this many times at most for one request
 
 
 class JobError(GPULayerError):
@@ -154,7 +155,10 @@ class Jobs:
         problem = check_job_id(job_id)
         if problem is not None:
             raise JobError("bad-request", problem)
-        wanted = holder_of(job_id)
+        return self.located(holder_of(job_id), job_id, fresh)
+
+    def located(self, wanted: str, job_id: str, fresh: bool = False) -> Holder:
+        """The peer whose jobs are `wanted`-*, which holds `job_id` (its own, or one it pulled)."""
         if fresh:
             self._holders.pop(wanted, None)
         if wanted not in self._holders:
@@ -199,7 +203,9 @@ class Jobs:
                 rows.append({"id": "?", "peer": holder.name, "state": "unknown", "reason": info})
                 continue
             rows += [{**row, "peer": holder.name} for row in info.get("jobs") or [] if isinstance(row, dict)]
-        return sorted(rows, key=lambda r: r.get("submitted") or 0.0)
+        settled = {r.get("id") for r in rows if r.get("state") != ARRIVING}  # an arriving job is listed by its owner
+        return sorted([r for r in rows if r.get("state") != ARRIVING or r.get("id") not in settled],
+                      key=lambda r: r.get("submitted") or 0.0)
 
     # ---- submitting -------------------------------------------------------------------------
 
@@ -312,11 +318,16 @@ class Job:
 
     def _ask(self, kind: str, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
              **fields: Any) -> messages.Message:
-        with self._link() as link:
-            reply = link.ask(job_protocol.request(kind, 0, self.id, **fields), on_data)
-        if isinstance(reply.get("job"), dict):
-            self.info = reply["job"]
-        return reply
+        for _ in range(MAX_HOPS):
+            with self._link() as link:
+                reply = link.ask(job_protocol.request(kind, 0, self.id, **fields), on_data)
+            job = reply.get("job")
+            if isinstance(job, dict):
+                self.info = job
+            if not isinstance(job, dict) or job.get("state") != MOVED or not isinstance(job.get("moved"), str):
+                return reply
+            self._holder = self._jobs.located(job["moved"], self.id)  # pulled by that peer: asked there
+        raise JobError("no-job", f"job {self.id} moved more than {MAX_HOPS} times while it was asked for")
 
     def refresh(self) -> Job:
         """Ask its peer for its state now."""

@@ -25,7 +25,11 @@ from typing import Any
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST = "queued", "running", "succeeded", "failed", "stopped", "lost"
 PREEMPTED = "preempted"  # being stopped for a job of higher priority; queued again once it stopped
-STATES = (QUEUED, RUNNING, PREEMPTED, SUCCEEDED, FAILED, STOPPED, LOST)
+# a queued job pulled by another peer (docs/adr/0019-pulling-queued-jobs.md): on its owner it is "moving" (offered,
+# out of the queue) then "moved" (a forwarding record naming the puller); on the puller "arriving" until the owner
+# recorded it moved, then queued
+MOVING, MOVED, ARRIVING = "moving", "moved", "arriving"
+STATES = (QUEUED, RUNNING, PREEMPTED, SUCCEEDED, FAILED, STOPPED, LOST, MOVING, MOVED, ARRIVING)
 PREEMPT_GRACE_S = 30.0  # the default of --grace: from SIGTERM to SIGKILL when a job is preempted
 ENDED = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
 
@@ -110,6 +114,7 @@ class JobRow:
     pid_started: float | None = None
     folder_bytes: int = 0
     restarts: int = 0  # how often it was preempted and queued again (GPULAYER_RESTARTS)
+    moved: str = ""  # the holder it moved to (moving, moved) or came from (a pulled job)
 
     def public(self) -> dict[str, Any]:
         """What a JOB_INFO reply carries for this job (no pid)."""
@@ -118,7 +123,8 @@ class JobRow:
                 "priority": self.spec.priority, "user": self.spec.user, "array": self.spec.array,
                 "index": self.spec.index, "preemptible": self.spec.preemptible, "restarts": self.restarts,
                 "submitted": self.submitted, "started": self.started, "ended": self.ended,
-                "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes}
+                "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes,
+                "moved": self.moved}
 
 
 class StateDirInUse(Exception):
@@ -147,9 +153,10 @@ class JobStore:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(_SCHEMA)
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}
-        if "restarts" not in columns:  # a state folder of the jobs of issue 27
-            with self.db:
-                self.db.execute("ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0")
+        for column, kind in (("restarts", "INTEGER NOT NULL DEFAULT 0"), ("moved", "TEXT NOT NULL DEFAULT ''")):
+            if column not in columns:  # a state folder of an earlier release
+                with self.db:
+                    self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
         self.holder = self._holder()
 
     def _holder(self) -> str:
@@ -198,6 +205,16 @@ class JobStore:
                                 (ids[-1], json.dumps(asdict(member)), cursor.lastrowid))
         return [row for row in map(self.get, ids) if row is not None]
 
+    def add_arriving(self, job_id: str, spec: JobSpec, submitted: float, folder_bytes: int, source: str) -> JobRow:
+        """Record a job pulled from the holder `source` under its own id, durably, as arriving: it is this
+        peer's to queue once its owner recorded it moved (the hand-over's second phase)."""
+        with self.db:
+            self.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes, moved) VALUES (?, ?, ?, ?, ?, ?)",
+                            (job_id, json.dumps(asdict(spec)), ARRIVING, submitted, folder_bytes, source))
+        row = self.get(job_id)
+        assert row is not None
+        return row
+
     def reserve(self) -> str:
         """A fresh private folder for a job being received (renamed to the job's once it is recorded)."""
         path = self.jobs_dir / f"incoming-{secrets.token_hex(8)}"
@@ -231,7 +248,7 @@ class JobStore:
         """Remove ended jobs older than `max_age_s`, then the oldest ended ones until the folders of all
         jobs come to at most `max_bytes`; the ids removed."""
         now = time.time() if now is None else now
-        ended = self.rows(ENDED)
+        ended = self.rows([*ENDED, MOVED])  # a moved job's forwarding record goes as an ended job does
         total = sum(r.folder_bytes for r in self.rows())
         removed = []
         for row in ended:  # oldest first
@@ -242,7 +259,8 @@ class JobStore:
         return removed
 
 
-_COLUMNS = "id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes, restarts"
+_COLUMNS = ("id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes, "
+            "restarts, moved")
 
 
 def _row(values: tuple[Any, ...]) -> JobRow:

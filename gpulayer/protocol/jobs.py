@@ -10,11 +10,13 @@ channel, after the handshake.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from ..checks import check_timeout
 from ..taskenv import check_env
+from ..jobs import folder
 from ..jobs.store import PREEMPT_GRACE_S, JobSpec, check_job_id
 from . import messages
 
@@ -26,6 +28,9 @@ MAX_GRACE_S = 3600.0
 MAX_FILES = 200_000
 MAX_TAIL = 1_000_000
 DEFAULT_GRACE_S = 10.0
+MAX_PULL_WAIT_S = 600.0  # the longest a JOB_PULL may be held for a job to offer
+TAKE_STEPS = ("need", "commit", "refuse")  # a JOB_TAKE: the blobs the puller lacks, then its word
+HOLDER = re.compile(r"[0-9a-f]{12}")
 
 
 def submit(request_id: int, spec: JobSpec, files: list[list[Any]],
@@ -107,6 +112,15 @@ def check_request(msg: Mapping[str, Any]) -> str | None:
         return f"a {kind.upper()} needs an integer 'id'"
     if kind == messages.JOB_LIST:
         return None if isinstance(msg.get("all", False), bool) else "a JOB_LIST's 'all' is a boolean"
+    if kind in (messages.JOB_PULL, messages.JOB_TAKE) and not (isinstance(msg.get("holder"), str)
+                                                                and HOLDER.fullmatch(msg["holder"])):
+        return f"a {kind.upper()} names the pulling peer's 'holder' (12 hex digits)"
+    if kind == messages.JOB_PULL:
+        advert = msg.get("advert")
+        if not (isinstance(advert, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in advert.items())
+                and _number(msg.get("wait"), 0, MAX_PULL_WAIT_S)):
+            return f"a JOB_PULL needs 'advert' (the puller's TXT map) and 'wait' (seconds up to {MAX_PULL_WAIT_S:g})"
+        return None
     problem = check_job_id(msg.get("job"))
     if problem is not None:
         return problem
@@ -117,6 +131,9 @@ def check_request(msg: Mapping[str, Any]) -> str | None:
         return "a JOB_WAIT's 'timeout' is seconds, or nil"
     if kind == messages.JOB_STOP and not _number(msg.get("grace", DEFAULT_GRACE_S), 0, MAX_GRACE_S):
         return f"a JOB_STOP's 'grace' is seconds from 0 to {MAX_GRACE_S:g}"
+    if kind == messages.JOB_TAKE and (msg.get("step") not in TAKE_STEPS or not (
+            isinstance(msg.get("need", []), list) and all(folder.is_digest(d) for d in msg.get("need", [])))):
+        return f"a JOB_TAKE's 'step' is one of {', '.join(TAKE_STEPS)}, its 'need' a list of digests"
     if kind == messages.JOB_FETCH:
         paths = msg.get("paths")
         if paths is not None and not (isinstance(paths, list) and len(paths) <= MAX_FILES
