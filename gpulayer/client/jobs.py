@@ -226,7 +226,7 @@ class Jobs:
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
                        retries=retries, function=function, priority=priority, user=_login(), preemptible=preemptible,
-                       grace=grace)
+                       grace=grace, pinned=req.peer is not None)
         self.client.start()
         self.client.placement.wait_for_match(req, (), self.client.discovery_timeout)
         failures: dict[str, list[str]] = {}

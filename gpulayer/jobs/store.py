@@ -89,6 +89,7 @@ class JobSpec:
     limit: int = 0  # at most this many of its array run (or wait for a slot) at once; 0: no limit
     preemptible: bool = False  # it may be stopped for a job of higher priority, and queued again
     grace: float = PREEMPT_GRACE_S  # seconds from SIGTERM to SIGKILL when it is preempted
+    pinned: bool = False  # submitted for one peer (--peer): no other peer pulls it
 
     @property
     def share(self) -> str:

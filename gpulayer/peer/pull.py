@@ -64,7 +64,7 @@ def movable(row: JobRow) -> str | None:
     """Why the job `row` stays with its owner, or None when a peer may pull it."""
     if row.state != QUEUED:
         return f"it is {row.state}"
-    if Requirements.from_wire(row.spec.req).peer:
+    if row.spec.pinned:
         return "it is pinned to its peer (--peer)"
     if row.attempts or row.restarts:
         return "it ran here already (its folder may hold its work)"

@@ -39,7 +39,8 @@ def submit(request_id: int, spec: JobSpec, files: list[list[Any]],
     (`Manifest.to_wire`); with `array` (first, last, limit), one job per index of first..last."""
     fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
               "timeout": spec.timeout, "retries": spec.retries, "function": spec.function,
-              "priority": spec.priority, "user": spec.user, "preemptible": spec.preemptible, "grace": spec.grace}
+              "priority": spec.priority, "user": spec.user, "preemptible": spec.preemptible, "grace": spec.grace,
+              "pinned": spec.pinned}
     return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files,
             **({"array": list(array)} if array is not None else {})}
 
@@ -81,8 +82,9 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
         return f"a job's priority is a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}"
     if not isinstance(user, str) or len(user) > 64 or not user.isprintable() or "@" in user:
         return "a job's user is printable text of at most 64 characters, without @"
-    if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool):
-        return "a JOB_SUBMIT's 'req' is a map and 'function' a boolean"
+    if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool) \
+            or not isinstance(fields.get("pinned", False), bool):
+        return "a JOB_SUBMIT's 'req' is a map, 'function' and 'pinned' booleans"
     try:
         env = check_env(fields.get("env"))
         timeout = check_timeout(fields.get("timeout"))
@@ -90,7 +92,8 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
         return str(exc)
     return JobSpec(command=command, name=name, env=env, req=fields.get("req", {}), timeout=timeout,
                    retries=retries, submitter=submitter, function=fields.get("function", False),
-                   priority=priority, user=user, preemptible=preemptible, grace=float(grace))
+                   priority=priority, user=user, preemptible=preemptible, grace=float(grace),
+                   pinned=fields.get("pinned", False))
 
 
 def check_array(value: Any) -> tuple[range, int] | str | None:
