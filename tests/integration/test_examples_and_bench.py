@@ -120,3 +120,27 @@ def test_data_plane_bench_quick_writes_its_figures_elsewhere_than_bench_results(
     assert set(data["summary"]["targets"]) >= {"same_host: gpulayer_shm >= ray"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before  # a test run never writes there
+
+
+@pytest.mark.timeout(600)
+def test_queue_bench_quick_measures_pulled_jobs_preemption_and_idle_bytes(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO / "tests" / "lan"))
+    from lanlab import why_unavailable
+
+    results = REPO / "bench" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    report, png = tmp_path / "queue.json", tmp_path / "queue.png"
+    out = subprocess.run([sys.executable, "bench/queue.py", "--quick", "--json", str(report), "--plot", str(png)],
+                         cwd=REPO, capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    data = json.loads(report.read_text())
+    makespan = data["makespan"]
+    assert data["settings"]["quick"] and sum(makespan["ran_on"].values()) == makespan["jobs"]
+    assert makespan["pulled"] > 0 and len(makespan["ran_on"]) > 1  # jobs queued on one peer ran on others
+    assert makespan["makespan_s"] >= makespan["ideal_s"] > 0
+    assert data["preemption"]["sigterm_to_start_ms"]["n"] == data["settings"]["rounds"]
+    reason = why_unavailable()
+    assert data["idle"] == {"skipped": reason} if reason else data["idle"]["pull_bytes_per_min_per_peer"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before  # a test run never writes there
