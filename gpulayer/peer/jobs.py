@@ -379,7 +379,7 @@ class Jobs:
         if not self.scheduler.enqueue(task):
             self._preempt_for(row, task)
         if row.id in self.queued:  # it waits: a peer that pulls may take it
-            self.owner.queued()
+            self.owner.queued(row, task)
 
     def _preempt_for(self, row: JobRow, task: JobHolder) -> None:
         """`row` waits: stop one running preemptible job of lower priority whose slots it could start on

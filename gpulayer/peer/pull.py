@@ -29,6 +29,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable
+from itertools import islice
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +57,7 @@ RETRY_S = 2.0  # after a failed connection to an owner, the puller waits this lo
 CONNECT_TIMEOUT_S = 5.0
 ANSWER_TIMEOUT_S = 30.0  # an owner's answer to a JOB_TAKE step (the blobs may take longer: see `idle`)
 MAX_OWNERS = 64  # connections (and threads) a puller holds to owners at most
+LOOKAHEAD = 256  # how deep an owner looks in its queue for a job that fits a puller
 
 T = TypeVar("T")
 
@@ -120,13 +122,17 @@ class Owner:
         ask.timer = asyncio.get_running_loop().call_later(msg["wait"], self._expire, ask)
         self.waiting.append(ask)
 
-    def queued(self) -> None:
-        """A job stayed queued: offer it to the pullers waiting, the oldest ask first."""
+    def queued(self, row: JobRow, task: JobHolder) -> None:
+        """The job `row` stayed queued: offer it to the first puller waiting that it fits."""
+        if movable(row) is not None:
+            return
         for ask in list(self.waiting):
             if ask.conn.channel.closed:
                 self._drop(ask)
-            elif self._offer(ask):
+            elif not match(task.req, ask.advert):
                 self._drop(ask)
+                self._hand(ask, row, task)
+                return
 
     def _drop(self, ask: Ask) -> None:
         if ask in self.waiting:
@@ -144,7 +150,7 @@ class Owner:
 
     def _candidate(self, advert: Advert) -> tuple[JobRow, JobHolder] | None:
         """The first queued job, in the queue's order, that may move and fits the puller's advert."""
-        for task in self.jobs.scheduler.state.queue:
+        for task in islice(self.jobs.scheduler.state.queue, LOOKAHEAD):
             if not isinstance(task, JobHolder) or self.jobs.queued.get(task.job_id) is not task:
                 continue
             row = self.jobs.store.get(task.job_id)
@@ -155,9 +161,9 @@ class Owner:
     def _offer(self, ask: Ask) -> bool:
         """Offer the puller a job: out of the queue and recorded moving (durably) first. False if none fits."""
         found = self._candidate(ask.advert)
-        if found is None:
-            return False
-        row, task = found
+        return found is not None and self._hand(ask, *found)
+
+    def _hand(self, ask: Ask, row: JobRow, task: JobHolder) -> bool:
         if not self.jobs.scheduler.withdraw(task):
             return False
         del self.jobs.queued[row.id]
@@ -276,6 +282,11 @@ class OwnerLink:
             raise
 
     def close(self) -> None:
+        """Close it; a pull thread blocked on it wakes (shutdown does that, close alone may not)."""
+        try:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.conn.close()
 
     def send(self, msg: messages.Message) -> int:
@@ -323,6 +334,7 @@ class Watch:
     task: asyncio.Task[None] | None = None
     fresh: bool = True  # the next ask is the first on this connection: answered at once
     failures: int = field(default=0)
+    ignored: bool = False  # this peer itself, one that does not answer JOB_PULL, or one watched at other addresses
 
 
 class Puller:
@@ -336,6 +348,8 @@ class Puller:
         self.advert = advert
         self.owners = owners
         self.watches: dict[tuple[Address, ...], Watch] = {}
+        self._watching: dict[str, Watch] = {}  # the peer id its HELLO named -> its watch
+        self._task: asyncio.Task[None] | None = None
         self._room = asyncio.Event()
         self._taking = 0
         self._pool = ThreadPoolExecutor(MAX_OWNERS, thread_name_prefix="gpulayer-pull")
@@ -356,12 +370,13 @@ class Puller:
             self._room.clear()
 
     async def run(self) -> None:
-        """Watch each peer this one knows, while it lives."""
+        """Watch each peer this one knows, until `stop`."""
+        self._task = asyncio.current_task()
         try:
             while True:
                 for addresses in self.owners()[:MAX_OWNERS]:
                     watch = self.watches.setdefault(tuple(addresses), Watch())
-                    if watch.task is None or watch.task.done():
+                    if not watch.ignored and (watch.task is None or watch.task.done()):
                         watch.task = asyncio.get_running_loop().create_task(self._watch(addresses, watch))
                 self.changed()
                 await asyncio.sleep(SCAN_S)
@@ -372,6 +387,11 @@ class Puller:
                 if watch.link is not None:
                     watch.link.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def stop(self) -> None:
+        """The peer stops: no more pulls (a hand-over under way is undone by its owner, or settled later)."""
+        if self._task is not None:
+            self._task.cancel()
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -385,10 +405,14 @@ class Puller:
                 if watch.link is None:
                     watch.link = await self._call(OwnerLink, self.key, f"peer-{self.peer_id}", addresses)
                     watch.fresh = True
-                    if watch.link.hello["peer"] == self.peer_id or \
-                            messages.JOB_PULL not in features_of(watch.link.hello["advert"]):
+                    peer = watch.link.hello["peer"]
+                    other = self._watching.get(peer)
+                    if peer == self.peer_id or messages.JOB_PULL not in features_of(watch.link.hello["advert"]) \
+                            or (other is not None and other is not watch and other.link is not None):
                         watch.link.close()
+                        watch.link, watch.ignored = None, True
                         return
+                    self._watching[peer] = watch
                 wait = 0.0 if watch.fresh else PULL_WAIT_S
                 offer = await self._call(watch.link.ask, {
                     "t": messages.JOB_PULL, "holder": self.jobs.holder, "advert": self.advert().to_txt(),

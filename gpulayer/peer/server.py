@@ -276,6 +276,8 @@ class Peer:
         if self._advertiser is not None:
             await self._loop.run_in_executor(None, self._advertiser.close)
             self._advertiser = None
+        if self.puller is not None:
+            self.puller.stop()
         if self._browser is not None:
             await self._loop.run_in_executor(None, self._browser.close)
             self._browser = None
