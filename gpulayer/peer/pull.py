@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpulayer.peer")
 
-PULL_WAIT_S = 30.0  # how long an owner holds a puller's JOB_PULL before it answers "nothing"
+PULL_WAIT_S = 120.0  # how long an owner holds a puller's JOB_PULL before it answers "nothing" (the cost at rest)
 HANDOVER_S = 60.0  # a "moving" job not committed in this time is queued again on its owner
 SCAN_S = 1.0  # how often the puller looks for peers it holds no connection to
 RETRY_S = 2.0  # after a failed connection to an owner, the puller waits this long before the next
