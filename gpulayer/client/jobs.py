@@ -23,8 +23,8 @@ from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, transfer
 from ..jobs.store import ARRIVING, ENDED, MOVED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
-from ..protocol import handshake, jobs as job_protocol, messages
-from ..transport import blocking, sockets
+from ..protocol import jobs as job_protocol, messages
+from ..transport import blocking
 from .connection import CONNECT_TIMEOUT
 from .engine import Client
 from .inference import with_inferred
@@ -55,23 +55,11 @@ class JobLink:
     """One authenticated connection to a peer for job requests, closed after use."""
 
     def __init__(self, client: Client, addresses: list[tuple[str, int]]):
-        errors = []
-        for address in addresses:
-            try:
-                sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
-                break
-            except OSError as exc:
-                errors.append(f"{address[0]}:{address[1]}: {exc.strerror or exc}")
-        else:
-            raise PeerLost(f"the peer is unreachable: {'; '.join(errors) or 'no address'}")
-        sockets.tune(sock)
-        self.conn = blocking.BlockingConnection(sock)
-        self._ids = iter(range(1, 1 << 62))
         try:
-            self.hello = handshake.client_handshake(self.conn, client.key, client.submitter_id)
-        except BaseException:
-            self.conn.close()
-            raise
+            self.conn, self.hello = blocking.handshaken(addresses, client.key, client.submitter_id, CONNECT_TIMEOUT)
+        except blocking.Unreachable as exc:
+            raise PeerLost(f"the peer is unreachable: {exc}") from None
+        self._ids = iter(range(1, 1 << 62))
 
     def __enter__(self) -> JobLink:
         return self

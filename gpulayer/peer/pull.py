@@ -29,9 +29,9 @@ import shutil
 import socket
 import time
 from collections.abc import Callable
-from itertools import islice
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -40,9 +40,9 @@ from ..errors import GPULayerError
 from ..jobs import folder, transfer
 from ..jobs.store import ARRIVING, MOVED, MOVING, QUEUED, JobRow, JobSpec, check_job_id
 from ..matching import Requirements, match
-from ..protocol import handshake, jobs as job_protocol, messages
+from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert, features_of
-from ..transport import blocking, sockets
+from ..transport import blocking
 from .slots import JobHolder
 
 if TYPE_CHECKING:
@@ -263,23 +263,8 @@ class OwnerLink:
     """One authenticated connection from this peer to an owner, used on a pull thread (blocking)."""
 
     def __init__(self, key: bytes, client_id: str, addresses: list[Address]):
-        errors = []
-        for address in addresses:
-            try:
-                sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
-                break
-            except OSError as exc:
-                errors.append(f"{address[0]}:{address[1]}: {exc.strerror or exc}")
-        else:
-            raise ConnectionError("; ".join(errors) or "no address")
-        sockets.tune(sock)
-        self.conn = blocking.BlockingConnection(sock)
+        self.conn, self.hello = blocking.handshaken(addresses, key, client_id, CONNECT_TIMEOUT_S)
         self._ids = iter(range(1, 1 << 62))
-        try:
-            self.hello = handshake.client_handshake(self.conn, key, client_id)
-        except BaseException:
-            self.conn.close()
-            raise
 
     def close(self) -> None:
         """Close it; a pull thread blocked on it wakes (shutdown does that, close alone may not)."""
@@ -333,7 +318,7 @@ class Watch:
     holder: str = ""
     task: asyncio.Task[None] | None = None
     fresh: bool = True  # the next ask is the first on this connection: answered at once
-    failures: int = field(default=0)
+    failures: int = 0
     ignored: bool = False  # this peer itself, one that does not answer JOB_PULL, or one watched at other addresses
 
 
