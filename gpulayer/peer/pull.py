@@ -55,6 +55,7 @@ HANDOVER_S = 60.0  # a "moving" job not committed in this time is queued again o
 SCAN_S = 1.0  # how often the puller looks for peers it holds no connection to
 RETRY_S = 2.0  # after a failed connection to an owner, the puller waits this long before the next
 CONNECT_TIMEOUT_S = 5.0
+PING_S = 5.0  # while a JOB_PULL waits, a PING this often: the owner drops a connection silent for 15 s
 ANSWER_TIMEOUT_S = 30.0  # an owner's answer to a JOB_TAKE step (the blobs may take longer: see `idle`)
 MAX_OWNERS = 64  # connections (and threads) a puller holds to owners at most
 LOOKAHEAD = 256  # how deep an owner looks in its queue for a job that fits a puller
@@ -283,7 +284,13 @@ class OwnerLink:
         """The owner's JOB_OFFER or JOB_INFO for `request_id`; GPULayerError for its ERROR (code first)."""
         deadline = time.monotonic() + timeout
         while True:
-            msg, _ = self.conn.recv(deadline)
+            try:
+                msg, _ = self.conn.recv(min(deadline, time.monotonic() + PING_S))
+            except socket.timeout:
+                if time.monotonic() >= deadline:
+                    raise
+                self.conn.send(messages.ping())
+                continue
             if msg.get("id") != request_id:
                 continue
             if msg["t"] == messages.ERROR:

@@ -116,9 +116,9 @@ def test_a_kill_9_of_the_owner_during_a_hand_over_runs_the_job_once(cluster_of_j
     state_dir = tmp_path / "owner-state"
     assert _state_in(state_dir, job.id) == "queued"
     puller = cluster_of_jobs("puller")
-    wait_until(lambda: _state_in(state_dir, job.id) != "queued", 60, interval=0.002)
-    assert _state_in(state_dir, job.id) == "moving"  # the owner had offered it, the puller had not committed
+    seen = wait_until(lambda: (state := _state_in(state_dir, job.id)) != "queued" and state, 60, interval=0.002)
     owner.kill()
+    assert seen == "moving"  # the owner had offered it, the puller had not committed
     release.touch()
     owner.start()  # on the same state folder: the hand-over is undone there, or the puller's commit is answered
     assert jobs.job(job.id).wait(120) == "succeeded"
