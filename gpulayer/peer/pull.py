@@ -115,6 +115,9 @@ class Owner:
             return conn.channel.write(messages.error("bad-request", f"the puller's advert: {exc}", msg["id"]))
         if msg["holder"] == self.jobs.holder:
             return conn.channel.write(messages.error("bad-request", "a peer does not pull its own jobs", msg["id"]))
+        for old in [a for a in self.waiting if a.conn is conn]:  # one ask a connection waits: the last
+            self._drop(old)
+            self._nothing(old)
         ask = Ask(conn, msg["id"], msg["holder"], advert)
         if self._offer(ask):
             return
@@ -424,7 +427,8 @@ class Puller:
                 log.debug("pulling from %s: %s", addresses, exc)
                 if list(addresses) not in self.owners():
                     return
-                await asyncio.sleep(min(RETRY_S * watch.failures, 30.0))
+                if watch.failures > 1:  # the first: a connection the owner closed while this peer was busy
+                    await asyncio.sleep(min(RETRY_S * watch.failures, 30.0))
 
     def _checked(self, offer: messages.Message, owner: str) -> tuple[str, JobSpec, folder.Manifest, float] | str:
         """(id, spec, manifest, submitted) of an offer, or why this peer does not take it."""
