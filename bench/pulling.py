@@ -65,7 +65,8 @@ class Cluster:
         self.workdir, self.key = workdir, secrets.token_hex(16)
         self.env = {"XDG_STATE_HOME": str(workdir / "state"), "XDG_CACHE_HOME": str(workdir / "cache"),
                     "GPULAYER_INTERFACES": "127.0.0.1", "GPULAYER_CACHE": "0"}
-        os.environ.update(self.env)
+        self._saved = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)  # for this process's client, until `close`
         self.client = Client(key=self.key.encode(), echo_output=False)
         self.jobs = Jobs(self.client)
         self.peers: list[PeerProcess] = []
@@ -81,6 +82,11 @@ class Cluster:
         for peer in self.peers:
             peer.stop(timeout=10)
             peer.kill()
+        for name, value in self._saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def spread(values: list[float]) -> dict:
