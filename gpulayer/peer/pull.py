@@ -63,17 +63,10 @@ LOOKAHEAD = 256  # how deep an owner looks in its queue for a job that fits a pu
 T = TypeVar("T")
 
 
-def movable(row: JobRow) -> str | None:
-    """Why the job `row` stays with its owner, or None when a peer may pull it."""
-    if row.state != QUEUED:
-        return f"it is {row.state}"
-    if row.spec.pinned:
-        return "it is pinned to its peer (--peer)"
-    if row.attempts or row.restarts:
-        return "it ran here already (its folder may hold its work)"
-    if row.spec.array:
-        return "it belongs to an array"
-    return None
+def movable(row: JobRow) -> bool:
+    """Whether a peer may pull the job: queued, never run (its folder is as it was shipped, with no work of
+    its in it), not pinned to its peer (--peer), not an array's (a stop of the array acts on its peer)."""
+    return row.state == QUEUED and not (row.spec.pinned or row.attempts or row.restarts or row.spec.array)
 
 
 # ---- the owner's side ---------------------------------------------------------------------------------
@@ -128,7 +121,7 @@ class Owner:
 
     def queued(self, row: JobRow, task: JobHolder) -> None:
         """The job `row` stayed queued: offer it to the first puller waiting that it fits."""
-        if movable(row) is not None:
+        if not movable(row):
             return
         for ask in list(self.waiting):
             if ask.conn.channel.closed:
@@ -158,7 +151,7 @@ class Owner:
             if not isinstance(task, JobHolder) or self.jobs.queued.get(task.job_id) is not task:
                 continue
             row = self.jobs.store.get(task.job_id)
-            if row is not None and movable(row) is None and not match(task.req, advert):
+            if row is not None and movable(row) and not match(task.req, advert):
                 return row, task
         return None
 
@@ -348,7 +341,6 @@ class Puller:
         self._room = asyncio.Event()
         self._taking = 0
         self._pool = ThreadPoolExecutor(MAX_OWNERS, thread_name_prefix="gpulayer-pull")
-        self.pulled = 0  # jobs taken over, for the log and the bench
 
     def room(self) -> int:
         """Slots free for a pulled job: none while anything waits here, less the jobs being taken."""
@@ -430,7 +422,7 @@ class Puller:
                 if watch.failures > 1:  # the first: a connection the owner closed while this peer was busy
                     await asyncio.sleep(min(RETRY_S * watch.failures, 30.0))
 
-    def _checked(self, offer: messages.Message, owner: str) -> tuple[str, JobSpec, folder.Manifest, float] | str:
+    def _checked(self, offer: messages.Message) -> tuple[str, JobSpec, folder.Manifest, float] | str:
         """(id, spec, manifest, submitted) of an offer, or why this peer does not take it."""
         job = offer.get("job")
         if not isinstance(job, dict) or check_job_id(job.get("id")) is not None:
@@ -456,7 +448,7 @@ class Puller:
 
     async def _take(self, link: OwnerLink, owner: str, offer: messages.Message) -> None:
         """Take an offered job: the blobs this peer lacks, its folder, `arriving` recorded, then the commit."""
-        checked = self._checked(offer, owner)
+        checked = self._checked(offer)
         job = offer["job"]
         if isinstance(checked, str):
             log.info("not taking job %s: %s", messages.printable(job.get("id") if isinstance(job, dict) else "?", 40),
@@ -513,7 +505,6 @@ class Puller:
             self.jobs.store.remove(job_id)
             return
         self.jobs.store.update(job_id, state=QUEUED)
-        self.pulled += 1
         log.info("job %s pulled from the peer of jobs %s-*", job_id, link.hello["peer"])
         self.jobs.requeue(job_id)
 
