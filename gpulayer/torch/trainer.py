@@ -285,6 +285,11 @@ class Trainer:
         return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
 
     @property
+    def received_sigterm(self) -> bool:
+        """Whether this fit, run as a job, got a SIGTERM: it saves and stops at the next step boundary."""
+        return self._resume is not None and self._resume.requested
+
+    @property
     def estimated_stepping_batches(self) -> int | float:
         """The optimizer steps this fit will take (for OneCycleLR in configure_optimizers), as Lightning's:
         max_steps when set, else epochs x ceil(batches per epoch / accumulate_grad_batches)."""

@@ -4,6 +4,9 @@ in which the one-slot peer started them is read from the jobs' own output."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from support import wait_until
@@ -146,3 +149,39 @@ def test_never_a_job_that_did_not_ask_nor_for_an_equal_priority(jobs_peer, tmp_p
     assert events.read_text().splitlines() == ["willing start 0", "willing term", "unwilling start 0",
                                                "unwilling term", "urgent"]
     assert willing.refresh().info["restarts"] == 0
+
+
+RESUMABLE_FIT = Path(__file__).parents[1] / "torch" / "resumable_fit.py"
+
+
+def test_a_preempted_trainer_job_resumes_from_its_checkpoint_and_ends_as_if_never_stopped(jobs_peer, tmp_path):
+    """glt.Trainer as a preemptible job (resumable_fit.py: a seeded CPU fit of 18 steps, a spawned DataLoader
+    worker) is preempted mid-epoch by a job of higher priority, saves on the SIGTERM, is queued again,
+    resumes, and ends with the weights of the same fit run straight through, each batch trained once."""
+    import torch
+
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_JOB")}
+    ran = subprocess.run([sys.executable, str(RESUMABLE_FIT)], cwd=straight, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+
+    _, _, _, jobs = jobs_peer()
+    project, waiting, events = tmp_path / "project", tmp_path / "waiting", tmp_path / "events"
+    project.mkdir()
+    (project / "resumable_fit.py").write_bytes(RESUMABLE_FIT.read_bytes())
+    fit = jobs.submit(["python", "resumable_fit.py", "--signal-at", "8", "--wait-for-sigterm", str(waiting),
+                       "--workers", "1"], project, _cpu(), preemptible=True, grace=120)
+    wait_until(waiting.exists, 120)  # in step 8 of 18, mid-epoch 1, until the SIGTERM comes
+    high = jobs.submit(_marker(events, "high"), None, _cpu(), priority=1)
+    assert high.wait(120) == "succeeded" and fit.wait(300) == "succeeded", fit.logs()
+    assert fit.info["restarts"] == 1 and events.read_text() == "high\n"
+    logs = fit.logs()
+    assert "glt: SIGTERM: saved" in logs and "step 9; stopping" in logs and "epoch 1, step 9, batch 6" in logs
+    back = tmp_path / "back"
+    fit.fetch(["weights.pt", "batches"], to=back)
+    assert (back / "batches").read_text() == (straight / "batches").read_text()  # none lost, none twice
+    resumed, expected = torch.load(back / "weights.pt"), torch.load(straight / "weights.pt")
+    assert resumed.keys() == expected.keys()
+    assert all(torch.allclose(resumed[k], expected[k]) for k in expected)

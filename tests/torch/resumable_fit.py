@@ -1,12 +1,13 @@
 """A deterministic CPU fit for the resume tests, run as a script in its own working folder:
 
-    python resumable_fit.py [--signal-at STEP --signal NAME] [--gate FILE] [--every N] [--workers N]
+    python resumable_fit.py [--signal-at STEP --signal NAME] [--wait-for-sigterm MARKER] [--every N] [--workers N]
 
 It trains a small MLP with dropout, a shuffled loader, gradient accumulation (2) and a per-step
 scheduler over 3 epochs of 6 steps, appending "<epoch> <batch>" for each batch trained to `batches`,
 and saves the final weights to `weights.pt`. When the batch that begins step `--signal-at STEP` starts, in
 the first run (GPULAYER_RESTARTS 0), it sends this process the signal `--signal NAME` if given, and
-with `--gate FILE` waits until FILE exists (the test lets it go once the peer preempted the job).
+with `--wait-for-sigterm MARKER` writes MARKER and works until the Trainer got a SIGTERM (the peer's,
+when it preempts the job). `--workers N` loads with N spawned DataLoader workers (a job's SIGTERM reaches them).
 """
 import argparse
 import os
@@ -36,10 +37,21 @@ class Net(glt.LightningModule):
             open("signalled", "w").close()
             if args.signal:
                 os.kill(os.getpid(), getattr(signal, args.signal))
-            while args.gate and not os.path.exists(args.gate):
-                time.sleep(0.02)  # this step's own work, until the test lets it end
+            if args.wait_for_sigterm:
+                self.wait_for_sigterm(args.wait_for_sigterm)
         x, y = batch
         return F.mse_loss(self.net(x), y)
+
+    def wait_for_sigterm(self, marker):
+        """Say so in `marker`, then work until the Trainer got its SIGTERM, and a little longer (time for
+        the signal to reach the DataLoader workers too)."""
+        open(marker, "w").close()
+        deadline = time.monotonic() + 300
+        while not self.trainer.received_sigterm:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no SIGTERM came")
+            time.sleep(0.02)
+        time.sleep(0.5)
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -51,7 +63,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--signal-at", type=int, default=-1)
     parser.add_argument("--signal", default="")
-    parser.add_argument("--gate", default="")
+    parser.add_argument("--wait-for-sigterm", default="", metavar="MARKER")
     parser.add_argument("--every", type=int, default=None)
     parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
@@ -59,7 +71,8 @@ def main():
     data = torch.Generator().manual_seed(0)
     x = torch.randn(96, 4, generator=data)
     y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(96, 1, generator=data)
-    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, num_workers=args.workers)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, num_workers=args.workers,
+                        multiprocessing_context="spawn" if args.workers else None)
     model = Net(args)
     trainer = glt.Trainer(accelerator="cpu", max_epochs=3, accumulate_grad_batches=2, logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
