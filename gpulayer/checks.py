@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 MAX_CONCURRENCY = 64  # the most calls one actor may run at once (threads in its worker)
+MAX_PRIORITY = 1_000_000  # a task's or a job's priority is a whole number from -MAX_PRIORITY to MAX_PRIORITY
 
 
 def check_timeout(timeout: Any) -> float | None:
@@ -18,6 +19,13 @@ def check_timeout(timeout: Any) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
     return float(timeout)
+
+
+def check_priority(value: Any) -> int:
+    """A priority (docs/jobs.md, "The queue"): a whole number from -MAX_PRIORITY to MAX_PRIORITY; ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_PRIORITY:
+        raise ValueError(f"priority must be a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}, not {value!r}")
+    return value
 
 
 def check_concurrency(value: Any) -> int:

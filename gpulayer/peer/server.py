@@ -572,7 +572,7 @@ class Peer:
         task: Submission
         if msg["t"] == messages.SUBMIT:
             task = TaskHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
-                              timeout=msg.get("timeout"), keep=keep)
+                              timeout=msg.get("timeout"), keep=keep, priority=msg.get("priority", 0))
         else:
             task = ActorHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
                                timeout=msg.get("timeout"), class_name=messages.printable(msg["name"]))

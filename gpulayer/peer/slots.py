@@ -96,7 +96,7 @@ class Submission(Holder):
     env: dict[str, str] = field(default_factory=dict)  # its environment variables (the message's "env")
     one_off: bool = False  # it runs in a worker of its own, which a warm one replaces after it
     timer: asyncio.TimerHandle | None = None  # its timeout, while it runs
-    priority: int = 0  # its place in the queue (jobs/queue.py): tasks all have the lowest
+    priority: int = 0  # its place in the queue (jobs/queue.py): a SUBMIT's "priority" (default 0; actors 0)
     share: str = ""  # whose turn it counts in among the queued work of its priority: tasks share one
     borrows: ClassVar[bool] = True  # it may run on a slot lent by a blocked task (it gives it back when it ends)
 

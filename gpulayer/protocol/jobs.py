@@ -13,14 +13,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..checks import check_timeout
+from ..checks import MAX_PRIORITY, check_timeout
 from ..taskenv import check_env
 from ..jobs.store import PREEMPT_GRACE_S, JobSpec, check_job_id
 from . import messages
 
 MAX_COMMAND_ARGS = 4096
 MAX_RETRIES = 100
-MAX_PRIORITY = 1_000_000
 MAX_ARRAY_JOBS, MAX_ARRAY_INDEX = 10_000, 1_000_000
 MAX_GRACE_S = 3600.0
 MAX_FILES = 200_000

@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from support import wait_until
+from support import authenticated, new_key, wait_until
 from test_jobs import jobs_peer  # noqa: F401  (the fixture: a one-slot peer with a state folder of its own)
 
 
@@ -185,3 +186,77 @@ def test_a_preempted_trainer_job_resumes_from_its_checkpoint_and_ends_as_if_neve
     resumed, expected = torch.load(back / "weights.pt"), torch.load(straight / "weights.pt")
     assert resumed.keys() == expected.keys()
     assert all(torch.allclose(resumed[k], expected[k]) for k in expected)
+
+
+def _note(log: str, name: str, release: str = "") -> str:
+    """A task: append `name` to `log` as it starts; with `release`, work until that file exists."""
+    import os
+    import time
+
+    with open(log, "a") as f:
+        f.write(name + "\n")
+    deadline = time.monotonic() + 120
+    while release and not os.path.exists(release):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release} never came")
+        time.sleep(0.02)
+    return name
+
+
+def _queued(peers: list[dict]) -> int:
+    return sum(row["queued"] or 0 for row in peers)
+
+
+def test_waiting_tasks_start_highest_priority_first(peer_factory, tmp_path):
+    """priority= of gl.submit, gl.map and @gl.remote's options: a busy one-slot peer starts its waiting
+    tasks highest first, then first come first served; the order is read from the tasks' own output."""
+    import threading
+
+    import gpulayer as gl
+
+    key = new_key()
+    peer_factory("prio", "--concurrency", "1", key=key)
+    log, release = tmp_path / "started", tmp_path / "release"
+    gl.configure(key=key.encode(), interfaces=["127.0.0.1"], echo_output=False)
+    try:
+        blocker = gl.submit(_note, str(log), "blocker", str(release))
+        wait_until(log.exists, 60)
+        waiting = [gl.submit(_note, str(log), "low", priority=-1), gl.submit(_note, str(log), "plain")]
+        mapped: list[str] = []
+        mapper = threading.Thread(target=lambda: mapped.extend(gl.map(_note, [str(log)] * 2, ["m1", "m2"],
+                                                                      priority=3)))
+        mapper.start()
+        wait_until(lambda: _queued(gl.peers(wait=0)) == 4, 60)
+        waiting.append(gl.remote(_note).options(priority=9).submit(str(log), "urgent"))
+        wait_until(lambda: _queued(gl.peers(wait=0)) == 5, 60)
+        release.touch()
+        assert [f.result(60) for f in [blocker, *waiting]] == ["blocker", "low", "plain", "urgent"]
+        mapper.join(60)
+        assert mapped == ["m1", "m2"]
+        assert log.read_text().split() == ["blocker", "urgent", "m1", "m2", "plain", "low"]
+    finally:
+        gl.api.shutdown()
+
+
+def test_a_bad_task_priority_is_refused_by_the_option_table_and_by_the_peer(peer_factory):
+    import pytest
+
+    import gpulayer as gl
+    from gpulayer.protocol import messages
+
+    for bad in (10 ** 7, True, 1.5, "high"):
+        with pytest.raises(ValueError, match="priority must be a whole number"):
+            gl.submit(_note, "log", "x", priority=bad)
+    with pytest.raises(ValueError, match="priority must be a whole number"):
+        gl.remote(priority=-(10 ** 7))(_note)
+    peer = peer_factory("prio-check", "--concurrency", "1", key=new_key())
+    conn = authenticated(peer)
+    try:
+        conn.send({**messages.submit(1, b"f", b"a", {}, None, "f"), "priority": "high"})
+        for _ in range(8):  # past the peer's unasked messages
+            reply, _ = conn.recv(time.monotonic() + 10)
+            if reply["t"] == messages.REJECT:
+                break
+        assert (reply["id"], reply["code"]) == (1, "bad-request") and "priority" in reply["message"], reply
+    finally:
+        conn.close()
