@@ -5,6 +5,7 @@ peer check with the same function, and the option table needs no transport for i
 
 from __future__ import annotations
 
+import getpass
 import math
 from typing import Any
 
@@ -26,6 +27,23 @@ def check_priority(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_PRIORITY:
         raise ValueError(f"priority must be a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}, not {value!r}")
     return value
+
+
+def check_user(value: Any) -> str:
+    """The user a submitter names (its tasks' and jobs' user@host: their turn and their quota of a peer's
+    slots): printable text of at most 64 characters, without @; ValueError otherwise."""
+    if not isinstance(value, str) or len(value) > 64 or not value.isprintable() or "@" in value:
+        raise ValueError("a user is printable text of at most 64 characters, without @")
+    return value
+
+
+def login_user() -> str:
+    """This process's login name, as the user of its tasks and jobs ("" when it has none)."""
+    try:
+        name = getpass.getuser().replace("@", "_")[:64]
+    except (KeyError, OSError):
+        return ""
+    return name if name.isprintable() else ""
 
 
 def check_concurrency(value: Any) -> int:

@@ -361,7 +361,8 @@ class Jobs:
             self._limited[row.id] = row.spec.array
         task = JobHolder(req=Requirements.from_wire(row.spec.req), job_id=row.id,
                          name=row.spec.name or row.spec.command[0], priority=row.spec.priority,
-                         share=row.spec.share, start=lambda group, env: self._start(row.id, task, env))
+                         share=row.spec.share, user=row.spec.share,
+                         start=lambda group, env: self._start(row.id, task, env))
         self.queued[row.id] = task
         if not self.scheduler.enqueue(task):
             self._preempt_for(row, task)

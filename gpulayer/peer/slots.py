@@ -67,6 +67,7 @@ class Holder:
     started: float = 0.0  # time.monotonic() when it started: its outcome says how long it ran ("ran")
     answered: bool = False  # it ended: its outcome was sent (a lease: it was given back)
     blocked: bool = False  # its worker waits on a future: its slots are lent meanwhile (ADR 0014)
+    user: str = ""  # whose quota of slots it counts in (--max-slots-per-user): "user@host"; "" none (actors, leases)
 
     @property
     def address(self) -> str:

@@ -4,6 +4,7 @@ in which the one-slot peer started them is read from the jobs' own output."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -260,3 +261,59 @@ def test_a_bad_task_priority_is_refused_by_the_option_table_and_by_the_peer(peer
         assert (reply["id"], reply["code"]) == (1, "bad-request") and "priority" in reply["message"], reply
     finally:
         conn.close()
+
+
+def _hold(events: str, name: str, release: str) -> str:
+    """Work that writes "start NAME", works until `release` exists, then writes "end NAME"."""
+    import os
+    import time
+
+    def write(line: str) -> None:
+        with open(events, "a") as f:
+            f.write(line + "\n")
+
+    write(f"start {name}")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(release):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release} never came")
+        time.sleep(0.02)
+    write(f"end {name}")
+    return name
+
+
+def test_a_user_at_the_quota_waits_while_the_others_work_goes_first(jobs_peer, tmp_path, monkeypatch):
+    """`--max-slots-per-user 1` on a two-slot peer: alice's second job and her task wait although a slot is
+    free, bob's job takes it; alice never holds two slots at once (read from the work's own output)."""
+    import gpulayer as gl
+
+    peer, _, key, jobs = jobs_peer("quota", "--concurrency", "2", "--max-slots-per-user", "1")
+    events, release = tmp_path / "events", tmp_path / "release"
+    hold = inspect.getsource(_hold) + "import sys\n_hold(*sys.argv[1:])\n"
+
+    def job(name: str):
+        return jobs.submit(["python", "-c", hold, str(events), name, str(release)], None, _cpu(), name=name)
+
+    gl.configure(key=key.encode(), peers=f"127.0.0.1:{peer.port}", mdns=False, echo_output=False)
+    try:
+        monkeypatch.setenv("LOGNAME", "alice")  # the user a submitter gives (getpass reads LOGNAME first)
+        first = job("a1")
+        wait_until(lambda: events.exists() and "start a1" in events.read_text(), 60)
+        second = job("a2")
+        task = gl.submit(_hold, str(events), "a-task", str(release), accelerator="cpu")
+        wait_until(lambda: _queued(gl.peers(wait=0)) == 2, 60)
+        assert second.refresh().state == "queued" and events.read_text().split("\n")[:-1] == ["start a1"]
+        monkeypatch.setenv("LOGNAME", "bob")
+        other = job("b1")
+        wait_until(lambda: "start b1" in events.read_text(), 60)  # the free slot went to bob
+        release.touch()
+        assert [j.wait(60) for j in (first, second, other)] == ["succeeded"] * 3 and task.result(60) == "a-task"
+    finally:
+        gl.api.shutdown()
+    lines = events.read_text().splitlines()
+    assert lines.index("start b1") < lines.index("start a2") and lines.index("start b1") < lines.index("start a-task")
+    alice = 0
+    for line in lines:
+        if line.split()[1] != "b1":
+            alice += 1 if line.startswith("start") else -1
+            assert alice <= 1, lines
