@@ -3,7 +3,7 @@
     python resumable_fit.py [--signal-at STEP --signal NAME] [--wait-for-sigterm MARKER] [--every N] [--workers N]
 
 It trains a small MLP with dropout, a shuffled loader, gradient accumulation (2) and a per-step
-scheduler over 3 epochs of 6 steps, appending "<epoch> <batch>" for each batch trained to `batches`,
+scheduler over 3 epochs of 6 steps, validating (on a shuffled loader) twice an epoch, appending "<epoch> <batch>" for each batch trained to `batches`,
 and saves the final weights to `weights.pt`. When the batch that begins step `--signal-at STEP` starts, in
 the first run (GPULAYER_RESTARTS 0), it sends this process the signal `--signal NAME` if given, and
 with `--wait-for-sigterm MARKER` writes MARKER and works until the Trainer got a SIGTERM (the peer's,
@@ -42,6 +42,10 @@ class Net(glt.LightningModule):
         x, y = batch
         return F.mse_loss(self.net(x), y)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y))
+
     def wait_for_sigterm(self, marker):
         """Say so in `marker`, then work until the Trainer got its SIGTERM, and a little longer (time for
         the signal to reach the DataLoader workers too)."""
@@ -73,11 +77,12 @@ def main():
     y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(96, 1, generator=data)
     loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, num_workers=args.workers,
                         multiprocessing_context="spawn" if args.workers else None)
+    val = DataLoader(TensorDataset(x[:32], y[:32]), batch_size=16, shuffle=True)
     model = Net(args)
     trainer = glt.Trainer(accelerator="cpu", max_epochs=3, accumulate_grad_batches=2, logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          deterministic=True, resume_every_n_steps=args.every)
-    trainer.fit(model, loader)
+                          deterministic=True, resume_every_n_steps=args.every, val_check_interval=0.5)
+    trainer.fit(model, loader, val)
     torch.save(model.state_dict(), "weights.pt")
     print(f"trained: epoch {trainer.current_epoch}, step {trainer.global_step}")
 
