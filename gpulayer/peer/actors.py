@@ -47,8 +47,8 @@ def grace_from_env() -> float:
 class CallOwner(Protocol):
     """The submitter connection that sent calls (or created actors)."""
 
-    client: str  # the submitter's id, from its AUTH
-    calls: dict[int, tuple[Actor, int]]  # its calls in flight: its id -> (actor, the worker's id)
+    submitter_id: str  # the submitter's id, from its AUTH
+    calls: dict[int, tuple[Actor, int]]  # its calls in flight: call id -> (actor, worker call id)
 
     def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         """Write a message to the submitter."""
@@ -57,7 +57,7 @@ class CallOwner(Protocol):
 @dataclass(eq=False)
 class Call:
     owner: CallOwner | None  # None once its connection is gone: its outcome is dropped
-    client_id: int
+    call_id: int  # its id on its submitter's connection
     timer: asyncio.TimerHandle | None = None
 
 
@@ -67,7 +67,7 @@ class Actor:
 
     actor_id: str
     name: str  # the class's qualified name
-    client: str  # the submitter that created it
+    submitter_id: str  # the submitter that created it
     owner: CallOwner | None  # the creator's connection, where ACTOR_END goes
     slot: Slot
     worker: Worker
@@ -75,7 +75,7 @@ class Actor:
     served_here: int = 0  # calls answered through this peer
     served_direct: int = 0  # calls answered on direct connections, as its worker last reported (ADR 0012)
     grace: asyncio.TimerHandle | None = None
-    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    worker_call_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))  # a call's id on the worker
 
     @property
     def served(self) -> int:
@@ -99,7 +99,7 @@ class Actors:
     def add(self, actor: Actor) -> None:
         self.live[actor.actor_id] = actor
         log.info("actor %s (%s) of submitter %s lives on slot %d, worker %s", actor.short_id, actor.name,
-                 actor.client, actor.slot.index, actor.worker.pid)
+                 actor.submitter_id, actor.slot.index, actor.worker.pid)
 
     def rows(self) -> list[dict[str, Any]]:
         """The live actors as STATUS lists them."""
@@ -117,23 +117,23 @@ class Actors:
         actor = self._addressed(owner, msg)
         if actor is None:
             return
-        seq = next(actor.ids)
-        call = actor.calls[seq] = Call(owner, call_id)
-        owner.calls[call_id] = (actor, seq)
-        actor.worker.send({"t": messages.CALL, "id": seq, "method": msg["method"], "args": msg["args"]}, buffers)
+        worker_call_id = next(actor.worker_call_ids)
+        call = actor.calls[worker_call_id] = Call(owner, call_id)
+        owner.calls[call_id] = (actor, worker_call_id)
+        actor.worker.send({"t": messages.CALL, "id": worker_call_id, "method": msg["method"], "args": msg["args"]}, buffers)
         timeout = check_timeout(msg.get("timeout"))
         if timeout is not None:
-            call.timer = asyncio.get_running_loop().call_later(timeout, self._timed_out, actor, seq, timeout,
+            call.timer = asyncio.get_running_loop().call_later(timeout, self._timed_out, actor, worker_call_id, timeout,
                                                                msg["method"])
 
     def cancel(self, owner: CallOwner, call_id: int) -> None:
         """Answer a call with `cancelled`; the worker skips it unless it has started (then its result is dropped)."""
-        actor, seq = owner.calls.pop(call_id)
-        call = actor.calls.pop(seq, None)
+        actor, worker_call_id = owner.calls.pop(call_id)
+        call = actor.calls.pop(worker_call_id, None)
         if call is None:
             return
         _stop_timer(call)
-        actor.worker.send(messages.cancel(seq))
+        actor.worker.send(messages.cancel(worker_call_id))
         owner.send(messages.error("cancelled", "cancelled by the submitter", call_id))
 
     def close(self, owner: CallOwner, msg: messages.Message) -> None:
@@ -141,7 +141,7 @@ class Actors:
         actor = self._addressed(owner, msg)
         if actor is None:
             return
-        if actor.client != owner.client:
+        if actor.submitter_id != owner.submitter_id:
             owner.send(messages.error("not-owner", "only the submitter that created an actor may close it", msg["id"]))
         else:
             actor.owner = owner  # the answer goes to the connection that asked
@@ -166,8 +166,8 @@ class Actors:
     def disconnected(self, owner: CallOwner, last: bool) -> None:
         """A connection closed: drop its calls' outcomes; if it was its submitter's `last`, the actors
         that submitter created end after the grace time unless it connects again."""
-        for actor, seq in owner.calls.values():
-            call = actor.calls.get(seq)
+        for actor, worker_call_id in owner.calls.values():
+            call = actor.calls.get(worker_call_id)
             if call is not None:
                 call.owner = None
         owner.calls.clear()
@@ -175,13 +175,13 @@ class Actors:
         for actor in self.live.values():
             if actor.owner is owner:
                 actor.owner = None
-            if last and actor.client == owner.client and actor.grace is None:
+            if last and actor.submitter_id == owner.submitter_id and actor.grace is None:
                 actor.grace = loop.call_later(self.grace, self._orphaned, actor)
 
     def connected(self, owner: CallOwner) -> None:
         """A submitter (re)connected: it owns its actors again."""
         for actor in self.live.values():
-            if actor.client == owner.client:
+            if actor.submitter_id == owner.submitter_id:
                 actor.owner = owner
                 if actor.grace is not None:
                     actor.grace.cancel()
@@ -189,7 +189,7 @@ class Actors:
 
     def _orphaned(self, actor: Actor) -> None:
         actor.grace = None
-        self.end(actor, "died", f"its submitter {actor.client} was gone for {self.grace:g} s")
+        self.end(actor, "died", f"its submitter {actor.submitter_id} was gone for {self.grace:g} s")
 
     # ---- from its worker ----------------------------------------------------------------------
 
@@ -206,8 +206,8 @@ class Actors:
         if call is None or call.owner is None:
             return  # cancelled, or its submitter is gone
         _stop_timer(call)
-        call.owner.calls.pop(call.client_id, None)
-        reply["id"] = call.client_id
+        call.owner.calls.pop(call.call_id, None)
+        reply["id"] = call.call_id
         call.owner.send(reply, buffers)
 
     def output(self, actor: Actor, stream: str, data: bytes) -> bool:
@@ -215,19 +215,19 @@ class Actors:
         call = next(iter(actor.calls.values()), None)
         if call is None or call.owner is None:
             return False
-        call.owner.send(messages.log(call.client_id, stream, data))
+        call.owner.send(messages.log(call.call_id, stream, data))
         return True
 
-    def _timed_out(self, actor: Actor, seq: int, timeout: float, method: str) -> None:
-        call = actor.calls.pop(seq, None)
+    def _timed_out(self, actor: Actor, worker_call_id: int, timeout: float, method: str) -> None:
+        call = actor.calls.pop(worker_call_id, None)
         if call is None:
             return
         call.timer = None
         reason = (f"its call of {method} ran past its timeout of {timeout:g} s; its worker was killed "
                   "(a running method cannot be stopped otherwise)")
         if call.owner is not None:
-            call.owner.calls.pop(call.client_id, None)
-            call.owner.send(messages.error("timeout", reason, call.client_id))
+            call.owner.calls.pop(call.call_id, None)
+            call.owner.send(messages.error("timeout", reason, call.call_id))
         self.end(actor, "died", f"the actor was stopped: {reason}")
 
     def end(self, actor: Actor, code: str, reason: str, request_id: int | None = None) -> None:
@@ -243,8 +243,8 @@ class Actors:
         for call in actor.calls.values():
             _stop_timer(call)
             if call.owner is not None:
-                call.owner.calls.pop(call.client_id, None)
-                call.owner.send(messages.error("actor-died", reason, call.client_id))
+                call.owner.calls.pop(call.call_id, None)
+                call.owner.send(messages.error("actor-died", reason, call.call_id))
         actor.calls.clear()
         if actor.owner is not None:
             actor.owner.send(messages.actor_end(actor.actor_id, code, reason, actor.served, request_id))

@@ -148,10 +148,10 @@ class Scheduler:
         """Take a task out of the queue for its submitter to place elsewhere; False once it started (or ended)."""
         return self.state.withdraw(task)
 
-    def lease(self, address: str, client: str, req: Requirements) -> LeaseHolder | str:
-        """Lend a ready warm worker that fits `req` to the connection of submitter `client` at `address`
+    def lease(self, address: str, submitter_id: str, req: Requirements) -> LeaseHolder | str:
+        """Lend a ready warm worker that fits `req` to the connection of submitter `submitter_id` at `address`
         (ADR 0013); or why not."""
-        lease = LeaseHolder(req=req, lease_id=os.urandom(8).hex(), submitter=address, submitter_id=client)
+        lease = LeaseHolder(req=req, lease_id=os.urandom(8).hex(), submitter=address, submitter_id=submitter_id)
         refusal = self.state.lease(lease, time.monotonic())
         if refusal is not None:
             return refusal
@@ -163,15 +163,15 @@ class Scheduler:
         """What the leased worker is told with the connection: its device variables and idle limit."""
         assert lease.slot is not None
         return {"t": messages.LEASE, "env": device_env(lease.req, lease.slot), "idle": LEASE_IDLE_S,
-                "owner": lease.client}
+                "owner": lease.submitter_id}
 
     def lease_failed(self, lease: LeaseHolder) -> None:
         """The connection did not reach the leased worker: the slot is free again."""
         self._perform(self.state.lease_failed(lease, time.monotonic()))
 
-    def cancel_leased(self, lease_id: Any, client: str, task_id: int) -> None:
-        """Stop a task on a lease of `client` if it runs now, or keep it from starting."""
-        self._perform(self.state.cancel_leased(lease_id, client, task_id))
+    def cancel_leased(self, lease_id: Any, submitter_id: str, task_id: int) -> None:
+        """Stop a task on a lease of submitter `submitter_id` if it runs now, or keep it from starting."""
+        self._perform(self.state.cancel_leased(lease_id, submitter_id, task_id))
 
     def end_leases(self) -> None:
         """Ask every leased worker to end its lease after the task it runs (the peer stops)."""
@@ -220,7 +220,7 @@ class Scheduler:
         if isinstance(holder, LeaseHolder):
             log.info("leased worker of %s, %s: %s", holder.address, stream, data.decode("utf-8", "replace").rstrip())
         elif isinstance(holder, Submission) and not holder.answered:
-            holder.owner.task_output(holder, messages.log(holder.client_id, stream, data))
+            holder.owner.task_output(holder, messages.log(holder.task_id, stream, data))
         else:
             log.info("worker %s %s: %s", worker.pid, stream, data.decode("utf-8", "replace").rstrip())
 
@@ -305,7 +305,7 @@ class Scheduler:
         task, slot = action.task, action.task.slot
         assert isinstance(task, ActorHolder) and slot is not None
         owner: CallOwner = task.owner  # type: ignore[assignment]  # a connection is both
-        task.actor = Actor(task.actor_id, task.class_name, owner.client, owner, slot, action.worker)
+        task.actor = Actor(task.actor_id, task.class_name, owner.submitter_id, owner, slot, action.worker)
         self.actors.add(task.actor)
         action.reply["actor"], action.reply["slot"] = task.actor_id, slot.index
 

@@ -80,7 +80,7 @@ class Connection:
     def __init__(self, peer: Peer, sock: socket.socket, address: str):
         self.peer = peer
         self.address = address
-        self.client = "?"
+        self.submitter_id = "?"
         self.authenticated = False
         self.tasks: dict[int, Submission] = {}  # its tasks and actor creations, queued or running
         self.calls: dict[int, tuple[Actor, int]] = {}  # its actor calls in flight (peer/actors.py)
@@ -125,10 +125,10 @@ class Connection:
     # ---- TaskOwner: where the scheduler sends a task's outcome and output ----
 
     def task_done(self, task: Submission, reply: messages.Outgoing, buffers: list[Any]) -> None:
-        self.tasks.pop(task.client_id, None)
+        self.tasks.pop(task.task_id, None)
         keep = task.keep if isinstance(task, TaskHolder) else None
         if keep is not None and reply["t"] == messages.RESULT:  # type: ignore[typeddict-item]
-            reply, buffers = self.peer.held.keep(keep, self.client, reply, buffers)
+            reply, buffers = self.peer.held.keep(keep, self.submitter_id, reply, buffers)
         self.send(reply, buffers)
 
     def task_output(self, task: Submission, msg: messages.LogMessage) -> None:
@@ -360,7 +360,7 @@ class Peer:
                 self.refuse(conn, "timeout", "no AUTH within the handshake timeout")
             for conn in list(self._connections):
                 if now - conn.channel.last_received > self.config.client_silence:
-                    log.warning("submitter %s at %s went silent; dropping it", conn.client, conn.address)
+                    log.warning("submitter %s at %s went silent; dropping it", conn.submitter_id, conn.address)
                     conn.channel.close()
                     self.drop(conn)
                 elif conn.channel.reader.mid_message and now - conn.last_pong > 1.0:
@@ -376,13 +376,13 @@ class Peer:
             return
         reply, keys = checked
         conn.authenticated = True
-        conn.client = "".join(ch for ch in str(msg.get("client", "?"))[:64] if ch.isprintable())
+        conn.submitter_id = "".join(ch for ch in str(msg.get("client", "?"))[:64] if ch.isprintable())
         self._connections.add(conn)
         conn.channel.write(reply)  # the last frame in clear: every later byte both ways is sealed
         conn.channel.secure(*keys)
-        self._receiving(conn.channel.reader, conn.client)
+        self._receiving(conn.channel.reader, conn.submitter_id)
         self.scheduler.actors.connected(conn)
-        self.held.connected(conn.client)
+        self.held.connected(conn.submitter_id)
 
     def _invite_step(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """One message of an invite's exchange (invite.py): unauthenticated, it can get the cluster key
@@ -398,12 +398,12 @@ class Peer:
         self.drop(conn)
         conn.channel.close_gracefully()
 
-    def _receiving(self, reader: framing.MessageReader, client: str) -> None:
+    def _receiving(self, reader: framing.MessageReader, submitter_id: str) -> None:
         """Receive big buffers as this peer does: within the memory headroom, into segments where it has
         local links (segments pooled for this submitter's data only)."""
         reader.budget = self._memory_refusal
         if self._local is not None:
-            reader.allocate = functools.partial(_receive_buffer, owner=client)
+            reader.allocate = functools.partial(_receive_buffer, owner=submitter_id)
 
     def refuse(self, conn: Connection, code: str, message: str) -> None:
         """Tell the other side why, then close (in the background)."""
@@ -434,10 +434,10 @@ class Peer:
             for task in list(conn.tasks.values()):
                 self.scheduler.cancel(task, "cancelled", "the submitter disconnected", notify=False)
             conn.tasks.clear()
-            remaining = next((other for other in self._connections if other.client == conn.client), None)
+            remaining = next((other for other in self._connections if other.submitter_id == conn.submitter_id), None)
             self.scheduler.actors.disconnected(conn, remaining is None)
             if remaining is None:
-                self.held.disconnected(conn.client)
+                self.held.disconnected(conn.submitter_id)
             else:  # its actors' ACTOR_END goes there now (the connection that went was handed over, say)
                 self.scheduler.actors.connected(remaining)
 
@@ -490,7 +490,7 @@ class Peer:
         """Cancel a task, one on a lease of this submitter (ADR 0013), one waiting for a probe, or an actor call."""
         task = conn.tasks.get(request_id(msg))
         if msg.get("lease") is not None:
-            self.scheduler.cancel_leased(msg["lease"], conn.client, request_id(msg))
+            self.scheduler.cancel_leased(msg["lease"], conn.submitter_id, request_id(msg))
         elif task is not None:
             self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
         elif request_id(msg) in conn.probing:
@@ -502,9 +502,9 @@ class Peer:
         """Give a queued task back to its submitter, to place elsewhere (ADR 0011); nothing once it started."""
         task = conn.tasks.get(request_id(msg))
         if task is not None and self.scheduler.withdraw(task):
-            del conn.tasks[task.client_id]
+            del conn.tasks[task.task_id]
             conn.channel.write(self.scheduler.report(
-                messages.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
+                messages.reject(task.task_id, "withdrawn", "taken back by its submitter before it started")))
 
     def _ping(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         conn.channel.write(self.scheduler.report({"t": messages.PONG, "id": msg.get("id")}))
@@ -525,10 +525,10 @@ class Peer:
         conn.channel.write({**offer, "id": msg.get("id")})
 
     def _fetch(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
-        conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
+        conn.channel.write(*held.answer_fetch(self.held, msg, conn.submitter_id))
 
     def _release(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
-        self.held.release(msg["ref"], conn.client)
+        self.held.release(msg["ref"], conn.submitter_id)
 
     def _job_request(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         self.jobs.handle(conn, msg, buffers, self._draining)
@@ -571,10 +571,10 @@ class Peer:
             return self._reject(conn, task_id, "bad-request", "the keep id names a result held already")
         task: Submission
         if msg["t"] == messages.SUBMIT:
-            task = TaskHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
+            task = TaskHolder(owner=conn, task_id=task_id, msg=msg, buffers=buffers, req=req,
                               timeout=msg.get("timeout"), keep=keep)
         else:
-            task = ActorHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
+            task = ActorHolder(owner=conn, task_id=task_id, msg=msg, buffers=buffers, req=req,
                                timeout=msg.get("timeout"), class_name=messages.printable(msg["name"]))
         conn.tasks[task_id] = task
         if isinstance(task, TaskHolder) and msg.get("refs"):
@@ -618,11 +618,11 @@ class Peer:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched
         from their peers); a lost one fails it with "held-lost"."""
         def fetch(ref: dict[str, Any]) -> tuple[bytes, list[Any]]:
-            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.client,
-                              functools.partial(self._receiving, client=conn.client))
+            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.submitter_id,
+                              functools.partial(self._receiving, submitter_id=conn.submitter_id))
 
         try:
-            resolved = await held.gather(self.held, refs, conn.client, self.peer_id, fetch)
+            resolved = await held.gather(self.held, refs, conn.submitter_id, self.peer_id, fetch)
         except ConnectionError as exc:
             self.scheduler.cancel(task, "held-lost", f"a held result among its arguments is lost: {exc}")
             return
@@ -669,7 +669,7 @@ class Peer:
         if problem is not None:
             return conn.channel.write(messages.error("bad-request", problem, request_id))
         refusal = "the peer is shutting down" if self._draining else "; ".join(match(req, self.advert))
-        lease = refusal or self.scheduler.lease(conn.address, conn.client, req)
+        lease = refusal or self.scheduler.lease(conn.address, conn.submitter_id, req)
         if isinstance(lease, str):
             return conn.channel.write(messages.error("no-lease", lease, request_id))
         assert lease.slot is not None
