@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Union
 
@@ -110,9 +110,10 @@ class StopTimer:
 
 @dataclass(frozen=True, eq=False)
 class ToWorker:
-    """Send `msg` to a worker (a lease's LEASE_END or CANCEL)."""
+    """Send `msg` to a worker (a lease's LEASE_END or CANCEL; an actor's CALL or CANCEL)."""
     worker: Worker
     msg: messages.Message
+    buffers: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True, eq=False)

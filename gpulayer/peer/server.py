@@ -275,7 +275,7 @@ class Peer:
     def cancel_all(self, message: str) -> None:
         """Answer every task with a peer-shutdown error and stop it."""
         self._forced = True
-        self.scheduler.actors.end_all(message)
+        self.scheduler.end_actors(message)
         for conn in list(self._connections):
             for task in list(conn.tasks.values()):
                 self.scheduler.cancel(task, "peer-shutdown", message)
@@ -381,7 +381,7 @@ class Peer:
         conn.channel.write(reply)  # the last frame in clear: every later byte both ways is sealed
         conn.channel.secure(*keys)
         self._receiving(conn.channel.reader, conn.submitter_id)
-        self.scheduler.actors.connected(conn)
+        self.scheduler.submitter_connected(conn)
         self.held.connected(conn.submitter_id)
 
     def _invite_step(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
@@ -435,11 +435,11 @@ class Peer:
                 self.scheduler.cancel(task, "cancelled", "the submitter disconnected", notify=False)
             conn.tasks.clear()
             remaining = next((other for other in self._connections if other.submitter_id == conn.submitter_id), None)
-            self.scheduler.actors.disconnected(conn, remaining is None)
+            self.scheduler.submitter_disconnected(conn, remaining is None)
             if remaining is None:
                 self.held.disconnected(conn.submitter_id)
             else:  # its actors' ACTOR_END goes there now (the connection that went was handed over, say)
-                self.scheduler.actors.connected(remaining)
+                self.scheduler.submitter_connected(remaining)
 
     # ---- messages: one handler a kind ------------------------------------------------------------
 
@@ -452,7 +452,7 @@ class Peer:
         post_auth: dict[str, Handler] = {
             messages.SUBMIT: self._admit, messages.ACTOR: self._admit, messages.CANCEL: self._cancel,
             messages.WITHDRAW: self._withdraw, messages.PING: self._ping, messages.STATUS: self._status,
-            messages.BYE: self._bye, messages.CALL: self.scheduler.actors.call, messages.CLOSE: self._close_actor,
+            messages.BYE: self._bye, messages.CALL: self.scheduler.call_actor, messages.CLOSE: self._close_actor,
             messages.DIRECT: self._direct, messages.LEASE: self._lease, messages.LOCAL: self._local_link,
             messages.FETCH: self._fetch, messages.RELEASE: self._release, messages.INVITE: self._invite,
             messages.PEERS: self._peers, **dict.fromkeys(messages.JOB_REQUESTS, self._job_request)}
@@ -496,7 +496,7 @@ class Peer:
         elif request_id(msg) in conn.probing:
             conn.probing.discard(request_id(msg))
         elif request_id(msg) in conn.calls:
-            self.scheduler.actors.cancel(conn, msg["id"])
+            self.scheduler.cancel_call(conn, msg["id"])
 
     def _withdraw(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Give a queued task back to its submitter, to place elsewhere (ADR 0011); nothing once it started."""
@@ -517,7 +517,7 @@ class Peer:
         self.drop(conn)
 
     def _close_actor(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
-        self.scheduler.actors.close(conn, msg)
+        self.scheduler.close_actor(conn, msg)
 
     def _local_link(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """The submitter asks for a local link: the answer has none when there is none."""
