@@ -39,7 +39,7 @@ BREAKS.add(("client.connection", "client.pool"))
 JOB_INTERPRETER = {"msgpack", "cloudpickle", "cryptography", "torch"}
 # The peer's decisions, pure (ADR 0015): they import no event loop, socket, process or thread, and of the
 # peer's modules only each other; the asyncio side (peer/scheduler) performs what they return.
-PURE = {"peer.scheduler_state", "peer.slots", "peer.actors"}
+PURE = {"peer.scheduler_state", "peer.slots", "peer.actors", "peer.admission"}
 IO = {"asyncio", "socket", "selectors", "subprocess", "signal", "threading", "multiprocessing", "psutil", "zeroconf"}
 
 

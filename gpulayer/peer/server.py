@@ -26,7 +26,7 @@ import psutil
 from .. import discovery, invite, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..jobs.store import RETENTION_DAYS, RETENTION_GB, StateDirInUse
-from ..matching import Requirements, match, missing_software
+from ..matching import Requirements, match
 from ..protocol import framing, handshake, messages
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
@@ -38,9 +38,9 @@ from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
 from .worker_processes import Worker
-from . import gossip, held
+from . import admission, gossip, held
 from .scheduler import Scheduler, default_preload, plan_slots
-from .slots import ActorHolder, Submission, TaskHolder
+from .slots import Submission, TaskHolder
 
 log = logging.getLogger("gpulayer.peer")
 
@@ -542,50 +542,29 @@ class Peer:
         conn.channel.write(messages.peers(msg.get("id"), self.gossip.listing()))
 
     def _admit(self, conn: Connection, msg: messages.Message, buffers: list[Any], probed: bool = False) -> None:
-        """Queue a SUBMIT (or an ACTOR, which creates an actor; both checked by their validators), or
-        REJECT it with the reason. A task that asks for software the job interpreter lacked waits for a
-        new probe, when one is due (`_admit_after_probe`); `probed` says that it did."""
-        task_id = msg["id"]
-        if task_id in conn.tasks or task_id in conn.probing and not probed:
-            return self._reject(conn, task_id, "bad-request", f"task id {task_id} is already in use on this connection")
-        if self._draining:
-            return self._reject(conn, task_id, "busy", "the peer is shutting down")
-        try:
-            req = Requirements.from_wire(msg.get("req") or {})
-        except ValueError as exc:
-            return self._reject(conn, task_id, "bad-request", str(exc))
-        reasons = match(req, self.advert)
-        missing = missing_software(req, self.advert) if reasons and not probed else frozenset()
-        if missing and self.reprobe.due(missing):
-            conn.probing.add(task_id)
-            self.scheduler.spawn(self._admit_after_probe(conn, msg, buffers, missing))
-            return
-        if reasons:
-            return self._reject(conn, task_id, "no-match", "; ".join(reasons))
-        if self.scheduler.state.queued >= self.config.max_queue:
-            return self._reject(conn, task_id, "busy", f"the queue is full ({self.config.max_queue} tasks)")
-        if self.scheduler.state.actors_hold_all(req):
-            return self._reject(conn, task_id, "busy", "actors hold the slots that fit")
-        keep = msg.get("keep") if msg["t"] == messages.SUBMIT else None  # checked by check_submit; actors keep nothing
-        if keep is not None and keep in self.held:
-            return self._reject(conn, task_id, "bad-request", "the keep id names a result held already")
-        task: Submission
-        if msg["t"] == messages.SUBMIT:
-            task = TaskHolder(owner=conn, task_id=task_id, msg=msg, buffers=buffers, req=req,
-                              timeout=msg.get("timeout"), keep=keep)
-        else:
-            task = ActorHolder(owner=conn, task_id=task_id, msg=msg, buffers=buffers, req=req,
-                               timeout=msg.get("timeout"), class_name=messages.printable(msg["name"]))
-        conn.tasks[task_id] = task
+        """Queue a SUBMIT or an ACTOR (both checked by their validators), or REJECT it, as admission decides
+        (admission.py). A task that asks for software the job interpreter lacked waits for a new probe,
+        when one is due (`_admit_after_probe`); `probed` says that it did."""
+        decide = functools.partial(admission.admit, conn, msg, buffers, self.scheduler.state, advert=self.advert,
+                                   draining=self._draining, max_queue=self.config.max_queue, held=self.held)
+        decision = decide(probe=not probed)
+        if isinstance(decision, admission.Probe):
+            if self.reprobe.due(decision.missing):
+                conn.probing.add(msg["id"])
+                self.scheduler.spawn(self._admit_after_probe(conn, msg, buffers, decision.missing))
+                return
+            decision = decide(probe=False)
+        if isinstance(decision, admission.Reject):
+            return self._reject(conn, decision.task_id, decision.code, decision.message)
+        assert isinstance(decision, admission.Admit)
+        task = decision.task
         if isinstance(task, TaskHolder) and msg.get("refs"):
-            conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id}))
+            conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task.task_id}))
             self.scheduler.spawn(self._enqueue_with_refs(conn, task, msg["refs"]))
-        elif self.scheduler.enqueue(task):
-            if msg["t"] == messages.ACTOR:  # its slot is taken: a gang creates its next rank now (ADR 0018)
-                conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id, "s": True}))
-        elif not task.answered:
-            # it waits: say so, and that it may be withdrawn until it starts (a task that started needs no ACCEPT)
-            conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id, "w": msg["t"] == messages.SUBMIT}))
+            return
+        accepted = admission.acceptance(task, self.scheduler.enqueue(task))
+        if accepted is not None:
+            conn.channel.write(self.scheduler.report(accepted))
 
     async def _admit_after_probe(self, conn: Connection, msg: messages.Message, buffers: list[Any],
                                  missing: frozenset[str]) -> None:
