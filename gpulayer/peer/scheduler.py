@@ -28,7 +28,7 @@ from ..resources.utilisation import Sample
 from .actors import (
     Actor, ActorAction, Actors, ArmCall, ArmGrace, CallOwner, Gone, StopCall, StopGrace, ToSubmitter, grace_from_env)
 from .scheduler_state import (
-    LEASE_IDLE_S, SPARE_IDLE_S, Action, Actions, Answer, EndActor, Ended, GoLive, OpenBorrowed, Replace, Run,
+    LEASE_IDLE_S, SPARE_IDLE_S, Action, Answer, EndActor, Ended, GoLive, OpenBorrowed, Replace, Run,
     RunAlone, SchedulerState, Started, StartJob, StopTimer, StopWorker, TellIdle, ToWorker, device_env)
 from .slots import ActorHolder, JobHolder, LeaseHolder, Queued, Slot, Submission
 from .worker_processes import Worker, describe_exit, job_pythonpath
