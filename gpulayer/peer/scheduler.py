@@ -1,8 +1,9 @@
 """The peer's scheduler, the asyncio side: it turns what happens (a task admitted, a worker's reply, its
-exit, a timeout, a wait on a future) into events of `SchedulerState` (scheduler_state.py), which decides,
-and performs the actions that come back: it starts and replaces worker processes, sends them work, arms
-timers, and answers each task once through its connection's `TaskOwner` methods. It runs on the
-peer's event loop.
+exit, a timeout, a wait on a future; an actor's call, its outcome, its creator's connection come or gone)
+into events of `SchedulerState` (scheduler_state.py) and of the actor table (actors.py), which decide,
+and performs the actions that come back, in one queue: it starts and replaces worker processes, sends
+them work, arms timers, and answers each task once through its connection's `TaskOwner` methods. It
+runs on the peer's event loop.
 """
 
 from __future__ import annotations
