@@ -260,3 +260,18 @@ def test_the_worker_reads_its_streams_in_one_loop_and_times_its_tasks_in_one_wat
     assert readers == {"gpulayer.worker.receiver", "gpulayer.worker.streams"}, readers
     assert not timers, timers
     assert watchdogs == ["gpulayer.worker.receiver"]
+
+
+def test_the_worker_chooses_a_tasks_output_path_in_one_place():
+    """One output path per stream kind, chosen in one place (issue 25): on the worker side only
+    worker/output replaces sys.stdout or sys.stderr, or moves file descriptors (dup2, redirect_*)."""
+    wrong = set()
+    for name in (n for n in MODULES if place(n)[1] == "worker"):
+        for node in runtime_nodes(TREES[name]):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            stores = [t for target in targets for t in ast.walk(target)
+                      if isinstance(t, ast.Attribute) and ast.unparse(t) in ("sys.stdout", "sys.stderr")]
+            moves = isinstance(node, ast.Attribute) and node.attr in ("dup2", "redirect_stdout", "redirect_stderr")
+            if stores or moves:
+                wrong.add(name)
+    assert wrong == {"gpulayer.worker.output"}, wrong
