@@ -102,7 +102,7 @@ class ToSubmitter:
     """Send `msg` on a submitter's connection."""
     owner: CallOwner
     msg: messages.Outgoing
-    buffers: list[Any] = field(default_factory=list)
+    buffers: messages.Buffers = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,7 +187,7 @@ class Actors:
         call = actor.calls.pop(worker_call_id, None)
         if call is None:
             return []
-        return [StopCall(call), ToWorker(actor.worker, messages.cancel(worker_call_id)),
+        return [*_stop(call), ToWorker(actor.worker, messages.cancel(worker_call_id)),
                 ToSubmitter(owner, messages.error("cancelled", "cancelled by the submitter", call_id))]
 
     def close(self, owner: CallOwner, msg: messages.Message) -> Actions:
@@ -260,7 +260,7 @@ class Actors:
             return []  # cancelled, or its submitter is gone
         call.owner.calls.pop(call.call_id, None)
         reply["id"] = call.call_id
-        return [StopCall(call), ToSubmitter(call.owner, reply, buffers)]
+        return [*_stop(call), ToSubmitter(call.owner, reply, buffers)]
 
     def output(self, actor: Actor, stream: str, data: bytes) -> Actions:
         """Stdout or stderr of the actor, to its oldest call in flight; nothing when there is none."""
@@ -295,7 +295,7 @@ class Actors:
             actor.orphaned = False
             actions.append(StopGrace(actor))
         for call in actor.calls.values():
-            actions.append(StopCall(call))
+            actions += _stop(call)
             if call.owner is not None:
                 call.owner.calls.pop(call.call_id, None)
                 actions.append(ToSubmitter(call.owner, messages.error("actor-died", reason, call.call_id)))
@@ -308,3 +308,8 @@ class Actors:
     def end_all(self, reason: str) -> Actions:
         """End every live actor (the peer stops)."""
         return [action for actor in list(self.live.values()) for action in self.end(actor, "died", reason)]
+
+
+def _stop(call: Call) -> Actions:
+    """Stop the call's timer, if it has one."""
+    return [StopCall(call)] if call.timeout is not None else []

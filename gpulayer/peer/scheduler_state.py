@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Union
 
@@ -113,7 +113,7 @@ class ToWorker:
     """Send `msg` to a worker (a lease's LEASE_END or CANCEL; an actor's CALL or CANCEL)."""
     worker: Worker
     msg: messages.Message
-    buffers: list[Any] = field(default_factory=list)
+    buffers: messages.Buffers = ()
 
 
 @dataclass(frozen=True, eq=False)

@@ -58,8 +58,8 @@ def test_a_call_goes_to_the_worker_under_the_peers_own_id_and_its_result_back_un
     assert isinstance(first, ToWorker) and first.worker is actor.worker and first.buffers == [b"buf"]
     assert first.msg == {"t": messages.CALL, "id": 1, "method": "add", "args": b"args"}
     assert second.msg["id"] == 2 and alice.calls == {7: (actor, 1)} and other.calls == {7: (actor, 2)}
-    stop, answer = actors.reply(actor, {"t": messages.RESULT, "id": 2, "data": b"x"}, [b"r"])
-    assert isinstance(stop, StopCall) and isinstance(answer, ToSubmitter)
+    [answer] = actors.reply(actor, {"t": messages.RESULT, "id": 2, "data": b"x"}, [b"r"])  # no timer to stop
+    assert isinstance(answer, ToSubmitter)
     assert answer.owner is other and answer.msg == {"t": messages.RESULT, "id": 7, "data": b"x"}
     assert answer.buffers == [b"r"] and other.calls == {} and alice.calls == {7: (actor, 1)}
     assert actors.rows() == [{"actor": ACTOR_ID[:8], "class": "Counter", "slot": 0, "served": 1, "pending": 1,
@@ -83,8 +83,8 @@ def test_a_timeout_arms_a_timer_and_when_it_fires_the_call_gets_timeout_and_the_
     waiting = actors.call(alice, call(4), [])  # queued behind it on the worker
     assert kinds(waiting) == ["ToWorker"]
     actions = actors.call_timed_out(actor, 1)
-    assert kinds(actions) == ["ToSubmitter", "StopCall", "ToSubmitter", "ToSubmitter", "Gone"]
-    timeout, _, died, end, gone = actions
+    assert kinds(actions) == ["ToSubmitter", "ToSubmitter", "ToSubmitter", "Gone"]
+    timeout, died, end, gone = actions
     assert timeout.msg["code"] == "timeout" and timeout.msg["id"] == 3 and "slow" in timeout.msg["message"]
     assert died.msg["code"] == "actor-died" and died.msg["id"] == 4
     assert end.owner is alice and end.msg["t"] == messages.ACTOR_END and end.msg["code"] == "died"
@@ -131,7 +131,7 @@ def test_an_actor_outlives_its_creators_last_connection_by_the_grace_time_unless
     assert actors.grace_ended(actor) == []  # a timer that fired as it was cancelled
     actors.disconnected(back, last=True)
     actions = actors.grace_ended(actor)  # the call whose connection went has no one to answer, nor has the end
-    assert kinds(actions) == ["StopGrace", "StopCall", "Gone"]
+    assert kinds(actions) == ["StopGrace", "Gone"]
     gone = actions[-1]
     assert "its submitter alice was gone for 3 s" in gone.why and actors.live == {}
 
@@ -151,8 +151,10 @@ def test_ending_every_actor_answers_each_call_and_frees_each_slot():
     actors, actor, alice = table()
     second = Actor("c3" * 16, "Other", "bob", None, Slot(1, "cpu"), Worker(4343))  # type: ignore[arg-type]
     actors.add(second)
-    actors.call(alice, call(1), [])
+    actors.call(alice, call(1, timeout=9.0), [])
+    actors.call(alice, call(2), [])
     actions = actors.end_all("the peer shut down")
-    assert kinds(actions) == ["StopCall", "ToSubmitter", "ToSubmitter", "Gone", "Gone"]
+    assert kinds(actions) == ["StopCall", "ToSubmitter", "ToSubmitter", "ToSubmitter", "Gone", "Gone"]
+    assert [a.msg["id"] for a in actions if isinstance(a, ToSubmitter)][:2] == [1, 2]
     assert [a.actor for a in actions if isinstance(a, Gone)] == [actor, second]
     assert actors.live == {} and actors.ended == {ACTOR_ID: "the peer shut down", "c3" * 16: "the peer shut down"}
