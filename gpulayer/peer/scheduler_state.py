@@ -494,17 +494,32 @@ class SchedulerState:
             actions += self._start(task, group, now)
         return actions
 
-    def _startable(self) -> Iterator[Queued]:
-        """The queue in start order, less the work whose user holds its quota of slots already
-        (--max-slots-per-user): the others' work goes first. Work that needs more slots than the quota
-        starts only while its user holds none."""
-        cap = self.max_slots_per_user
-        if cap is None:
-            return iter(self.queue)
+    def within_quota(self, item: Queued, freed: Holder | None = None) -> bool:
+        """Whether `item`'s user may take its slots now (--max-slots-per-user), with those of `freed` free."""
+        held = self._held_by_users()
+        if freed is not None:
+            held[freed.user] -= len(freed.group)
+        return self._fits_quota(item, held)
+
+    def _held_by_users(self) -> Counter[str]:
+        """The slots each user holds (the holders that count in a quota: tasks and jobs)."""
         held = Counter[str]()
         for holder in {s.task for s in [*self.slots, *self.borrowed] if s.task is not None and s.task.user}:
             held[holder.user] += len(holder.group)
-        return (t for t in self.queue if not t.user or not held[t.user] or held[t.user] + t.req.devices <= cap)
+        return held
+
+    def _fits_quota(self, item: Queued, held: Counter[str]) -> bool:
+        """Work that needs more slots than the quota starts only while its user holds none."""
+        cap = self.max_slots_per_user
+        return cap is None or not item.user or held[item.user] <= 0 or held[item.user] + item.req.devices <= cap
+
+    def _startable(self) -> Iterator[Queued]:
+        """The queue in start order, less the work whose user holds its quota of slots already
+        (--max-slots-per-user): the others' work goes first."""
+        if self.max_slots_per_user is None:
+            return iter(self.queue)
+        held = self._held_by_users()
+        return (t for t in self.queue if self._fits_quota(t, held))
 
     def _start(self, task: Queued, group: list[Slot], now: float) -> Actions:
         lead = group[0]
