@@ -1,6 +1,7 @@
-"""The queue of a peer's jobs (issue 28): priorities, and equal priorities shared between submitters in
-turn. Real peers in subprocesses, real TCP; each job writes its name when it starts, so the order
-in which the one-slot peer started them is read from the jobs' own output."""
+"""The queue of a peer's jobs and tasks (issue 28): priorities, equal priorities shared between submitters
+in turn, arrays, preemption (and a glt.Trainer job that resumes after it), and per-user quotas. Real peers
+in subprocesses, real TCP; the work writes when it starts, so the order in which a peer started it is
+read from the work's own output."""
 
 from __future__ import annotations
 
