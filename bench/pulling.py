@@ -6,7 +6,7 @@
 
 1. Makespan: one peer is up, its only slot held by a gate job, and JOBS jobs of mixed lengths (uniform in
    LENGTHS s, `sleep`) and priorities (0, 1, 2) are queued there; then PEERS - 1 more one-slot peers start
-   (each pulls as soon as it is ready), and once all are ready the gate opens. Makespan: from the first
+   (each pulls as soon as it is ready), and once each has pulled a job the gate opens. Makespan: from the first
    start (of a pulled job, or the gate's end) to the last job's end; ideal: the jobs' total length over
    PEERS slots. Queue wait by priority: each job's start less that first start. Where
    each job ran, and how many were pulled, come from the peers' own records (`gpulayer jobs`).
@@ -115,6 +115,7 @@ def makespan(workdir: Path, peers: int, count: int, lengths: tuple[float, float]
         joiners = [cluster.start(f"peer{n}", False) for n in range(1, peers)]
         for peer in joiners:
             peer.wait_ready()
+        wait_until(lambda: all("pulled from" in peer.log() for peer in joiners), 120, interval=0.2)
         gate.touch()
         assert opener.wait(60) == "succeeded"
         ids = {j.id for j in submitted}

@@ -22,6 +22,7 @@ array's jobs never move.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -338,6 +339,7 @@ class Puller:
         self.watches: dict[tuple[Address, ...], Watch] = {}
         self._watching: dict[str, Watch] = {}  # the peer id its HELLO named -> its watch
         self._task: asyncio.Task[None] | None = None
+        self._heard = asyncio.Event()  # a new peer was heard of: look at once
         self._room = asyncio.Event()
         self._taking = 0
         self._pool = ThreadPoolExecutor(MAX_OWNERS, thread_name_prefix="gpulayer-pull")
@@ -366,7 +368,9 @@ class Puller:
                     if not watch.ignored and (watch.task is None or watch.task.done()):
                         watch.task = asyncio.get_running_loop().create_task(self._watch(addresses, watch))
                 self.changed()
-                await asyncio.sleep(SCAN_S)
+                self._heard.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._heard.wait(), SCAN_S)
         finally:
             for watch in self.watches.values():
                 if watch.task is not None:
@@ -374,6 +378,10 @@ class Puller:
                 if watch.link is not None:
                     watch.link.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def heard(self) -> None:
+        """A peer was heard of (discovery's thread may call this through the loop): look at the owners now."""
+        self._heard.set()
 
     def stop(self) -> None:
         """The peer stops: no more pulls (a hand-over under way is undone by its owner, or settled later)."""

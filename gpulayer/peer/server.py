@@ -251,6 +251,12 @@ class Peer:
             return [list(a) for a in dict.fromkeys(tuple(a) for a in known if a)]
 
         self.puller = pull.Puller(self.jobs, self.config.key, self.peer_id, lambda: self.advert, owners)
+        loop, puller = self._loop, self.puller
+
+        def heard(_record: discovery.PeerRecord) -> None:  # on the browser's thread
+            loop.call_soon_threadsafe(puller.heard)
+
+        directory.on_new = heard
         self.scheduler.on_acted = self.puller.changed
         self.scheduler.spawn(self.puller.run())
 
