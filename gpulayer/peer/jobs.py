@@ -411,9 +411,14 @@ class Jobs:
         home = self.store.folder(job_id)
         env = self._environment(row, slot_env)
         state, reason, code = FAILED, "", None
+        ran = False  # whether a supervisor started (a job stopped before that never ran)
         for attempt in range(row.attempts + 1, row.attempts + row.spec.retries + 2):
+            if run.stopping:  # stopped, timed out or preempted before this attempt's supervisor started
+                state, reason, code = _outcome(None, run.stopping, row.spec.timeout)
+                break
             (home / STATUS_FILE).unlink(missing_ok=True)
             self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
+            ran = True
             try:
                 run.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-I", "-S", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
@@ -424,7 +429,7 @@ class Jobs:
                 state, reason = FAILED, f"its supervisor could not start: {exc}"
                 break
             self.store.update(job_id, pid=run.proc.pid, pid_started=_started_at(run.proc.pid))
-            if run.stopping:  # stopped while this run started
+            if run.stopping:  # stopped while its supervisor started: it ends before or after running the command
                 _signal(run, signal.SIGTERM)
             if row.spec.timeout:
                 run.timer = self._loop().call_later(row.spec.timeout, self._time_out, job_id)
@@ -442,6 +447,9 @@ class Jobs:
             self.scheduler.job_ended(run.task, PREEMPTED)
             self._limited.pop(job_id, None)  # its array's place is taken again when it is queued again
             return self._requeue(job_id)
+        if run.stopping == LOST and not ran:  # the peer stops before the job started: it stays queued
+            self.scheduler.job_ended(run.task, LOST)
+            return
         if run.stopping == LOST:  # the peer stops: recorded as lost, as after a crash
             state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
         self._end(job_id, state, reason, code)
@@ -590,8 +598,14 @@ def _could_start(req: Requirements, group: list[Slot]) -> bool:
 
 
 def _outcome(status: dict[str, int] | None, stopping: str, timeout: float | None) -> tuple[str, str, int | None]:
-    """(state, reason, exit code) of an ended run; a signal is given as its negative number."""
-    if status is None:
+    """(state, reason, exit code) of an ended run; a signal is given as its negative number. No status, or
+    an empty one, means the command never started: a supervisor stopped before its SIGTERM handler was set
+    (or before any supervisor started) gives none, one stopped before it ran the command gives {}."""
+    if not status:
+        if stopping == STOPPED:
+            return STOPPED, "stopped before it started", None
+        if stopping == "timeout":
+            return FAILED, f"ran past its timeout of {timeout:g} s before it started, and was stopped", None
         return FAILED, "its supervisor ended without a status", None
     code = -status["signal"] if "signal" in status else status.get("code")
     if stopping == STOPPED:

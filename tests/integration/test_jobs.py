@@ -343,3 +343,24 @@ def test_a_peer_stopped_with_sigterm_stops_its_running_job_and_records_it_lost(j
     peer.start()
     lost = jobs.job(job.id)
     assert lost.state == "lost" and "stopped while it ran" in lost.reason and lost.logs().startswith("up\n")
+
+
+def test_a_job_stopped_while_its_supervisor_starts_ends_stopped(jobs_peer):
+    """A stop that comes right after the submit reaches the job before, while or just after its supervisor
+    starts (before its SIGTERM handler is set, on main: recorded failed); each ends stopped, the slot free."""
+    _, _, _, jobs = jobs_peer()
+    for _ in range(6):
+        job = jobs.submit(["sleep", "30"], None, _cpu())
+        assert job.stop(grace=0.5) == "stopped", job.reason
+        assert job.stop(grace=0.5) == "stopped"  # a second stop changes nothing
+    running = jobs.submit(["sleep", "30"], None, _cpu())
+    queued = jobs.submit(["sleep", "30"], None, _cpu())
+    assert queued.stop() == "stopped" and queued.reason == "stopped before it started" and queued.exit_code is None
+    assert running.stop(grace=0.5) == "stopped"
+    assert jobs.submit(["true"], None, _cpu()).wait(60) == "succeeded"  # the one slot was given back each time
+
+
+def test_a_timeout_that_ends_before_the_supervisor_started_is_a_timeout(jobs_peer):
+    _, _, _, jobs = jobs_peer()
+    job = jobs.submit(["sleep", "30"], None, _cpu(), timeout=0.001)
+    assert job.wait(60) == "failed" and "ran past its timeout of 0.001 s" in job.reason
