@@ -17,6 +17,7 @@ import os
 import shlex
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -29,7 +30,8 @@ import psutil
 
 from ..jobs import folder, shim, transfer
 from ..jobs.store import (ENDED, FAILED, LOST, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING, STOPPED,
-                          SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of)
+                          SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of,
+                          kill_point)
 from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
@@ -113,8 +115,8 @@ class Jobs:
         self._parked: dict[str, list[str]] = {}  # array -> its jobs held back by its limit, in order
         self._uploads: dict[tuple[object, int], Upload] = {}
         self._ended: dict[str, list[asyncio.Future[None]]] = {}
-        for leftover in self.store.jobs_dir.glob("incoming-*"):  # a receipt cut by a crash: never recorded
-            shutil.rmtree(leftover, ignore_errors=True)
+        for stray in self.store.sweep():  # a receipt or a recording cut by a crash: never recorded
+            log.info("removed %s from the jobs' folder: no recorded job's", stray)
 
     @property
     def holder(self) -> str:
@@ -338,10 +340,14 @@ class Jobs:
             return conn.channel.write(messages.error("bad-request", f"the job's folder cannot be built: {exc}",
                                                  request_id))
         size = upload.manifest.total_bytes
-        rows = self.store.add_array(upload.spec, size, *upload.array) if upload.array \
-            else [self.store.add(upload.spec, size)]
-        for path, row in zip(incoming, rows):
-            os.replace(path, self.store.folder(row.id))
+        try:  # the folders are moved into place in the transaction that records the jobs: both or neither
+            rows = self.store.add_array(upload.spec, size, *upload.array, incoming) if upload.array \
+                else [self.store.add(upload.spec, size, incoming[0])]
+        except (OSError, sqlite3.Error) as exc:
+            for path in incoming:
+                shutil.rmtree(path, ignore_errors=True)
+            return conn.channel.write(messages.error("bad-request", f"the job cannot be recorded: {exc}", request_id))
+        kill_point("job-recorded")
         log.info("job %s%s recorded from %s: %s", rows[0].id, f" (an array of {len(rows)})" if upload.array else "",
                  conn.address, shlex.join(upload.spec.command))
         conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
