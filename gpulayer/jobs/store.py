@@ -18,12 +18,14 @@ import re
 import secrets
 import shutil
 import signal
-import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import sqlite3
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST = "queued", "running", "succeeded", "failed", "stopped", "lost"
 PREEMPTED = "preempted"  # being stopped for a job of higher priority; queued again once it stopped
@@ -145,7 +147,9 @@ class JobStore:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # created private before SQLite opens it
         os.close(fd)
         path.chmod(0o600)
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        import sqlite3  # here: a submitter imports this module for the job's names only
+
+        self.db: sqlite3.Connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(_SCHEMA)

@@ -45,6 +45,7 @@ log = logging.getLogger("gpulayer.peer")
 LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json", "grace", "work", "manifest.json"
 DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
 FOLLOW_POLL_S = 0.02  # how often a followed log is looked at again while its job runs (a stat when it did not grow)
+FOLLOW_FAST_S, FOLLOW_FAST_FOR_S = 0.002, 1.0  # more often in the first second of a follow: a job's first line
 STATUS_ENDED, STATUS_TAIL_LINES, STATUS_TAIL_BYTES = 20, 5, 2000  # what STATUS says of the jobs (the dashboard)  # the defaults of --job-retention-days and --job-retention-gb
 
 
@@ -546,12 +547,13 @@ class Jobs:
         until the job ends. Then the job's JOB_INFO, with the offset reached."""
         path = self.store.folder(row.id) / LOG_FILE
         offset = msg.get("offset", 0) if msg.get("tail") is None else _tail_offset(path, msg["tail"])
+        fast_until = time.monotonic() + FOLLOW_FAST_FOR_S
         while not conn.channel.closed:
             ended = self._row_ended(row.id)  # read before the log: what it wrote until it ended is read after
             offset = await self._send_from(conn, msg["id"], path, offset)
             if ended or not msg["follow"]:
                 break
-            await asyncio.sleep(FOLLOW_POLL_S)
+            await asyncio.sleep(FOLLOW_FAST_S if time.monotonic() < fast_until else FOLLOW_POLL_S)
         self._info(conn, msg, offset=offset)
 
     async def _send_from(self, conn: JobConnection, request_id: int, path: Path, offset: int) -> int:
