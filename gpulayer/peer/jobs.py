@@ -300,26 +300,38 @@ class Jobs:
         if draining:
             return conn.channel.write(messages.error("busy", "the peer is shutting down", request_id))
         need = self.blobs.missing(manifest.blobs())
-        receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need})
+        receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need},
+                                         transfer.DiskThread() if need else None)
         self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, array)
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
         if not need:
             self._record(conn, request_id)
 
     def _blob(self, conn: JobConnection, msg: messages.Message, buffers: list[Any]) -> None:
-        """A piece of a blob the JOB_NEED asked for; the job is recorded once the last blob is stored."""
+        """A piece of a blob the JOB_NEED asked for: checked here, hashed and written on the upload's disk
+        thread (the event loop only decrypts and parses); the job is recorded once the last blob is stored."""
         upload = self._uploads.get((conn, msg.get("id")))  # type: ignore[arg-type]
         try:
             if upload is None:
                 raise folder.FolderError("a BLOB must belong to a JOB_SUBMIT of this connection")
-            done = upload.receiver.feed(msg, buffers)
-            if done:
-                upload.receiver.finish()
+            if upload.receiver.feed(msg, buffers):
+                self.scheduler.spawn(self._stored(conn, msg["id"], upload))
         except (OSError, folder.FolderError) as exc:
-            self.forget_upload(conn, msg.get("id"))
-            return conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", msg.get("id")))
-        if done:
-            self._record(conn, msg["id"])
+            self._upload_failed(conn, msg.get("id"), exc)
+
+    async def _stored(self, conn: JobConnection, request_id: int, upload: Upload) -> None:
+        """The last blob came: wait, off the event loop, for the disk thread to store every blob, then
+        record the job (unless the connection went meanwhile: nothing of it is recorded)."""
+        try:
+            await self._loop().run_in_executor(None, upload.receiver.finish)
+        except (OSError, folder.FolderError) as exc:
+            return self._upload_failed(conn, request_id, exc)
+        if self._uploads.get((conn, request_id)) is upload:
+            self._record(conn, request_id)
+
+    def _upload_failed(self, conn: JobConnection, request_id: Any, exc: Exception) -> None:
+        self.forget_upload(conn, request_id)
+        conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", request_id))
 
     def forget_upload(self, conn: JobConnection, request_id: Any) -> None:
         upload = self._uploads.pop((conn, request_id), None)
