@@ -305,7 +305,7 @@ class Jobs:
         self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, array)
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
         if not need:
-            self._record(conn, request_id)
+            self.scheduler.spawn(self._record(conn, request_id))
 
     def _blob(self, conn: JobConnection, msg: messages.Message, buffers: list[Any]) -> None:
         """A piece of a blob the JOB_NEED asked for: checked here, hashed and written on the upload's disk
@@ -327,7 +327,7 @@ class Jobs:
         except (OSError, folder.FolderError) as exc:
             return self._upload_failed(conn, request_id, exc)
         if self._uploads.get((conn, request_id)) is upload:
-            self._record(conn, request_id)
+            await self._record(conn, request_id)
 
     def _upload_failed(self, conn: JobConnection, request_id: Any, exc: Exception) -> None:
         self.forget_upload(conn, request_id)
@@ -338,20 +338,24 @@ class Jobs:
         if upload is not None:
             upload.receiver.abort()
 
-    def _record(self, conn: JobConnection, request_id: int) -> None:
-        """Build the job's folder from the blobs (one per job of an array), record the job or the array's
-        jobs (durably, in one transaction), then acknowledge it with the (first) job."""
-        upload = self._uploads.pop((conn, request_id))
+    async def _record(self, conn: JobConnection, request_id: int) -> None:
+        """Build the job's folder from the blobs (one per job of an array) on a thread, off the event loop;
+        then record the job or the array's jobs with their folders (durably, in one transaction), and
+        acknowledge it with the (first) job. The upload stays listed while its folders are built (its
+        blobs are in use); if its connection went meanwhile, nothing is recorded."""
+        upload = self._uploads[(conn, request_id)]
         incoming = [Path(self.store.reserve()) for _ in (upload.array[0] if upload.array else [None])]
+        problem = None
         try:
-            for path in incoming:
-                folder.materialise(upload.manifest, self.blobs, path / WORK_DIR)
-                _write_private(path / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
+            await self._loop().run_in_executor(None, _build, upload.manifest, self.blobs, incoming)
         except (OSError, folder.FolderError) as exc:
+            problem = f"the job's folder cannot be built: {exc}"
+        if self._uploads.pop((conn, request_id), None) is not upload or problem is not None:
             for path in incoming:
                 shutil.rmtree(path, ignore_errors=True)
-            return conn.channel.write(messages.error("bad-request", f"the job's folder cannot be built: {exc}",
-                                                 request_id))
+            if problem is not None:
+                conn.channel.write(messages.error("bad-request", problem, request_id))
+            return
         size = upload.manifest.total_bytes
         try:  # the folders are moved into place in the transaction that records the jobs: both or neither
             rows = self.store.add_array(upload.spec, size, *upload.array, incoming) if upload.array \
@@ -609,6 +613,13 @@ class Jobs:
                 "bad-request", f"job {row.id} is {row.state}: stop it first (`gpulayer stop {row.id}`)", msg["id"]))
         self.store.remove(row.id)
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
+
+
+def _build(manifest: folder.Manifest, blobs: folder.BlobStore, incoming: list[Path]) -> None:
+    """Each job's folder in `incoming`: its working folder from the blobs, and the manifest it was shipped with."""
+    for path in incoming:
+        folder.materialise(manifest, blobs, path / WORK_DIR)
+        _write_private(path / MANIFEST_FILE, json.dumps(manifest.to_wire()).encode())
 
 
 def _could_start(req: Requirements, group: list[Slot]) -> bool:
