@@ -306,9 +306,12 @@ class Submitter:
         self.connect(b"Q").close()
 
 
-    def peer_upload(self, address: tuple[str, int]) -> float:
+    def peer_upload(self, address: tuple[str, int]) -> tuple[float, float]:
         """Seconds of a real submit of the folder (scanned: its digests cached) to the real peer at `address`,
-        to its JOB_INFO; then the job is waited for (its end lets the peer's retention drop it and its blobs)."""
+        to its JOB_INFO, and the longest answer (s) to the JOB_LISTs another connection sent meanwhile, one at
+        a time (how long the peer's event loop was held); then the job is waited for (its end lets the peer's
+        retention drop it and its blobs)."""
+        import threading
         from types import SimpleNamespace
 
         from gpulayer.client.jobs import JobLink, _submit_over
@@ -316,15 +319,29 @@ class Submitter:
         from gpulayer.protocol import jobs as job_protocol
 
         client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")  # as GPULAYER_KEY
+        done, answers = threading.Event(), [0.0]
+
+        def probe() -> None:
+            with JobLink(client, [address]) as link:  # type: ignore[arg-type]
+                while not done.is_set():
+                    asked = time.perf_counter()
+                    link.ask(job_protocol.request(messages.JOB_LIST, 0), timeout=60.0)
+                    answers.append(time.perf_counter() - asked)
+                    done.wait(0.005)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
         started = time.perf_counter()
         manifest = scan(self.folder, cache=self.cache)
         with JobLink(client, [address]) as link:  # type: ignore[arg-type]
             info = _submit_over(link, JobSpec(["true"]), manifest, None)
         seconds = time.perf_counter() - started
+        done.set()
+        prober.join()
         with JobLink(client, [address]) as link:  # type: ignore[arg-type]
             ended = link.ask(job_protocol.request(messages.JOB_WAIT, 0, info["job"]["id"], timeout=120.0))
         assert ended["job"] is None or ended["job"]["state"] == "succeeded", ended
-        return seconds
+        return seconds, max(answers)
 
 
 def run_submitter(args: argparse.Namespace) -> None:
@@ -342,12 +359,15 @@ def run_submitter(args: argparse.Namespace) -> None:
     sub.drop("warm-up")
     up: dict[str, list[float]] = {"raw": [], "gpulayer": [], "peer": []}
     up_cpu: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    peer_stall: list[float] = []
     resubmit: list[dict] = []
     for i in deadline.rounds(args.rounds):
         store = f"round-{i}"
         for way in rotated(list(up), i):
             if way == "peer":
-                up[way].append(sub.peer_upload((args.host, int(args.peer_port))))
+                seconds, stall = sub.peer_upload((args.host, int(args.peer_port)))
+                up[way].append(seconds)
+                peer_stall.append(stall)
                 continue
             if way == "raw":
                 seconds, cpu = sub.raw_upload()
@@ -367,7 +387,7 @@ def run_submitter(args: argparse.Namespace) -> None:
             down[way].append(seconds)
             down_cpu[way].append(cpu)
     sub.close()
-    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "resubmit": resubmit, "fetch_s": down,
+    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "peer_upload_longest_answer_s": peer_stall, "resubmit": resubmit, "fetch_s": down,
                       "fetch_cpu_s": down_cpu, "scan_cold_s": cold, "scan_warm_s": warm,
                       "files": len(sub.manifest.entries), "folder_bytes": sub.manifest.total_bytes}))
 
@@ -524,6 +544,9 @@ def summarize(m: dict) -> dict:
         # a real submit to a real peer (its event loop, its disk thread, the job's folder built and recorded)
         "upload_peer_over_raw": peer_ratio and peer_ratio["median"],
         "upload_peer_over_raw_range": peer_ratio and [peer_ratio["min"], peer_ratio["max"]],
+        # the longest a JOB_LIST waited for its answer while the peer received an upload (its event loop held)
+        "upload_peer_longest_answer_ms": m.get("peer_upload_longest_answer_s") and
+        1e3 * spread(m["peer_upload_longest_answer_s"])["median"],
         "resubmit_content_bytes": max(r["content_bytes"] for r in m["resubmit"]),
         "resubmit_cable_bytes_over_folder": cable["median"],
         "resubmit_seconds": spread([r["seconds"] for r in m["resubmit"]])["median"],
