@@ -71,7 +71,7 @@ class JobConnection(Protocol):
     """What a job request needs of the connection it came on (peer/server.py's Connection)."""
 
     channel: AsyncChannel
-    client: str
+    submitter_id: str
     address: str
 
 
@@ -171,7 +171,7 @@ class Jobs:
     # ---- requests ---------------------------------------------------------------------------
 
     def handle(self, conn: JobConnection, msg: messages.Message, buffers: list[Any], draining: bool) -> None:
-        """Answer one job request of an authenticated connection (`conn.channel`, `conn.client`)."""
+        """Answer one job request of an authenticated connection (`conn.channel`, `conn.submitter_id`)."""
         kind = msg["t"]
         problem = job_protocol.check_request(msg) if kind not in (messages.JOB_SUBMIT, messages.BLOB) else None
         if problem is not None:
@@ -282,7 +282,7 @@ class Jobs:
 
     def _submit(self, conn: JobConnection, msg: messages.Message, draining: bool) -> None:
         request_id = msg.get("id")
-        spec = job_protocol.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
+        spec = job_protocol.check_spec(msg.get("spec"), f"{conn.submitter_id}@{conn.address.rsplit(':', 1)[0]}")
         array = job_protocol.check_array(msg.get("array"))
         if isinstance(spec, str) or isinstance(array, str) or not isinstance(request_id, int) \
                 or (conn, request_id) in self._uploads:
@@ -384,20 +384,23 @@ class Jobs:
             self._limited[row.id] = row.spec.array
         task = JobHolder(req=Requirements.from_wire(row.spec.req), job_id=row.id,
                          name=row.spec.name or row.spec.command[0], priority=row.spec.priority,
-                         share=row.spec.share, start=lambda group, env: self._start(row.id, task, env))
+                         share=row.spec.share, user=row.spec.share,
+                         start=lambda group, env: self._start(row.id, task, env))
         self.queued[row.id] = task
         if not self.scheduler.enqueue(task):
             self._preempt_for(row, task)
 
     def _preempt_for(self, row: JobRow, task: JobHolder) -> None:
         """`row` waits: stop one running preemptible job of lower priority whose slots it could start on
-        (the lowest priority, then the last started) for its grace, to queue it again once it stopped.
-        The waiting job, first in the queue's order, then takes the slots."""
+        (the lowest priority, then the last started) and whose slots its user's quota lets it take, for
+        its grace, to queue it again once it stopped. The waiting job, first in the queue's order, then
+        takes the slots."""
         victims = []
         for job_id, run in self.runs.items():
             held = self.store.get(job_id)
             if held is not None and not run.stopping and held.spec.preemptible \
-                    and held.spec.priority < row.spec.priority and _could_start(task.req, run.task.group):
+                    and held.spec.priority < row.spec.priority and _could_start(task.req, run.task.group) \
+                    and self.scheduler.state.within_quota(task, run.task):
                 victims.append((held.spec.priority, -(held.started or 0.0), held, run))
         if not victims:
             return

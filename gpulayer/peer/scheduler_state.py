@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Union
@@ -110,9 +111,10 @@ class StopTimer:
 
 @dataclass(frozen=True, eq=False)
 class ToWorker:
-    """Send `msg` to a worker (a lease's LEASE_END or CANCEL)."""
+    """Send `msg` to a worker (a lease's LEASE_END or CANCEL; an actor's CALL or CANCEL)."""
     worker: Worker
     msg: messages.Message
+    buffers: messages.Buffers = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,8 +160,9 @@ class SchedulerState:
     """The queue, the slots and what holds them; by priority, the submitters in turn, then first come first
     served (jobs/queue.py), honouring device memory."""
 
-    def __init__(self, slots: list[Slot]):
+    def __init__(self, slots: list[Slot], max_slots_per_user: int | None = None):
         self.slots = slots
+        self.max_slots_per_user = max_slots_per_user  # the quota (--max-slots-per-user): None, no cap
         self.borrowed: list[Slot] = []  # slots lent by blocked tasks (`lent_by` set) and spare ones (ADR 0014)
         self.queue: FairQueue[Queued] = FairQueue()  # in start order (jobs/queue.py)
         self.leases: dict[str, LeaseHolder] = {}  # by lease id
@@ -308,11 +311,11 @@ class SchedulerState:
         failed: messages.Message = {"t": messages.ERROR, "code": "no-lease"}
         return [*self._release(lease), Ended(lease, failed), *self._start_queued(now)]
 
-    def cancel_leased(self, lease_id: Any, client: str, task_id: int) -> Actions:
-        """Stop a task on a lease of `client` if it runs now, or keep it from starting: the leased
+    def cancel_leased(self, lease_id: Any, submitter_id: str, task_id: int) -> Actions:
+        """Stop a task on a lease of submitter `submitter_id` if it runs now, or keep it from starting: the leased
         worker decides, since only it knows which task runs."""
         lease = self.leases.get(lease_id) if isinstance(lease_id, str) else None
-        if lease is None or lease.slot is None or lease.slot.worker is None or lease.client != client or task_id <= 0:
+        if lease is None or lease.slot is None or lease.slot.worker is None or lease.submitter_id != submitter_id or task_id <= 0:
             return []
         return [ToWorker(lease.slot.worker, messages.cancel(task_id))]
 
@@ -480,7 +483,7 @@ class SchedulerState:
             lent = [s for s in self.borrowed if s.lent_by is not None and s.ready] if self.borrowed else []
             every = ready + lent if lent else ready
             free = self.available_memory()
-            found = next(((t, g) for t in islice(self.queue, LOOKAHEAD)
+            found = next(((t, g) for t in islice(self._startable(), LOOKAHEAD)
                           if (g := take_slots(t.req, every if t.borrows else ready, free))), None) if every else None
             if found is None:
                 if self.leases:
@@ -490,6 +493,33 @@ class SchedulerState:
             self.queue.remove(task)
             actions += self._start(task, group, now)
         return actions
+
+    def within_quota(self, item: Queued, freed: Holder | None = None) -> bool:
+        """Whether `item`'s user may take its slots now (--max-slots-per-user), with those of `freed` free."""
+        held = self._held_by_users()
+        if freed is not None:
+            held[freed.user] -= len(freed.group)
+        return self._fits_quota(item, held)
+
+    def _held_by_users(self) -> Counter[str]:
+        """The slots each user holds (the holders that count in a quota: tasks and jobs)."""
+        held = Counter[str]()
+        for holder in {s.task for s in [*self.slots, *self.borrowed] if s.task is not None and s.task.user}:
+            held[holder.user] += len(holder.group)
+        return held
+
+    def _fits_quota(self, item: Queued, held: Counter[str]) -> bool:
+        """Work that needs more slots than the quota starts only while its user holds none."""
+        cap = self.max_slots_per_user
+        return cap is None or not item.user or held[item.user] <= 0 or held[item.user] + item.req.devices <= cap
+
+    def _startable(self) -> Iterator[Queued]:
+        """The queue in start order, less the work whose user holds its quota of slots already
+        (--max-slots-per-user): the others' work goes first."""
+        if self.max_slots_per_user is None:
+            return iter(self.queue)
+        held = self._held_by_users()
+        return (t for t in self.queue if self._fits_quota(t, held))
 
     def _start(self, task: Queued, group: list[Slot], now: float) -> Actions:
         lead = group[0]
@@ -523,7 +553,7 @@ class SchedulerState:
             if lease.yielding or lease.slot is None:
                 continue
             with_slot = [*ready, lease.slot]
-            if any(take_slots(t.req, with_slot, free) for t in islice(self.queue, LOOKAHEAD)):
+            if any(take_slots(t.req, with_slot, free) for t in islice(self._startable(), LOOKAHEAD)):
                 actions += self._yield(lease)
         return actions
 
@@ -571,7 +601,7 @@ class SchedulerState:
             return []
         task.answered = True
         self.tasks_done += 1
-        reply["id"] = task.client_id
+        reply["id"] = task.task_id
         if task.slot is not None:  # it started
             reply["ran"] = round(now - task.started, 6)
         return [Answer(task, reply, buffers or [])]

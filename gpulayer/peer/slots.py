@@ -45,7 +45,7 @@ class TaskOwner(Protocol):
     """The submitter connection a task (or an actor's creation) came from."""
 
     address: str  # the submitter's "host:port"
-    client: str  # the submitter's id (its AUTH's "client"): whose data its tasks' workers hold
+    submitter_id: str  # the submitter's id (its AUTH's "client"): whose data its tasks' workers hold
 
     def task_done(self, task: Submission, reply: messages.Outgoing, buffers: list[Any]) -> None:
         """Send the task's outcome (once)."""
@@ -67,15 +67,11 @@ class Holder:
     started: float = 0.0  # time.monotonic() when it started: its outcome says how long it ran ("ran")
     answered: bool = False  # it ended: its outcome was sent (a lease: it was given back)
     blocked: bool = False  # its worker waits on a future: its slots are lent meanwhile (ADR 0014)
+    user: str = ""  # whose quota of slots it counts in (--max-slots-per-user): "user@host"; "" none (actors, leases)
 
     @property
     def address(self) -> str:
         """The submitter's "host:port"."""
-        raise NotImplementedError
-
-    @property
-    def client(self) -> str:
-        """The submitter's id."""
         raise NotImplementedError
 
     @property
@@ -89,24 +85,20 @@ class Submission(Holder):
     """What a submitter sent to run (a SUBMIT or an ACTOR): queued, started, answered exactly once."""
 
     owner: TaskOwner
-    client_id: int  # its id on the submitter's connection
+    task_id: int  # its id on the submitter's connection
     msg: messages.Message | None  # what the submitter sent, until it starts
     buffers: list[Any] | None
     timeout: float | None
     env: dict[str, str] = field(default_factory=dict)  # its environment variables (the message's "env")
     one_off: bool = False  # it runs in a worker of its own, which a warm one replaces after it
     timer: asyncio.TimerHandle | None = None  # its timeout, while it runs
-    priority: int = 0  # its place in the queue (jobs/queue.py): tasks all have the lowest
+    priority: int = 0  # its place in the queue (jobs/queue.py): a SUBMIT's "priority" (default 0; actors 0)
     share: str = ""  # whose turn it counts in among the queued work of its priority: tasks share one
     borrows: ClassVar[bool] = True  # it may run on a slot lent by a blocked task (it gives it back when it ends)
 
     @property
     def address(self) -> str:
         return self.owner.address
-
-    @property
-    def client(self) -> str:
-        return self.owner.client
 
     @property
     def name(self) -> Any:
@@ -136,8 +128,8 @@ class TaskHolder(Submission):
 
     def work(self) -> tuple[messages.Message, list[Any]]:
         assert self.msg is not None
-        msg: messages.Message = {"t": messages.SUBMIT, "id": self.client_id, "fn": self.msg["fn"],
-                             "args": self.msg["args"], "owner": self.owner.client}
+        msg: messages.Message = {"t": messages.SUBMIT, "id": self.task_id, "fn": self.msg["fn"],
+                             "args": self.msg["args"], "owner": self.owner.submitter_id}
         buffers = self.buffers or []
         if self.refs:  # after the task's own buffers: each held result's, in order
             msg["ab"] = len(buffers)
@@ -172,7 +164,7 @@ class ActorHolder(Submission):
 
     def work(self) -> tuple[messages.Message, list[Any]]:
         assert self.msg is not None
-        msg: messages.Message = {"t": messages.ACTOR, "id": self.client_id, "cls": self.msg["cls"],
+        msg: messages.Message = {"t": messages.ACTOR, "id": self.task_id, "cls": self.msg["cls"],
                              "args": self.msg["args"], "conc": self.msg["conc"], "actor": self.actor_id}
         buffers = self.buffers or []
         self.msg = self.buffers = None
@@ -196,10 +188,6 @@ class LeaseHolder(Holder):
     def address(self) -> str:
         return self.submitter
 
-    @property
-    def client(self) -> str:
-        return self.submitter_id
-
 
 @dataclass(eq=False, kw_only=True)
 class JobHolder(Holder):
@@ -216,10 +204,6 @@ class JobHolder(Holder):
     @property
     def address(self) -> str:
         return f"job {self.job_id}"
-
-    @property
-    def client(self) -> str:
-        return self.job_id
 
 
 Queued = Union[Submission, JobHolder]  # what waits in the scheduler's queue
