@@ -317,11 +317,11 @@ class Watcher:
             member.ended = member.ended or {"state": FAILED}
             return self._fail(member, f"its peer refused the {what}: {messages.printable(msg.get('message'))}",
                               None, False)
-        job = msg.get("job") if isinstance(msg.get("job"), dict) else {}
+        job = msg["job"] if isinstance(msg.get("job"), dict) else {}
         if job.get("state") in ENDED:
             return self._ended(member, job)
         if what == "reserve":
-            ports = msg.get("ports")
+            ports = msg["ports"]
             member.ports = (int(ports[0]), int(ports[1]))
             following = self.members[member.index + 1:]
             if self.deadline is not None:

@@ -1,0 +1,191 @@
+"""Gang jobs (issue 29, ADR 0020): `gpulayer submit --nodes N` records one rank on each of N peers of
+one host and the gang on rank 0's peer, which watches the ranks: gloo's all_reduce sums right in both
+ranks' merged log; a rank killed stops the other and is named; the gang finishes without its
+submitter (SIGKILLed right after the submit) and is re-attached; stop stops every rank; a gang larger
+than the matching peers is refused with the reasons."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import new_key, process_gone, wait_until
+
+ALLREDUCE = """\
+import os, sys
+import torch
+import torch.distributed as dist
+import gpulayer as gl
+
+gl.distributed.init()
+value = torch.tensor([float(os.environ["RANK"]) + 1])
+dist.all_reduce(value)
+print("sum", value.item(), "world", os.environ["WORLD_SIZE"], "peer", os.environ["GPULAYER_PEER_NAME"], flush=True)
+if len(sys.argv) > 1:
+    open("out.txt", "w").write(os.environ["RANK"])
+"""
+
+PLAIN_TORCH = """\
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # env:// from MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+value = torch.tensor([10.0 ** int(os.environ["RANK"])])
+dist.all_reduce(value)
+print("plain", value.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+HANG = """\
+import os, time
+open(os.environ["MARKS"] + "/rank-" + os.environ["RANK"], "w").write(str(os.getpid()))
+print("rank", os.environ["RANK"], "waiting", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.fixture(scope="module")
+def gang_cluster(peer_factory, tmp_path_factory):
+    """Three one-slot CPU peers of one cluster, each with a state folder of its own; (key, peers, folder)."""
+    key = new_key()
+    base = tmp_path_factory.mktemp("gang-jobs")
+    peers = [peer_factory(f"j{i}", "--concurrency", "1", "--state-dir", str(base / f"state-{i}"), key=key)
+             for i in range(3)]
+    project = base / "project"
+    project.mkdir()
+    for name, text in (("allreduce.py", ALLREDUCE), ("plain.py", PLAIN_TORCH), ("hang.py", HANG)):
+        (project / name).write_text(text)
+    return key, peers, project
+
+
+def gpulayer(*args: str, key: str, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpulayer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, "GPULAYER_KEY": key})
+
+
+def submit(key: str, project: Path, *args: str) -> str:
+    done = gpulayer("submit", "--accelerator", "cpu", *args, key=key, cwd=project)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def listed(key: str, job_id: str) -> tuple[dict, list[dict]]:
+    """The gang's row and its ranks' rows, as `gpulayer jobs --json` gives them."""
+    rows = json.loads(gpulayer("jobs", "--json", key=key).stdout)
+    gang = next(r for r in rows if r["id"] == job_id)
+    by_id = {r["id"]: r for r in rows}
+    return gang, [by_id[m["job"]] for m in gang["gang"]["ranks"]]
+
+
+def test_a_two_rank_gloo_job_sums_in_both_ranks_merged_log(gang_cluster, tmp_path):
+    key, peers, project = gang_cluster
+    job_id = submit(key, project, "--nodes", "2", "--", "python", "allreduce.py", "write")
+    waited = gpulayer("wait", job_id, key=key)
+    assert waited.returncode == 0, waited.stderr + gpulayer("logs", job_id, key=key).stdout
+    lines = gpulayer("logs", job_id, key=key).stdout.splitlines()
+    sums = sorted(line for line in lines if " sum " in line)
+    assert [line.split(" peer ")[0] for line in sums] == ["[rank 0] sum 3.0 world 2", "[rank 1] sum 3.0 world 2"]
+    assert len({line.split(" peer ")[1] for line in sums}) == 2  # two distinct peers
+    gang, ranks = listed(key, job_id)
+    assert gang["state"] == "succeeded" and gang["exit_code"] == 0 and [r["state"] for r in ranks] == ["succeeded"] * 2
+    table = gpulayer("jobs", key=key).stdout
+    assert f"rank 0: {ranks[0]['id']}" in table and f"rank 1: {ranks[1]['id']}" in table
+    for rank in (0, 1):  # fetch takes rank 0's folder, or --rank K's
+        fetched = gpulayer("fetch", job_id, "out.txt", "--to", str(tmp_path / str(rank)),
+                           *(["--rank", "1"] if rank else []), key=key)
+        assert fetched.returncode == 0, fetched.stderr
+        assert (tmp_path / str(rank) / "out.txt").read_text() == str(rank)
+
+
+def test_a_plain_torch_distributed_script_runs_from_python(gang_cluster):
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import Jobs
+    from gpulayer.matching import Requirements
+
+    key, _, project = gang_cluster
+    client = Client(key=key.encode(), echo_output=False, interfaces=["127.0.0.1"])
+    try:
+        job = Jobs(client).submit(["python", "plain.py"], project, Requirements.build(accelerator="cpu"), nodes=3)
+        assert len(job.ranks) == 3 and len({r.peer for r in job.ranks}) == 3
+        assert job.wait(180) == "succeeded", job.logs()
+        assert sorted(line for line in job.logs().splitlines() if "plain" in line) == \
+            [f"[rank {k}] plain 111.0" for k in range(3)]
+    finally:
+        client.close()
+
+
+def test_a_rank_killed_stops_the_other_and_is_named(gang_cluster, tmp_path):
+    key, peers, project = gang_cluster
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    job_id = submit(key, project, "--nodes", "2", "--env", f"MARKS={marks}", "--", "python", "hang.py")
+    pids = wait_until(lambda: [int(p.read_text()) for p in sorted(marks.iterdir())] if len(list(marks.iterdir())) == 2
+                      and all(p.read_text() for p in marks.iterdir()) else None, 120)
+    gang, ranks = listed(key, job_id)
+    assert gang["state"] == "running" and [r["state"] for r in ranks] == ["running"] * 2
+    os.kill(pids[1], signal.SIGKILL)
+    waited = gpulayer("wait", job_id, key=key)
+    assert waited.returncode == 128 + signal.SIGKILL, waited.stderr
+    gang, ranks = listed(key, job_id)
+    rank1_peer = gang["gang"]["ranks"][1]["peer"]
+    assert gang["state"] == "failed" and gang["reason"].startswith(f"rank 1 on peer {rank1_peer}: failed (killed by SIGKILL")
+    assert [r["state"] for r in ranks] == ["stopped", "failed"]
+    assert process_gone(pids[0]) and process_gone(pids[1])
+
+
+def test_the_gang_goes_on_without_its_submitter_and_is_reattached(gang_cluster, tmp_path):
+    key, _, project = gang_cluster
+    release = tmp_path / "release"
+    (project / "wait_release.py").write_text(
+        "import os, time\nwhile not os.path.exists(os.environ['RELEASE']):\n    time.sleep(0.05)\n"
+        "print('released', os.environ['RANK'], flush=True)\n")
+    submitter = subprocess.Popen(
+        [sys.executable, "-m", "gpulayer.cli", "submit", "--accelerator", "cpu", "--nodes", "2", "--env",
+         f"RELEASE={release}", "--", "python", "wait_release.py"], cwd=project, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, "GPULAYER_KEY": key})
+    try:
+        job_id = submitter.stdout.readline().decode().strip()  # printed once the gang is recorded
+    finally:
+        submitter.kill()
+        submitter.wait(10)
+    assert wait_until(lambda: listed(key, job_id)[0]["state"] == "running", 120)
+    release.touch()
+    followed = gpulayer("logs", "-f", job_id, key=key)
+    assert followed.returncode == 0, followed.stderr
+    assert sorted(line for line in followed.stdout.splitlines() if "released" in line) == \
+        ["[rank 0] released 0", "[rank 1] released 1"]
+    assert gpulayer("wait", job_id, key=key).returncode == 0
+
+
+def test_stop_stops_every_rank(gang_cluster, tmp_path):
+    key, _, project = gang_cluster
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    job_id = submit(key, project, "--nodes", "3", "--env", f"MARKS={marks}", "--", "python", "hang.py")
+    pids = wait_until(lambda: [int(p.read_text()) for p in sorted(marks.iterdir())] if len(list(marks.iterdir())) == 3
+                      and all(p.read_text() for p in marks.iterdir()) else None, 120)
+    stopped = gpulayer("stop", job_id, "--grace", "2", key=key)
+    assert stopped.returncode == 0 and stopped.stdout.strip() == f"job {job_id} stopped", stopped.stderr
+    gang, ranks = listed(key, job_id)
+    assert gang["state"] == "stopped" and [r["state"] for r in ranks] == ["stopped"] * 3
+    assert all(process_gone(pid) for pid in pids)
+
+
+def test_a_gang_larger_than_the_matching_peers_is_refused_with_reasons(gang_cluster):
+    key, _, project = gang_cluster
+    refused = gpulayer("submit", "--accelerator", "cpu", "--nodes", "4", "--", "python", "hang.py", key=key,
+                       cwd=project)
+    assert refused.returncode != 0
+    assert "needs 4 distinct matching peers; 3 match and are free" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    # nothing was recorded on any peer
+    rows = json.loads(gpulayer("jobs", "--json", key=key).stdout)
+    assert not [r for r in rows if r.get("command") == ["python", "hang.py"] and r["state"] == "queued"]
