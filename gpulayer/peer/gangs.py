@@ -21,6 +21,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,16 @@ CONNECT_S = 5.0
 HOSTFILE = "mlx-hostfile.json"  # a rank's MLX ring hostfile, in its job's folder
 
 
+@dataclass(frozen=True)
+class JobSteps:
+    """The steps of the peer's jobs that gangs take too (peer/jobs.py passes its own)."""
+
+    info: Callable[..., None]  # (conn, request, **extra): answer with the request's job
+    enqueue: Callable[[JobRow], None]  # queue the job for its slots
+    end: Callable[[str, str, str, int | None], None]  # (job id, state, reason, exit code): record its end
+    append_log: Callable[[str, str], None]  # (job id, line): a line of GPUlayer's in its log
+
+
 @dataclass
 class Bound:
     """A rank waiting on this peer: the watcher's connection that claimed it, and how far it got."""
@@ -60,8 +71,9 @@ class Bound:
 class Gangs:
     """This peer's part in gang jobs: the ranks it holds for their watchers, and the watchers it runs."""
 
-    def __init__(self, jobs: Jobs, key: bytes):
+    def __init__(self, jobs: Jobs, steps: JobSteps, key: bytes):
         self.jobs = jobs
+        self.steps = steps
         self.key = key
         self.ranks: dict[str, Bound] = {}
         self.watchers: dict[str, Watcher] = {}
@@ -81,7 +93,7 @@ class Gangs:
         bound = self.ranks.get(job_id)
         if bound is not None and bound.conn is None:
             del self.ranks[job_id]
-            self.jobs._end(job_id, FAILED, f"no gang's watcher claimed this rank within {CLAIM_S:g} s (its "
+            self.steps.end(job_id, FAILED, f"no gang's watcher claimed this rank within {CLAIM_S:g} s (its "
                                            "submitter went before the gang was recorded)", None)
 
     def request(self, conn: JobConnection, msg: messages.Message, row: JobRow) -> None:
@@ -97,10 +109,10 @@ class Gangs:
         if op == "claim":
             bound.timer.cancel()
             bound.conn = conn
-            self.jobs._info(conn, msg)
+            self.steps.info(conn, msg)
         elif op == "reserve":
             bound.reserve = msg
-            self.jobs._enqueue(row)
+            self.steps.enqueue(row)
         else:
             assert bound.task is not None
             hostfile = self.jobs.store.folder(row.id) / HOSTFILE
@@ -108,7 +120,7 @@ class Gangs:
             hostfile.chmod(0o600)
             task, bound.task, bound.started = bound.task, None, True
             self.jobs.run(row.id, task, {**bound.slot_env, **msg["env"], "MLX_HOSTFILE": str(hostfile)})
-            self.jobs._info(conn, msg)
+            self.steps.info(conn, msg)
 
     def holds(self, job_id: str, task: JobHolder, slot_env: dict[str, str]) -> bool:
         """The scheduler gave a rank its slots: it holds them until its watcher starts it (True), and the
@@ -117,7 +129,7 @@ class Gangs:
         if bound is None or bound.reserve is None or bound.conn is None:
             return False
         msg, bound.reserve, bound.task, bound.slot_env = bound.reserve, None, task, slot_env
-        self.jobs._info(bound.conn, msg, ports=[distributed.free_port(), distributed.free_port()])
+        self.steps.info(bound.conn, msg, ports=[distributed.free_port(), distributed.free_port()])
         return True
 
     def stop(self, row: JobRow, grace: float) -> bool:
@@ -134,7 +146,7 @@ class Gangs:
         bound.timer.cancel()
         if bound.task is not None:
             self.jobs.scheduler.job_ended(bound.task, STOPPED)
-        self.jobs._end(row.id, STOPPED, "stopped before its gang started", None)
+        self.steps.end(row.id, STOPPED, "stopped before its gang started", None)
         return True
 
     def forget(self, conn: JobConnection) -> None:
@@ -142,7 +154,7 @@ class Gangs:
         for job_id in [job_id for job_id, bound in self.ranks.items() if bound.conn is conn]:
             row = self.jobs.store.get(job_id)
             if row is not None and row.state not in ENDED:
-                self.jobs._append_log(job_id, "gpulayer: the gang's watcher (on rank 0's peer) went away: "
+                self.steps.append_log(job_id, "gpulayer: the gang's watcher (on rank 0's peer) went away: "
                                               "this rank is stopped\n")
                 self.jobs.stop(row, STOP_GRACE_S)
             self.ranks.pop(job_id, None)
@@ -152,7 +164,7 @@ class Gangs:
         connections go."""
         for job_id, watcher in list(self.watchers.items()):
             watcher.close()
-            self.jobs._end(job_id, LOST, "its watcher's peer (rank 0's) was stopped while the gang ran", None)
+            self.steps.end(job_id, LOST, "its watcher's peer (rank 0's) was stopped while the gang ran", None)
         self.watchers.clear()
 
     # ---- the watcher's side --------------------------------------------------------------------
@@ -166,8 +178,8 @@ class Gangs:
         if outcome is not None:
             del self.watchers[job_id]
             state, reason, code = outcome
-            self.jobs._append_log(job_id, f"gpulayer: the gang {state}{': ' + reason if reason else ''}\n")
-            self.jobs._end(job_id, state, reason, code)
+            self.steps.append_log(job_id, f"gpulayer: the gang {state}{': ' + reason if reason else ''}\n")
+            self.steps.end(job_id, state, reason, code)
 
 
 @dataclass
@@ -216,7 +228,10 @@ class Watcher:
             outcome = FAILED, f"its watcher failed: {exc}", None
         finally:
             self.close()
-        self.loop.call_soon_threadsafe(self.gangs.watched, self.row.id, False, outcome)
+        try:
+            self.loop.call_soon_threadsafe(self.gangs.watched, self.row.id, False, outcome)
+        except RuntimeError:  # the peer's loop ended: it stopped, and recorded the gang lost
+            pass
 
     def _watch(self) -> tuple[str, str, int | None]:
         for member in self.members:

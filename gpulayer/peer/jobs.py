@@ -34,7 +34,7 @@ from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
 from ..transport.channel import AsyncChannel
-from .gangs import Gangs
+from .gangs import Gangs, JobSteps
 from .scheduler import Scheduler
 from .slots import JobHolder, Slot
 from .worker_processes import job_pythonpath, worker_env
@@ -114,7 +114,7 @@ class Jobs:
         self._parked: dict[str, list[str]] = {}  # array -> its jobs held back by its limit, in order
         self._uploads: dict[tuple[object, int], Upload] = {}
         self._ended: dict[str, list[asyncio.Future[None]]] = {}
-        self.gangs = Gangs(self, key)  # gang jobs: the ranks waiting here, the gangs watched from here
+        self.gangs = Gangs(self, JobSteps(self._info, self._enqueue, self._end, self._append_log), key)  # gang jobs
         for leftover in self.store.jobs_dir.glob("incoming-*"):  # a receipt cut by a crash: never recorded
             shutil.rmtree(leftover, ignore_errors=True)
 

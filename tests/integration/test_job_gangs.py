@@ -78,11 +78,12 @@ def submit(key: str, project: Path, *args: str) -> str:
 
 
 def listed(key: str, job_id: str) -> tuple[dict, list[dict]]:
-    """The gang's row and its ranks' rows, as `gpulayer jobs --json` gives them."""
+    """The gang's row and its ranks' rows (None for a rank whose peer did not answer), as `gpulayer jobs
+    --json` gives them."""
     rows = json.loads(gpulayer("jobs", "--json", key=key).stdout)
     gang = next(r for r in rows if r["id"] == job_id)
     by_id = {r["id"]: r for r in rows}
-    return gang, [by_id[m["job"]] for m in gang["gang"]["ranks"]]
+    return gang, [by_id.get(m["job"]) for m in gang["gang"]["ranks"]]
 
 
 def test_a_two_rank_gloo_job_sums_in_both_ranks_merged_log(gang_cluster, tmp_path):
@@ -189,3 +190,61 @@ def test_a_gang_larger_than_the_matching_peers_is_refused_with_reasons(gang_clus
     # nothing was recorded on any peer
     rows = json.loads(gpulayer("jobs", "--json", key=key).stdout)
     assert not [r for r in rows if r.get("command") == ["python", "hang.py"] and r["state"] == "queued"]
+
+
+@pytest.fixture
+def two_peers(peer_factory, tmp_path):
+    """Two one-slot CPU peers of a fresh cluster with state folders of their own (killed by the tests)."""
+    key = new_key()
+    peers = [peer_factory(f"k{i}", "--concurrency", "1", "--state-dir", str(tmp_path / f"state-{i}"), key=key)
+             for i in range(2)]
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "hang.py").write_text(HANG)
+    (tmp_path / "marks").mkdir()
+    return key, peers, tmp_path
+
+
+def running_gang(key: str, folder: Path) -> tuple[str, dict, list[int]]:
+    """A gang of 2 running hang.py: its id, its row, and the ranks' pids."""
+    marks = folder / "marks"
+    job_id = submit(key, folder / "project", "--nodes", "2", "--env", f"MARKS={marks}", "--", "python", "hang.py")
+    pids = wait_until(lambda: [int(p.read_text()) for p in sorted(marks.iterdir())] if len(list(marks.iterdir())) == 2
+                      and all(p.read_text() for p in marks.iterdir()) else None, 120)
+    return job_id, listed(key, job_id)[0], pids
+
+
+def test_a_ranks_peer_lost_fails_the_gang_naming_it_and_stops_the_other(two_peers):
+    key, peers, folder = two_peers
+    job_id, gang, pids = running_gang(key, folder)
+    lost = next(p for p in peers if p.name == gang["gang"]["ranks"][1]["peer"])
+    lost.kill()  # kill -9 of the peer and of what it started, as when its machine dies
+    waited = gpulayer("wait", job_id, key=key)
+    assert waited.returncode == 1, waited.stderr  # no exit code: its peer was lost
+    gang, ranks = listed(key, job_id)
+    assert gang["state"] == "failed" and gang["reason"].startswith(f"rank 1 on peer {lost.name}: its peer was lost")
+    assert ranks[0]["state"] == "stopped" and ranks[1] is None
+    assert process_gone(pids[0])
+
+
+def test_the_watchers_peer_lost_stops_the_other_rank(two_peers):
+    key, peers, folder = two_peers
+    job_id, gang, pids = running_gang(key, folder)
+    watcher = next(p for p in peers if p.name == gang["gang"]["ranks"][0]["peer"])
+    other = next(p for p in peers if p is not watcher)
+    watcher.kill()
+    assert wait_until(lambda: process_gone(pids[1]), 30)  # its peer stopped it: the watcher's connection went
+    rank1 = gang["gang"]["ranks"][1]["job"]
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import Jobs
+
+    client = Client(key=key.encode(), echo_output=False, interfaces=["127.0.0.1"])
+    try:
+        job = Jobs(client).job(rank1)
+        assert job.state == "stopped" and "the gang's watcher (on rank 0's peer) went away" in job.logs()
+    finally:
+        client.close()
+    assert other.alive
+    watcher.start()  # restarted on its state folder: the gang it watched is recorded lost, rank 0 stopped
+    gang, ranks = listed(key, job_id)
+    assert gang["state"] == "lost" and ranks[0]["state"] == "lost"
+    assert wait_until(lambda: process_gone(pids[0]), 30)
