@@ -228,9 +228,13 @@ class Watcher:
             outcome = FAILED, f"its watcher failed: {exc}", None
         finally:
             self.close()
+        self._on_loop(self.gangs.watched, self.row.id, False, outcome)
+
+    def _on_loop(self, step: Callable[..., None], *args: Any) -> None:
+        """Have the peer's event loop take a step (it alone writes the store and the logs)."""
         try:
-            self.loop.call_soon_threadsafe(self.gangs.watched, self.row.id, False, outcome)
-        except RuntimeError:  # the peer's loop ended: it stopped, and recorded the gang lost
+            self.loop.call_soon_threadsafe(step, *args)
+        except RuntimeError:  # the loop ended: the peer stopped, and recorded the gang lost
             pass
 
     def _watch(self) -> tuple[str, str, int | None]:
@@ -341,6 +345,9 @@ class Watcher:
             following = self.members[member.index + 1:]
             if self.deadline is not None:
                 return
+            self._note(f"rank {member.index} holds its slots on peer {member.peer}"
+                       + (f"; rank {following[0].index} waits for a slot of peer {following[0].peer}" if following
+                          else "; every rank holds its slots: the gang starts"))
             if following:
                 return self._ask(following[0], "reserve")
             for other in self.members:  # every rank holds its slots: start them all
@@ -348,7 +355,7 @@ class Watcher:
                 self._ask(other, "start", env=variables)
                 self._ask(other, "wait", timeout=None)
                 other.started = True
-            self.loop.call_soon_threadsafe(self.gangs.watched, self.row.id, True, None)
+            self._on_loop(self.gangs.watched, self.row.id, True, None)
 
     def _ended(self, member: Member, job: dict[str, Any]) -> None:
         if member.ended is not None:
@@ -370,9 +377,15 @@ class Watcher:
             self._fail(member, f"its peer was lost: {reason}", None, True)
 
     def _fail(self, member: Member, cause: str, code: int | None, died: bool) -> None:
-        log.info("gang %s: rank %d on peer %s %s", self.row.id, member.index, member.peer, cause)
+        self._note(f"rank {member.index} on peer {member.peer}: {cause}"
+                   + ("" if self.deadline is not None else "; the other ranks are stopped"))
         self.failures.append((member.index, cause, code, died))
         self._end_all(STOP_GRACE_S)
+
+    def _note(self, line: str) -> None:
+        """A line of the watcher's in the gang's own log (`gpulayer logs` shows it after `[gang]`)."""
+        log.info("gang %s: %s", self.row.id, line)
+        self._on_loop(self.gangs.steps.append_log, self.row.id, f"gpulayer: {line}\n")
 
     def _end_all(self, grace: float) -> None:
         """Stop every rank that has not ended (SIGTERM, SIGKILL after `grace`), once."""

@@ -251,3 +251,42 @@ def test_the_watchers_peer_lost_stops_the_other_rank(two_peers):
     gang, ranks = listed(key, job_id)
     assert gang["state"] == "lost" and ranks[0]["state"] == "lost"
     assert wait_until(lambda: process_gone(pids[0]), 30)
+
+
+def test_a_reserved_slot_is_not_given_to_later_single_work(two_peers):
+    """Rank 0's peer (the lower id) holds its slot while rank 1 waits behind a running job on the other
+    peer: single jobs submitted meanwhile to either peer start only after the gang's rank there ended."""
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import Jobs
+    from gpulayer.matching import Requirements
+
+    key, peers, folder = two_peers
+    low, high = sorted(peers, key=lambda p: p.peer_id)
+    project, release = folder / "project", folder / "release"
+    (project / "wait_release.py").write_text(
+        "import os, time\nwhile not os.path.exists(os.environ['RELEASE']):\n    time.sleep(0.05)\n")
+    client = Client(key=key.encode(), echo_output=False, interfaces=["127.0.0.1"])
+    jobs = Jobs(client)
+
+    def pinned(peer, command):
+        return jobs.submit(command, project, Requirements.build(accelerator="cpu", peer=peer.name),
+                           env={"RELEASE": str(release)})
+
+    try:
+        blocker = pinned(high, ["python", "wait_release.py"])
+        assert wait_until(lambda: blocker.refresh().state == "running", 60)
+        gang = jobs.submit(["python", "-c", "print('rank ran')"], project, Requirements.build(accelerator="cpu"),
+                           nodes=2)
+        assert wait_until(lambda: f"rank 0 holds its slots on peer {low.name}" in gang.logs(), 60), gang.logs()
+        later = [pinned(low, ["true"]), pinned(high, ["true"])]  # after the gang's ranks on both peers
+        assert [job.refresh().state for job in later] == ["queued", "queued"]
+        release.touch()
+        assert gang.wait(120) == "succeeded", gang.logs()
+        assert [job.wait(120) for job in later] == ["succeeded", "succeeded"]
+        ranks = [rank.refresh() for rank in gang.ranks]
+        for rank, job in zip(ranks, later):  # each single job started once the rank on its peer had ended
+            assert job.info["started"] >= rank.info["ended"]
+        assert blocker.wait(60) == "succeeded"
+    finally:
+        release.touch()
+        client.close()
