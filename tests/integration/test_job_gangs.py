@@ -78,6 +78,16 @@ def submit(key: str, project: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
+def hanging(key: str, project: Path, marks: Path, nodes: int) -> tuple[str, list[int]]:
+    """A gang of `nodes` ranks running hang.py, once every rank runs: its id and the ranks' pids."""
+    marks.mkdir(exist_ok=True)
+    job_id = submit(key, project, "--nodes", str(nodes), "--env", f"MARKS={marks}", "--", "python", "hang.py")
+    pids = wait_until(lambda: [int(p.read_text()) for p in sorted(marks.iterdir())]
+                      if len(list(marks.iterdir())) == nodes and all(p.read_text() for p in marks.iterdir()) else None,
+                      120)
+    return job_id, pids
+
+
 def listed(key: str, job_id: str) -> tuple[dict, list[dict]]:
     """The gang's row and its ranks' rows (None for a rank whose peer did not answer), as `gpulayer jobs
     --json` gives them."""
@@ -126,11 +136,7 @@ def test_a_plain_torch_distributed_script_runs_from_python(gang_cluster):
 
 def test_a_rank_killed_stops_the_other_and_is_named(gang_cluster, tmp_path):
     key, peers, project = gang_cluster
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    job_id = submit(key, project, "--nodes", "2", "--env", f"MARKS={marks}", "--", "python", "hang.py")
-    pids = wait_until(lambda: [int(p.read_text()) for p in sorted(marks.iterdir())] if len(list(marks.iterdir())) == 2
-                      and all(p.read_text() for p in marks.iterdir()) else None, 120)
+    job_id, pids = hanging(key, project, tmp_path / "marks", 2)
     gang, ranks = listed(key, job_id)
     assert gang["state"] == "running" and [r["state"] for r in ranks] == ["running"] * 2
     killed = time.monotonic()
@@ -171,11 +177,7 @@ def test_the_gang_goes_on_without_its_submitter_and_is_reattached(gang_cluster, 
 
 def test_stop_stops_every_rank(gang_cluster, tmp_path):
     key, _, project = gang_cluster
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    job_id = submit(key, project, "--nodes", "3", "--env", f"MARKS={marks}", "--", "python", "hang.py")
-    pids = wait_until(lambda: [int(p.read_text()) for p in sorted(marks.iterdir())] if len(list(marks.iterdir())) == 3
-                      and all(p.read_text() for p in marks.iterdir()) else None, 120)
+    job_id, pids = hanging(key, project, tmp_path / "marks", 3)
     stopped = gpulayer("stop", job_id, "--grace", "2", key=key)
     assert stopped.returncode == 0 and stopped.stdout.strip() == f"job {job_id} stopped", stopped.stderr
     gang, ranks = listed(key, job_id)
@@ -203,16 +205,12 @@ def two_peers(peer_factory, tmp_path):
              for i in range(2)]
     (tmp_path / "project").mkdir()
     (tmp_path / "project" / "hang.py").write_text(HANG)
-    (tmp_path / "marks").mkdir()
     return key, peers, tmp_path
 
 
 def running_gang(key: str, folder: Path) -> tuple[str, dict, list[int]]:
     """A gang of 2 running hang.py: its id, its row, and the ranks' pids."""
-    marks = folder / "marks"
-    job_id = submit(key, folder / "project", "--nodes", "2", "--env", f"MARKS={marks}", "--", "python", "hang.py")
-    pids = wait_until(lambda: [int(p.read_text()) for p in sorted(marks.iterdir())] if len(list(marks.iterdir())) == 2
-                      and all(p.read_text() for p in marks.iterdir()) else None, 120)
+    job_id, pids = hanging(key, folder / "project", folder / "marks", 2)
     return job_id, listed(key, job_id)[0], pids
 
 
@@ -243,7 +241,7 @@ def test_the_watchers_peer_lost_stops_the_other_rank(two_peers):
     client = Client(key=key.encode(), echo_output=False, interfaces=["127.0.0.1"])
     try:
         job = Jobs(client).job(rank1)
-        assert job.state == "stopped" and "the gang's watcher (on rank 0's peer) went away" in job.logs()
+        assert job.wait(30) == "stopped" and "the gang's watcher (on rank 0's peer) went away" in job.logs()
     finally:
         client.close()
     assert other.alive
