@@ -18,6 +18,11 @@ collectives' own path (nothing, it should: the ranks talk to each other directly
    started in the namespaces by hand (no peer, the variables set by this script) show what the
    gang adds to the collective's own path.
 
+3. NCCL (`--nccl`, a host with 2 CUDA GPUs; issue 31): an all_reduce of `--mib` MiB (1024 there)
+   on the GPUs, in a gang of 2 local peers given one GPU each (CUDA_VISIBLE_DEVICES) and in
+   `torchrun --nproc-per-node 2` on the same 2 GPUs, in the same run; medians of `--rounds`. For 2
+   ranks the bus bandwidth equals the algorithm bandwidth (bytes / time).
+
 Figures from one run on one machine (the shared 2-core test box: noisy).
 """
 
@@ -101,16 +106,28 @@ def reduce_rounds(framework: str, size: int, rounds: int) -> list[float]:
         return raw_exchanges(size, rounds)
     count = size // 4
     times = []
-    if framework == "torch":
+    if framework in ("torch", "torchrun"):
+        import os
+
         import torch
         import torch.distributed as dist
 
-        distributed.init()
-        data = torch.ones(count)
+        import gpulayer as gl
+
+        if framework == "torch":  # a gang's rank: gloo on the CPU, or NCCL on its peer's GPU
+            distributed.init()
+            device = gl.device()
+        else:  # a rank torchrun started on this host's GPUs
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl")
+        data = torch.ones(count, device=device)
         for _ in range(rounds + 1):
             dist.barrier()
             began = time.perf_counter()
             dist.all_reduce(data)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - began)
     else:
         import mlx.core as mx
@@ -232,13 +249,60 @@ def bandwidth(mib: int, rounds: int) -> dict:
     return result
 
 
+TORCHRUN_RANK = ("import json, sys; sys.path.insert(0, {bench!r}); from gangs import reduce_rounds; "
+                 "print(json.dumps(reduce_rounds('torchrun', {size}, {rounds})), flush=True)\n")
+
+
+def nccl_bandwidth(mib: int, rounds: int) -> dict:
+    """On a host with 2 CUDA GPUs: the median NCCL all_reduce seconds and GB/s in a gang of 2 local peers
+    (one GPU each) and in torchrun on the same 2 GPUs."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 CUDA GPUs; {torch.cuda.device_count()} present"}
+    from gpulayer.client import Client
+    from gpulayer.demo import local_peer
+    from gpulayer.matching import Requirements
+
+    size, key = mib * MIB, secrets.token_hex(16)
+    env = {**os.environ, "GPULAYER_KEY": key, "GPULAYER_CACHE": "0", "GPULAYER_INTERFACES": "127.0.0.1"}
+    times = {}
+    with ExitStack() as stack:
+        for index in (0, 1):
+            stack.enter_context(local_peer({**env, "CUDA_VISIBLE_DEVICES": str(index)}, name=f"nccl-{index}"))
+        client = Client(key=key.encode(), echo_output=False, interfaces=["127.0.0.1"])
+        stack.callback(client.close)
+        client.start()
+        client.directory.wait_for(lambda records: len(records) == 2, 60)
+        ranks = client.submit_gang(reduce_rounds, ("torch", size, rounds), {}, req=Requirements.build(accelerator="cuda"),
+                                   nodes=2).result(900)
+        times["gang"] = [max(pair) for pair in zip(*ranks)]
+    with tempfile.TemporaryDirectory(prefix="gpulayer-torchrun-") as folder:
+        script = Path(folder) / "rank.py"
+        script.write_text(TORCHRUN_RANK.format(bench=str(Path(__file__).parent), size=size, rounds=rounds))
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                               "--master-addr", "127.0.0.1", "--master-port", "29510", str(script)],
+                              capture_output=True, text=True, check=True, timeout=900)
+        outputs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+        times["torchrun"] = [max(pair) for pair in zip(*outputs)]
+    result: dict = {"mib": mib, "ranks": 2, "rounds": rounds, "gpus": [torch.cuda.get_device_name(i) for i in (0, 1)]}
+    for name, rows in times.items():
+        seconds = statistics.median(rows)
+        result[name] = {"median_s": round(seconds, 5), "bus_gb_s": round(size / seconds / 1e9, 2),
+                        "range_bus_gb_s": [round(size / max(rows) / 1e9, 2), round(size / min(rows) / 1e9, 2)]}
+    result["gang_over_torchrun"] = round(result["gang"]["bus_gb_s"] / result["torchrun"]["bus_gb_s"], 3)
+    return result
+
+
 def draw(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [name for name in ("start", "bandwidth") if name in result and "skipped" not in result[name]]
+    panels = [name for name in ("start", "bandwidth", "nccl") if name in result and "skipped" not in result[name]]
+    if not panels:
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, name in zip(axes[0], panels):
         if name == "start":
@@ -248,6 +312,10 @@ def draw(result: dict, path: Path) -> None:
             ax.axhline(1.0, color="grey", linestyle=":", label="target for 4 ranks")
             ax.set(xlabel="ranks", ylabel="s from submit to every rank running", title="Gang start, one host")
             ax.legend()
+        elif name == "nccl":
+            nccl = result["nccl"]
+            ax.bar(["GPUlayer gang\n(2 peers)", "torchrun"], [nccl["gang"]["bus_gb_s"], nccl["torchrun"]["bus_gb_s"]])
+            ax.set(ylabel="bus GB/s", title=f"NCCL all_reduce of {nccl['mib']} MiB, 2 GPUs of one host")
         else:
             bw = result["bandwidth"]
             labels = {"raw": "raw socket", "torch": "gloo\ngang", "torch_plain": "gloo\nby hand",
@@ -267,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-start", action="store_true")
     parser.add_argument("--skip-bandwidth", action="store_true")
+    parser.add_argument("--nccl", action="store_true", help="the NCCL comparison on this host's 2 GPUs (issue 31)")
     parser.add_argument("--json", default=str(RESULTS / "gangs.json"))
     parser.add_argument("--plot", default=str(RESULTS / "gangs.png"))
     parser.add_argument("--submitter", nargs=2, type=int, help=argparse.SUPPRESS)  # size, rounds: inside the LAN
@@ -284,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         result["start"] = start_times(args.nodes, args.repeats)
     if not args.skip_bandwidth:
         result["bandwidth"] = bandwidth(args.mib, args.rounds)
+    if args.nccl:
+        result["nccl"] = nccl_bandwidth(args.mib, args.rounds)
     print(json.dumps(result, indent=2))
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:

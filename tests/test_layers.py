@@ -39,7 +39,7 @@ BREAKS.add(("client.connection", "client.pool"))
 JOB_INTERPRETER = {"msgpack", "cloudpickle", "cryptography", "torch"}
 # The peer's decisions, pure (ADR 0015): they import no event loop, socket, process or thread, and of the
 # peer's modules only each other; the asyncio side (peer/scheduler) performs what they return.
-PURE = {"peer.scheduler_state", "peer.slots"}
+PURE = {"peer.scheduler_state", "peer.slots", "peer.actors", "peer.admission"}
 IO = {"asyncio", "socket", "selectors", "subprocess", "signal", "threading", "multiprocessing", "psutil", "zeroconf"}
 
 
@@ -216,3 +216,62 @@ def test_the_peers_decisions_do_no_io():
     wrong = {name: sorted(IO & imports(name)[1] | {t for t in GRAPH[name] if place(t)[1] == "peer"} - pure)
              for name in pure}
     assert not any(wrong.values()), f"the pure modules import (module: what): {wrong}"
+
+
+def test_a_messages_validator_lives_in_the_protocol_layer_only():
+    """One validator per message (issue 25): a `check_<kind>` (or `_check_<kind>`, `check_leased_<kind>`) of a
+    message kind is defined in protocol/ alone, where the peer's handlers and the worker find it."""
+    from gpulayer.protocol import messages
+
+    wrong = []
+    for name, tree in TREES.items():
+        if under(name, "protocol"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                words = node.name.lstrip("_").split("_")
+                kind = words[2] if words[:2] == ["check", "leased"] and len(words) > 2 else words[1:2]
+                if words[0] == "check" and "".join(kind) in messages.MESSAGE_TYPES:
+                    wrong.append(f"{MODULES[name].relative_to(ROOT)}:{node.lineno}: {node.name}")
+    assert not wrong, "validators of a message outside protocol/: " + ", ".join(wrong)
+    assert {fn.__module__ for fn in messages.CHECKS.values()} == {"gpulayer.protocol.messages"}
+
+
+WORKER_TIMERS = {"Timer", "alarm", "setitimer", "call_later"}  # what a second timeout mechanism would use
+
+
+def test_the_worker_reads_its_streams_in_one_loop_and_times_its_tasks_in_one_watchdog():
+    """One worker receive loop and one timeout mechanism (issue 25): on the worker side, a message is read
+    (`.recv()`) only by the receiver's loop, through a stream (worker/streams), and no module arms a timer
+    of its own beside the receiver's one Watchdog."""
+    readers, timers, watchdogs = set(), [], []
+    for name in (n for n in MODULES if place(n)[1] == "worker"):
+        for node in runtime_nodes(TREES[name]):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "recv" \
+                    and not node.args:
+                readers.add(name)
+            elif isinstance(node, (ast.Attribute, ast.Name, ast.alias)):
+                word = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) \
+                    else node.name.rpartition(".")[2]
+                if word in WORKER_TIMERS:
+                    timers.append(f"{name}: {word}")
+            elif isinstance(node, ast.ClassDef) and node.name == "Watchdog":
+                watchdogs.append(name)
+    assert readers == {"gpulayer.worker.receiver", "gpulayer.worker.streams"}, readers
+    assert not timers, timers
+    assert watchdogs == ["gpulayer.worker.receiver"]
+
+
+def test_the_worker_chooses_a_tasks_output_path_in_one_place():
+    """One output path per stream kind, chosen in one place (issue 25): on the worker side only
+    worker/output replaces sys.stdout or sys.stderr, or moves file descriptors (dup2, redirect_*)."""
+    wrong = set()
+    for name in (n for n in MODULES if place(n)[1] == "worker"):
+        for node in runtime_nodes(TREES[name]):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            stores = [t for target in targets for t in ast.walk(target)
+                      if isinstance(t, ast.Attribute) and ast.unparse(t) in ("sys.stdout", "sys.stderr")]
+            moves = isinstance(node, ast.Attribute) and node.attr in ("dup2", "redirect_stdout", "redirect_stderr")
+            if stores or moves:
+                wrong.add(name)
+    assert wrong == {"gpulayer.worker.output"}, wrong

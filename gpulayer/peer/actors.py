@@ -1,31 +1,36 @@
-"""The peer's actors: live instances in workers of their own, and the calls on their way to them.
+"""The peer's actors as pure transitions: live instances in workers of their own, and the calls on their way to them.
 
 An actor is created like a task (an ACTOR message, admitted and scheduled by the scheduler, which
 starts a fresh worker for it on one slot). Once its constructor returned, the slot stays held and
 this table routes the actor's CALLs to its worker, in the order they arrive, and their outcomes back
 to whichever connection sent each call. The actor ends on CLOSE from its creator, when its creator
-has had no connection for `GRACE` seconds, when a call runs past its timeout, or when its worker
+has had no connection for `grace` seconds, when a call runs past its timeout, or when its worker
 dies; every call still in flight then gets an `actor-died` error, and the slot a fresh warm worker.
+
+As in `scheduler_state.py`, each event (a CALL, a cancel, a CLOSE, a connection come or gone, a
+worker's reply, a timer that fired) changes the table and returns the actions that follow, in
+order; no event loop, no process, no socket. The scheduler (`scheduler.py`) performs them, with the
+scheduler state's, in the order decided: it sends, and arms and cancels the timers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from ..errors import ConfigError
 from ..checks import check_timeout
 from ..protocol import messages
+from .scheduler_state import ToWorker
 from .slots import Slot
-from .worker_processes import Worker
 
-log = logging.getLogger("gpulayer.peer")
+if TYPE_CHECKING:
+    import asyncio
+
+    from .worker_processes import Worker
 
 ENDED_KEPT = 4096  # ended actors remembered, so that a late call learns why its actor is gone
 GRACE_ENV = "GPULAYER_ACTOR_GRACE"
@@ -47,8 +52,8 @@ def grace_from_env() -> float:
 class CallOwner(Protocol):
     """The submitter connection that sent calls (or created actors)."""
 
-    client: str  # the submitter's id, from its AUTH
-    calls: dict[int, tuple[Actor, int]]  # its calls in flight: its id -> (actor, the worker's id)
+    submitter_id: str  # the submitter's id, from its AUTH
+    calls: dict[int, tuple[Actor, int]]  # its calls in flight: call id -> (actor, worker call id)
 
     def send(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
         """Write a message to the submitter."""
@@ -57,8 +62,10 @@ class CallOwner(Protocol):
 @dataclass(eq=False)
 class Call:
     owner: CallOwner | None  # None once its connection is gone: its outcome is dropped
-    client_id: int
-    timer: asyncio.TimerHandle | None = None
+    call_id: int  # its id on its submitter's connection
+    method: str
+    timeout: float | None = None
+    timer: asyncio.TimerHandle | None = None  # the scheduler's, while its timeout is armed
 
 
 @dataclass(eq=False)
@@ -67,15 +74,16 @@ class Actor:
 
     actor_id: str
     name: str  # the class's qualified name
-    client: str  # the submitter that created it
+    submitter_id: str  # the submitter that created it
     owner: CallOwner | None  # the creator's connection, where ACTOR_END goes
     slot: Slot
     worker: Worker
-    calls: dict[int, Call] = field(default_factory=dict)
+    calls: dict[int, Call] = field(default_factory=dict)  # by worker call id
     served_here: int = 0  # calls answered through this peer
     served_direct: int = 0  # calls answered on direct connections, as its worker last reported (ADR 0012)
-    grace: asyncio.TimerHandle | None = None
-    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    orphaned: bool = False  # its creator has no connection: it ends when the grace time runs out
+    grace: asyncio.TimerHandle | None = None  # the scheduler's, while `orphaned`
+    worker_call_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))  # a call's id on the worker
 
     @property
     def served(self) -> int:
@@ -87,19 +95,65 @@ class Actor:
         return self.actor_id[:8]
 
 
-class Actors:
-    """The live actors of a peer, by id; `free(slot, worker)` gives an ended actor's slot back."""
+# ---- actions: what the scheduler does, in the order given (with scheduler_state's ToWorker) ----------
 
-    def __init__(self, free: Callable[[Slot, Worker, str], None], grace: float = DEFAULT_GRACE):
+@dataclass(frozen=True, eq=False)
+class ToSubmitter:
+    """Send `msg` on a submitter's connection."""
+    owner: CallOwner
+    msg: messages.Outgoing
+    buffers: messages.Buffers = ()
+
+
+@dataclass(frozen=True, eq=False)
+class ArmCall:
+    """Arm the call's timeout: when it fires, `call_timed_out(actor, worker_call_id)`."""
+    actor: Actor
+    worker_call_id: int
+    call: Call
+
+
+@dataclass(frozen=True, eq=False)
+class StopCall:
+    """Cancel the call's timeout, if armed."""
+    call: Call
+
+
+@dataclass(frozen=True, eq=False)
+class ArmGrace:
+    """Arm the actor's grace time: when it runs out, `grace_ended(actor)`."""
+    actor: Actor
+    seconds: float
+
+
+@dataclass(frozen=True, eq=False)
+class StopGrace:
+    """Cancel the actor's grace time, if armed."""
+    actor: Actor
+
+
+@dataclass(frozen=True, eq=False)
+class Gone:
+    """The actor ended (log it): its worker is stopped and its slot gets a fresh warm one."""
+    actor: Actor
+    why: str
+
+
+ActorAction = Union[ToWorker, ToSubmitter, ArmCall, StopCall, ArmGrace, StopGrace, Gone]
+Actions = list[ActorAction]
+
+
+class Actors:
+    """The live actors of a peer, by id, and the reasons the last ENDED_KEPT ended."""
+
+    def __init__(self, grace: float = DEFAULT_GRACE):
         self.live: dict[str, Actor] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()  # id -> why it ended
         self.grace = grace
-        self._free = free
 
     def add(self, actor: Actor) -> None:
+        """Its constructor returned: it is live (its creator owns it while connected)."""
         self.live[actor.actor_id] = actor
-        log.info("actor %s (%s) of submitter %s lives on slot %d, worker %s", actor.short_id, actor.name,
-                 actor.client, actor.slot.index, actor.worker.pid)
 
     def rows(self) -> list[dict[str, Any]]:
         """The live actors as STATUS lists them."""
@@ -108,51 +162,44 @@ class Actors:
 
     # ---- from submitters ----------------------------------------------------------------------
 
-    def call(self, owner: CallOwner, msg: messages.Message, buffers: list[Any]) -> None:
-        """Send a CALL (checked by messages.check_call) on to its actor's worker, or answer it with an error."""
+    def call(self, owner: CallOwner, msg: messages.Message, buffers: list[Any]) -> Actions:
+        """A CALL (checked by messages.check_call): on to its actor's worker under a worker call id, or an error."""
         call_id = msg["id"]
         if call_id in owner.calls:
-            return owner.send(messages.error("bad-request", f"call id {call_id} is already in use on this connection",
-                                             call_id))
-        actor = self._addressed(owner, msg)
-        if actor is None:
-            return
-        seq = next(actor.ids)
-        call = actor.calls[seq] = Call(owner, call_id)
-        owner.calls[call_id] = (actor, seq)
-        actor.worker.send({"t": messages.CALL, "id": seq, "method": msg["method"], "args": msg["args"]}, buffers)
-        timeout = check_timeout(msg.get("timeout"))
-        if timeout is not None:
-            call.timer = asyncio.get_running_loop().call_later(timeout, self._timed_out, actor, seq, timeout,
-                                                               msg["method"])
-
-    def cancel(self, owner: CallOwner, call_id: int) -> None:
-        """Answer a call with `cancelled`; the worker skips it unless it has started (then its result is dropped)."""
-        actor, seq = owner.calls.pop(call_id)
-        call = actor.calls.pop(seq, None)
-        if call is None:
-            return
-        _stop_timer(call)
-        actor.worker.send(messages.cancel(seq))
-        owner.send(messages.error("cancelled", "cancelled by the submitter", call_id))
-
-    def close(self, owner: CallOwner, msg: messages.Message) -> None:
-        """CLOSE (checked by messages.check_close) from a submitter: only the actor's creator may close it."""
-        actor = self._addressed(owner, msg)
-        if actor is None:
-            return
-        if actor.client != owner.client:
-            owner.send(messages.error("not-owner", "only the submitter that created an actor may close it", msg["id"]))
-        else:
-            actor.owner = owner  # the answer goes to the connection that asked
-            self.end(actor, "closed", "the actor was closed by its submitter", msg["id"])
-
-    def _addressed(self, owner: CallOwner, msg: messages.Message) -> Actor | None:
-        """The live actor a CALL or CLOSE (checked already) names; None once answered that it is gone."""
+            return [ToSubmitter(owner, messages.error("bad-request",
+                                                      f"call id {call_id} is already in use on this connection", call_id))]
         actor = self.live.get(msg["actor"])
         if actor is None:
-            owner.send(self.gone(msg["actor"], msg["id"]))
-        return actor
+            return [ToSubmitter(owner, self.gone(msg["actor"], call_id))]
+        worker_call_id = next(actor.worker_call_ids)
+        call = actor.calls[worker_call_id] = Call(owner, call_id, msg["method"], check_timeout(msg.get("timeout")))
+        owner.calls[call_id] = (actor, worker_call_id)
+        actions: Actions = [ToWorker(actor.worker, {"t": messages.CALL, "id": worker_call_id, "method": msg["method"],
+                                                    "args": msg["args"]}, buffers)]
+        if call.timeout is not None:
+            actions.append(ArmCall(actor, worker_call_id, call))
+        return actions
+
+    def cancel(self, owner: CallOwner, call_id: int) -> Actions:
+        """Answer a call in flight with `cancelled`; the worker skips it unless it has started (then its
+        result is dropped)."""
+        actor, worker_call_id = owner.calls.pop(call_id)
+        call = actor.calls.pop(worker_call_id, None)
+        if call is None:
+            return []
+        return [*_stop(call), ToWorker(actor.worker, messages.cancel(worker_call_id)),
+                ToSubmitter(owner, messages.error("cancelled", "cancelled by the submitter", call_id))]
+
+    def close(self, owner: CallOwner, msg: messages.Message) -> Actions:
+        """CLOSE (checked by messages.check_close) from a submitter: only the actor's creator may close it."""
+        actor = self.live.get(msg["actor"])
+        if actor is None:
+            return [ToSubmitter(owner, self.gone(msg["actor"], msg["id"]))]
+        if actor.submitter_id != owner.submitter_id:
+            return [ToSubmitter(owner, messages.error("not-owner", "only the submitter that created an actor may close it",
+                                                      msg["id"]))]
+        actor.owner = owner  # the answer goes to the connection that asked
+        return self.end(actor, "closed", "the actor was closed by its submitter", msg["id"])
 
     def gone(self, actor_id: str, request_id: int) -> messages.ErrorMessage:
         """The answer to a request for an actor that is not live here: why it ended, or that it never was."""
@@ -163,99 +210,106 @@ class Actors:
 
     # ---- connections come and go ----------------------------------------------------------------
 
-    def disconnected(self, owner: CallOwner, last: bool) -> None:
+    def disconnected(self, owner: CallOwner, last: bool) -> Actions:
         """A connection closed: drop its calls' outcomes; if it was its submitter's `last`, the actors
         that submitter created end after the grace time unless it connects again."""
-        for actor, seq in owner.calls.values():
-            call = actor.calls.get(seq)
+        for actor, worker_call_id in owner.calls.values():
+            call = actor.calls.get(worker_call_id)
             if call is not None:
                 call.owner = None
         owner.calls.clear()
-        loop = asyncio.get_running_loop()
+        actions: Actions = []
         for actor in self.live.values():
             if actor.owner is owner:
                 actor.owner = None
-            if last and actor.client == owner.client and actor.grace is None:
-                actor.grace = loop.call_later(self.grace, self._orphaned, actor)
+            if last and actor.submitter_id == owner.submitter_id and not actor.orphaned:
+                actor.orphaned = True
+                actions.append(ArmGrace(actor, self.grace))
+        return actions
 
-    def connected(self, owner: CallOwner) -> None:
+    def connected(self, owner: CallOwner) -> Actions:
         """A submitter (re)connected: it owns its actors again."""
+        actions: Actions = []
         for actor in self.live.values():
-            if actor.client == owner.client:
+            if actor.submitter_id == owner.submitter_id:
                 actor.owner = owner
-                if actor.grace is not None:
-                    actor.grace.cancel()
-                    actor.grace = None
+                if actor.orphaned:
+                    actor.orphaned = False
+                    actions.append(StopGrace(actor))
+        return actions
 
-    def _orphaned(self, actor: Actor) -> None:
-        actor.grace = None
-        self.end(actor, "died", f"its submitter {actor.client} was gone for {self.grace:g} s")
+    def grace_ended(self, actor: Actor) -> Actions:
+        """The actor's grace time ran out: it ends, unless its submitter came back meanwhile."""
+        if not actor.orphaned:
+            return []
+        return self.end(actor, "died", f"its submitter {actor.submitter_id} was gone for {self.grace:g} s")
 
     # ---- from its worker ----------------------------------------------------------------------
 
-    def reply(self, actor: Actor, reply: messages.Message, buffers: list[Any]) -> None:
-        """A call's RESULT or ERROR, back to its connection; or the worker's count of the calls it
-        answered on direct connections (a STATUS)."""
+    def reply(self, actor: Actor, reply: messages.Message, buffers: list[Any]) -> Actions:
+        """A call's RESULT or ERROR, back to its connection under its call id; or the worker's count of
+        the calls it answered on direct connections (a STATUS)."""
         if reply["t"] == messages.STATUS:
             served = reply.get("served")
             if isinstance(served, int) and not isinstance(served, bool) and served >= 0:
                 actor.served_direct = served
-            return
+            return []
         call = actor.calls.pop(reply.get("id"), None)  # type: ignore[arg-type]
         actor.served_here += 1
         if call is None or call.owner is None:
-            return  # cancelled, or its submitter is gone
-        _stop_timer(call)
-        call.owner.calls.pop(call.client_id, None)
-        reply["id"] = call.client_id
-        call.owner.send(reply, buffers)
+            return []  # cancelled, or its submitter is gone
+        call.owner.calls.pop(call.call_id, None)
+        reply["id"] = call.call_id
+        return [*_stop(call), ToSubmitter(call.owner, reply, buffers)]
 
-    def output(self, actor: Actor, stream: str, data: bytes) -> bool:
-        """Stdout or stderr of the actor, to its oldest call in flight; False when there is none."""
+    def output(self, actor: Actor, stream: str, data: bytes) -> Actions:
+        """Stdout or stderr of the actor, to its oldest call in flight; nothing when there is none."""
         call = next(iter(actor.calls.values()), None)
         if call is None or call.owner is None:
-            return False
-        call.owner.send(messages.log(call.client_id, stream, data))
-        return True
+            return []
+        return [ToSubmitter(call.owner, messages.log(call.call_id, stream, data))]
 
-    def _timed_out(self, actor: Actor, seq: int, timeout: float, method: str) -> None:
-        call = actor.calls.pop(seq, None)
+    def call_timed_out(self, actor: Actor, worker_call_id: int) -> Actions:
+        """A call ran past its timeout: it gets `timeout`, and the actor ends (its worker is killed)."""
+        call = actor.calls.pop(worker_call_id, None)
         if call is None:
-            return
-        call.timer = None
-        reason = (f"its call of {method} ran past its timeout of {timeout:g} s; its worker was killed "
+            return []
+        reason = (f"its call of {call.method} ran past its timeout of {call.timeout:g} s; its worker was killed "
                   "(a running method cannot be stopped otherwise)")
+        actions: Actions = []
         if call.owner is not None:
-            call.owner.calls.pop(call.client_id, None)
-            call.owner.send(messages.error("timeout", reason, call.client_id))
-        self.end(actor, "died", f"the actor was stopped: {reason}")
+            call.owner.calls.pop(call.call_id, None)
+            actions.append(ToSubmitter(call.owner, messages.error("timeout", reason, call.call_id)))
+        return [*actions, *self.end(actor, "died", f"the actor was stopped: {reason}")]
 
-    def end(self, actor: Actor, code: str, reason: str, request_id: int | None = None) -> None:
-        """End an actor: its calls in flight get `actor-died`, its creator ACTOR_END, its slot a fresh worker."""
+    def end(self, actor: Actor, code: str, reason: str, request_id: int | None = None) -> Actions:
+        """End an actor: its calls in flight get `actor-died`, its creator ACTOR_END (with the CLOSE's
+        `request_id`), its slot a fresh worker."""
         if self.live.pop(actor.actor_id, None) is None:
-            return
+            return []
         self.ended[actor.actor_id] = reason
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
-        log.info("actor %s (%s) ended after %d call(s): %s", actor.short_id, actor.name, actor.served, reason)
-        if actor.grace is not None:
-            actor.grace.cancel()
+        actions: Actions = []
+        if actor.orphaned:
+            actor.orphaned = False
+            actions.append(StopGrace(actor))
         for call in actor.calls.values():
-            _stop_timer(call)
+            actions += _stop(call)
             if call.owner is not None:
-                call.owner.calls.pop(call.client_id, None)
-                call.owner.send(messages.error("actor-died", reason, call.client_id))
+                call.owner.calls.pop(call.call_id, None)
+                actions.append(ToSubmitter(call.owner, messages.error("actor-died", reason, call.call_id)))
         actor.calls.clear()
         if actor.owner is not None:
-            actor.owner.send(messages.actor_end(actor.actor_id, code, reason, actor.served, request_id))
-        self._free(actor.slot, actor.worker, f"its actor {actor.short_id} ended: {reason}")
+            actions.append(ToSubmitter(actor.owner, messages.actor_end(actor.actor_id, code, reason, actor.served,
+                                                                      request_id)))
+        return [*actions, Gone(actor, reason)]
 
-    def end_all(self, reason: str) -> None:
-        for actor in list(self.live.values()):
-            self.end(actor, "died", reason)
+    def end_all(self, reason: str) -> Actions:
+        """End every live actor (the peer stops)."""
+        return [action for actor in list(self.live.values()) for action in self.end(actor, "died", reason)]
 
 
-def _stop_timer(call: Call) -> None:
-    if call.timer is not None:
-        call.timer.cancel()
-        call.timer = None
+def _stop(call: Call) -> Actions:
+    """Stop the call's timer, if it has one."""
+    return [StopCall(call)] if call.timeout is not None else []

@@ -42,7 +42,7 @@ def limit_from_env() -> int:
 
 @dataclass(eq=False)
 class Held:
-    client: str  # the submitter that owns it
+    submitter_id: str  # the submitter that owns it
     data: bytes
     buffers: list[Any]
     size: int
@@ -68,7 +68,7 @@ class HeldResults:
     def __contains__(self, result_id: object) -> bool:
         return result_id in self._held
 
-    def keep(self, result_id: str, client: str, reply: messages.Outgoing,
+    def keep(self, result_id: str, submitter_id: str, reply: messages.Outgoing,
              buffers: list[Any]) -> tuple[messages.Outgoing, list[Any]]:
         """Hold a task's RESULT; what goes to the submitter instead: a RESULT with "held" and "size"
         and no value, or an ERROR "held-full" when the bound would be passed."""
@@ -81,43 +81,43 @@ class HeldResults:
                        f"{self.bytes / 2**20:.1f} of {self.limit / 2**20:.0f} MiB are held ({LIMIT_ENV}); "
                        "release held futures (future.release()) or raise the limit")
             return {**messages.error("held-full", message), "id": reply.get("id")}, []
-        self._held[result_id] = Held(client, data, buffers, size)
+        self._held[result_id] = Held(submitter_id, data, buffers, size)
         self.bytes += size
         return {"t": messages.RESULT, "id": reply.get("id"), "held": result_id, "size": size}, []
 
-    def get(self, result_id: Any, client: str) -> Held | None:
-        """The result `result_id` held for `client`, or None (unknown, released, or another's)."""
+    def get(self, result_id: Any, submitter_id: str) -> Held | None:
+        """The result `result_id` held for submitter `submitter_id`, or None (unknown, released, or another's)."""
         held = self._held.get(result_id) if isinstance(result_id, str) else None
-        return held if held is not None and held.client == client else None
+        return held if held is not None and held.submitter_id == submitter_id else None
 
-    def release(self, result_id: Any, client: str) -> None:
-        if self.get(result_id, client) is not None:
+    def release(self, result_id: Any, submitter_id: str) -> None:
+        if self.get(result_id, submitter_id) is not None:
             self.bytes -= self._held.pop(result_id).size
 
-    def connected(self, client: str) -> None:
-        """A connection of `client` authenticated: its results stay."""
-        timer = self._expiry.pop(client, None)
+    def connected(self, submitter_id: str) -> None:
+        """A connection of submitter `submitter_id` authenticated: its results stay."""
+        timer = self._expiry.pop(submitter_id, None)
         if timer is not None:
             timer.cancel()
 
-    def disconnected(self, client: str) -> None:
-        """The last connection of `client` closed: free its results after the grace time."""
-        if client not in self._expiry and any(h.client == client for h in self._held.values()):
-            self._expiry[client] = asyncio.get_running_loop().call_later(self.grace, self._expire, client)
+    def disconnected(self, submitter_id: str) -> None:
+        """The last connection of submitter `submitter_id` closed: free its results after the grace time."""
+        if submitter_id not in self._expiry and any(h.submitter_id == submitter_id for h in self._held.values()):
+            self._expiry[submitter_id] = asyncio.get_running_loop().call_later(self.grace, self._expire, submitter_id)
 
-    def _expire(self, client: str) -> None:
-        self._expiry.pop(client, None)
-        gone = [rid for rid, held in self._held.items() if held.client == client]
+    def _expire(self, submitter_id: str) -> None:
+        self._expiry.pop(submitter_id, None)
+        gone = [rid for rid, held in self._held.items() if held.submitter_id == submitter_id]
         for rid in gone:
-            self.release(rid, client)
-        log.info("freed %d held result(s) of submitter %s, gone for %.0f s", len(gone), client, self.grace)
+            self.release(rid, submitter_id)
+        log.info("freed %d held result(s) of submitter %s, gone for %.0f s", len(gone), submitter_id, self.grace)
 
 
-def fetch(key: bytes, client_id: str, ref: dict[str, Any], owner: str,
+def fetch(key: bytes, fetcher_id: str, ref: dict[str, Any], owner: str,
           receiving: Callable[[framing.MessageReader], None]) -> tuple[bytes, list[Any]]:
     """Fetch the held result that a SUBMIT's `ref` entry names from the peer holding it (blocking).
 
-    The connection authenticates with the cluster key exactly as a submitter's does; the holder
+    The connection authenticates with the cluster key exactly as a submitter's does (as `fetcher_id`); the holder
     answers only for the result's own submitter (`owner`). Once authenticated, `receiving` sets how
     big buffers are received (the peer's memory bound, and segments that go on to the worker by
     descriptor). Raises ConnectionError with the reason when the holder is unreachable, is another
@@ -133,7 +133,7 @@ def fetch(key: bytes, client_id: str, ref: dict[str, Any], owner: str,
         sockets.tune(sock)
         conn = blocking.BlockingConnection(sock)
         try:
-            return _fetch_over(conn, key, client_id, ref, owner, f"{host}:{port}", receiving)
+            return _fetch_over(conn, key, fetcher_id, ref, owner, f"{host}:{port}", receiving)
         except (OSError, GPULayerError) as exc:
             raise ConnectionError(f"peer {messages.printable(ref['peer'], 40)} at {host}:{port}: {exc}") from None
         finally:
@@ -141,9 +141,9 @@ def fetch(key: bytes, client_id: str, ref: dict[str, Any], owner: str,
     raise ConnectionError(f"peer {messages.printable(ref['peer'], 40)} is unreachable: {'; '.join(errors)}")
 
 
-def _fetch_over(conn: blocking.BlockingConnection, key: bytes, client_id: str, ref: dict[str, Any], owner: str,
+def _fetch_over(conn: blocking.BlockingConnection, key: bytes, fetcher_id: str, ref: dict[str, Any], owner: str,
                 address: str, receiving: Callable[[framing.MessageReader], None]) -> tuple[bytes, list[Any]]:
-    hello = handshake.client_handshake(conn, key, client_id)
+    hello = handshake.client_handshake(conn, key, fetcher_id)
     if hello["peer"] != ref["peer"]:
         raise ConnectionError(f"another peer ({messages.printable(hello['peer'], 40)}) answers at {address} now")
     receiving(conn.reader)
@@ -187,12 +187,12 @@ async def gather(table: HeldResults, refs: list[dict[str, Any]], owner: str, pee
     return out
 
 
-def answer_fetch(table: HeldResults, msg: messages.Message, client: str) -> tuple[messages.Outgoing, list[Any]]:
-    """The answer to a FETCH from connection of `client`: the RESULT, or ERROR "no-result".
+def answer_fetch(table: HeldResults, msg: messages.Message, submitter_id: str) -> tuple[messages.Outgoing, list[Any]]:
+    """The answer to a FETCH from a connection of submitter `submitter_id`: the RESULT, or ERROR "no-result".
 
     A peer fetching for a task names the result's submitter ("for"); the id is the capability,
     and an unknown id, a released one and another submitter's all get the same answer."""
-    request_id, owner = msg["id"], msg.get("for", client)  # checked by messages.check_fetch
+    request_id, owner = msg["id"], msg.get("for", submitter_id)  # checked by messages.check_fetch
     held = table.get(msg.get("ref"), owner)
     if held is None:
         return messages.error("no-result", "no such result is held here for this submitter (never held, "

@@ -69,7 +69,7 @@ class JobConnection(Protocol):
     """What a job request needs of the connection it came on (peer/server.py's Connection)."""
 
     channel: AsyncChannel
-    client: str
+    submitter_id: str
     address: str
 
 
@@ -176,7 +176,7 @@ class Jobs:
     # ---- requests ---------------------------------------------------------------------------
 
     def handle(self, conn: JobConnection, msg: messages.Message, buffers: list[Any], draining: bool) -> None:
-        """Answer one job request of an authenticated connection (`conn.channel`, `conn.client`)."""
+        """Answer one job request of an authenticated connection (`conn.channel`, `conn.submitter_id`)."""
         kind = msg["t"]
         problem = job_protocol.check_request(msg) if kind not in (messages.JOB_SUBMIT, messages.BLOB) else None
         if problem is not None:
@@ -289,7 +289,7 @@ class Jobs:
 
     def _submit(self, conn: JobConnection, msg: messages.Message, draining: bool) -> None:
         request_id = msg.get("id")
-        spec = job_protocol.check_spec(msg.get("spec"), f"{conn.client}@{conn.address.rsplit(':', 1)[0]}")
+        spec = job_protocol.check_spec(msg.get("spec"), f"{conn.submitter_id}@{conn.address.rsplit(':', 1)[0]}")
         array = job_protocol.check_array(msg.get("array"))
         if isinstance(spec, str) or isinstance(array, str) or not isinstance(request_id, int) \
                 or (conn, request_id) in self._uploads:

@@ -1,8 +1,9 @@
 """The peer's scheduler, the asyncio side: it turns what happens (a task admitted, a worker's reply, its
-exit, a timeout, a wait on a future) into events of `SchedulerState` (scheduler_state.py), which decides,
-and performs the actions that come back: it starts and replaces worker processes, sends them work, arms
-timers, and answers each task once through its connection's `TaskOwner` methods. It runs on the
-peer's event loop.
+exit, a timeout, a wait on a future; an actor's call, its outcome, its creator's connection come or gone)
+into events of `SchedulerState` (scheduler_state.py) and of the actor table (actors.py), which decide,
+and performs the actions that come back, in one queue: it starts and replaces worker processes, sends
+them work, arms timers, and answers each task once through its connection's `TaskOwner` methods. It
+runs on the peer's event loop.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from .. import accelerators
@@ -25,9 +26,10 @@ from ..matching import Requirements
 from ..protocol import messages
 from ..resources.model import Resources
 from ..resources.utilisation import Sample
-from .actors import Actor, CallOwner, Actors, grace_from_env
+from .actors import (
+    Actor, ActorAction, Actors, ArmCall, ArmGrace, CallOwner, Gone, StopCall, StopGrace, ToSubmitter, grace_from_env)
 from .scheduler_state import (
-    LEASE_IDLE_S, SPARE_IDLE_S, Action, Actions, Answer, EndActor, Ended, GoLive, OpenBorrowed, Replace, Run,
+    LEASE_IDLE_S, SPARE_IDLE_S, Action, Answer, EndActor, Ended, GoLive, OpenBorrowed, Replace, Run,
     RunAlone, SchedulerState, Started, StartJob, StopTimer, StopWorker, TellIdle, ToWorker, device_env)
 from .slots import ActorHolder, JobHolder, LeaseHolder, Queued, Slot, Submission
 from .worker_processes import Worker, describe_exit, job_pythonpath
@@ -87,18 +89,20 @@ class Scheduler:
         self._own_workdir = workdir is None
         self.activity = Activity()  # running and finished tasks, for STATUS
         self.stopping = False
-        self.actors = Actors(self._free_actor_slot, grace_from_env())
+        self.actors = Actors(grace_from_env())  # the live actors' table (actors.py), whose actions are performed here
         self._retiring: asyncio.Task[Any] | None = None  # `_retire_spares`, while borrowed slots exist
         self._background: set[asyncio.Task[Any]] = set()
         self._pythonpath = job_pythonpath(python)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: deque[Action] = deque()  # actions decided, not yet performed
+        self._pending: deque[Action | ActorAction] = deque()  # actions decided, not yet performed
         self._performers: dict[type[Any], Callable[[Any], None]] = {
             Started: self._started, Run: self._run, RunAlone: self._run_alone, StartJob: self._start_job,
             Answer: self._answer,
             Ended: self._ended, Replace: self._replace, StopTimer: self._stop_timer, ToWorker: self._to_worker,
             TellIdle: self._tell_idle, GoLive: self._go_live, EndActor: self._end_actor,
-            OpenBorrowed: self._open_borrowed, StopWorker: self._stop_worker}
+            OpenBorrowed: self._open_borrowed, StopWorker: self._stop_worker,
+            ToSubmitter: self._to_submitter, ArmCall: self._arm_call, StopCall: self._stop_call,
+            ArmGrace: self._arm_grace, StopGrace: self._stop_grace, Gone: self._gone}
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -148,10 +152,10 @@ class Scheduler:
         """Take a task out of the queue for its submitter to place elsewhere; False once it started (or ended)."""
         return self.state.withdraw(task)
 
-    def lease(self, address: str, client: str, req: Requirements) -> LeaseHolder | str:
-        """Lend a ready warm worker that fits `req` to the connection of submitter `client` at `address`
+    def lease(self, address: str, submitter_id: str, req: Requirements) -> LeaseHolder | str:
+        """Lend a ready warm worker that fits `req` to the connection of submitter `submitter_id` at `address`
         (ADR 0013); or why not."""
-        lease = LeaseHolder(req=req, lease_id=os.urandom(8).hex(), submitter=address, submitter_id=client)
+        lease = LeaseHolder(req=req, lease_id=os.urandom(8).hex(), submitter=address, submitter_id=submitter_id)
         refusal = self.state.lease(lease, time.monotonic())
         if refusal is not None:
             return refusal
@@ -163,15 +167,15 @@ class Scheduler:
         """What the leased worker is told with the connection: its device variables and idle limit."""
         assert lease.slot is not None
         return {"t": messages.LEASE, "env": device_env(lease.req, lease.slot), "idle": LEASE_IDLE_S,
-                "owner": lease.client}
+                "owner": lease.submitter_id}
 
     def lease_failed(self, lease: LeaseHolder) -> None:
         """The connection did not reach the leased worker: the slot is free again."""
         self._perform(self.state.lease_failed(lease, time.monotonic()))
 
-    def cancel_leased(self, lease_id: Any, client: str, task_id: int) -> None:
-        """Stop a task on a lease of `client` if it runs now, or keep it from starting."""
-        self._perform(self.state.cancel_leased(lease_id, client, task_id))
+    def cancel_leased(self, lease_id: Any, submitter_id: str, task_id: int) -> None:
+        """Stop a task on a lease of submitter `submitter_id` if it runs now, or keep it from starting."""
+        self._perform(self.state.cancel_leased(lease_id, submitter_id, task_id))
 
     def end_leases(self) -> None:
         """Ask every leased worker to end its lease after the task it runs (the peer stops)."""
@@ -185,6 +189,32 @@ class Scheduler:
         """Take a new measurement of the devices' memory, and start what it lets start."""
         self._perform(self.state.measure(sample, time.monotonic()))
 
+    # ---- events of the actor table (actors.py) ------------------------------------------------------
+
+    def call_actor(self, owner: CallOwner, msg: messages.Message, buffers: list[Any]) -> None:
+        """A CALL: on to its actor's worker, or answered with why not."""
+        self._perform(self.actors.call(owner, msg, buffers))
+
+    def cancel_call(self, owner: CallOwner, call_id: int) -> None:
+        """Cancel a call in flight of this connection."""
+        self._perform(self.actors.cancel(owner, call_id))
+
+    def close_actor(self, owner: CallOwner, msg: messages.Message) -> None:
+        """A CLOSE: end the actor if its creator asks."""
+        self._perform(self.actors.close(owner, msg))
+
+    def submitter_connected(self, owner: CallOwner) -> None:
+        """A submitter (re)connected: it owns its actors again."""
+        self._perform(self.actors.connected(owner))
+
+    def submitter_disconnected(self, owner: CallOwner, last: bool) -> None:
+        """A connection closed (its submitter's `last`): its calls' outcomes are dropped, its actors orphaned."""
+        self._perform(self.actors.disconnected(owner, last))
+
+    def end_actors(self, reason: str) -> None:
+        """End every live actor (the peer stops)."""
+        self._perform(self.actors.end_all(reason))
+
     def _on_reply(self, worker: Worker, reply: messages.Message, buffers: list[Any]) -> None:
         holder = worker.slot.task
         if holder is None or worker.slot.worker is not worker:
@@ -192,7 +222,7 @@ class Scheduler:
         if isinstance(holder, LeaseHolder):
             self._perform(self.state.lease_reported(holder, reply, time.monotonic()))
         elif isinstance(holder, ActorHolder) and holder.actor is not None:
-            self.actors.reply(holder.actor, reply, buffers)
+            self._perform(self.actors.reply(holder.actor, reply, buffers))
         elif isinstance(holder, Submission):
             self._perform(self.state.task_replied(holder, reply, buffers, time.monotonic()))
 
@@ -214,23 +244,20 @@ class Scheduler:
     def _on_output(self, worker: Worker, stream: str, data: bytes) -> None:
         """A piece of a worker's stdout or stderr: to the live actor's call, the task's submitter, or the log."""
         holder = worker.slot.task if worker.slot.worker is worker else None
-        if isinstance(holder, ActorHolder) and holder.actor is not None and \
-                self.actors.output(holder.actor, stream, data):
-            return
+        if isinstance(holder, ActorHolder) and holder.actor is not None:
+            to_call = self.actors.output(holder.actor, stream, data)
+            if to_call:
+                return self._perform(to_call)
         if isinstance(holder, LeaseHolder):
             log.info("leased worker of %s, %s: %s", holder.address, stream, data.decode("utf-8", "replace").rstrip())
         elif isinstance(holder, Submission) and not holder.answered:
-            holder.owner.task_output(holder, messages.log(holder.client_id, stream, data))
+            holder.owner.task_output(holder, messages.log(holder.task_id, stream, data))
         else:
             log.info("worker %s %s: %s", worker.pid, stream, data.decode("utf-8", "replace").rstrip())
 
-    def _free_actor_slot(self, slot: Slot, worker: Worker, why: str) -> None:
-        """An actor ended: kill its worker (unless it is gone already) and give the slot a warm one."""
-        self._perform(self.state.actor_ended(slot, worker, why, time.monotonic()))
-
     # ---- actions ----------------------------------------------------------------------------------
 
-    def _perform(self, actions: Actions) -> None:
+    def _perform(self, actions: Sequence[Action | ActorAction]) -> None:
         """Perform actions in the order the transitions decided them. An event that an action causes at
         once (a send that finds its connection reset drops that connection, which cancels its tasks) is
         decided then, and its actions wait for those decided before it."""
@@ -293,7 +320,7 @@ class Scheduler:
         self.activity.ended(action.holder, action.reply)
 
     def _to_worker(self, action: ToWorker) -> None:
-        action.worker.send(action.msg)
+        action.worker.send(action.msg, action.buffers)
 
     def _tell_idle(self, action: TellIdle) -> None:
         news = self.report({"t": messages.PONG, "id": None})
@@ -305,12 +332,50 @@ class Scheduler:
         task, slot = action.task, action.task.slot
         assert isinstance(task, ActorHolder) and slot is not None
         owner: CallOwner = task.owner  # type: ignore[assignment]  # a connection is both
-        task.actor = Actor(task.actor_id, task.class_name, owner.client, owner, slot, action.worker)
+        task.actor = Actor(task.actor_id, task.class_name, owner.submitter_id, owner, slot, action.worker)
         self.actors.add(task.actor)
+        log.info("actor %s (%s) of submitter %s lives on slot %d, worker %s", task.actor.short_id, task.actor.name,
+                 owner.submitter_id, slot.index, action.worker.pid)
         action.reply["actor"], action.reply["slot"] = task.actor_id, slot.index
 
     def _end_actor(self, action: EndActor) -> None:
-        self.actors.end(action.actor, "died", action.reason)
+        self._perform(self.actors.end(action.actor, "died", action.reason))
+
+    def _to_submitter(self, action: ToSubmitter) -> None:
+        action.owner.send(action.msg, action.buffers)
+
+    def _arm_call(self, action: ArmCall) -> None:
+        assert self._loop is not None and action.call.timeout is not None
+        action.call.timer = self._loop.call_later(action.call.timeout, self._on_call_timeout, action)
+
+    def _on_call_timeout(self, armed: ArmCall) -> None:
+        armed.call.timer = None
+        self._perform(self.actors.call_timed_out(armed.actor, armed.worker_call_id))
+
+    def _stop_call(self, action: StopCall) -> None:
+        if action.call.timer is not None:
+            action.call.timer.cancel()
+            action.call.timer = None
+
+    def _arm_grace(self, action: ArmGrace) -> None:
+        assert self._loop is not None
+        action.actor.grace = self._loop.call_later(action.seconds, self._on_grace_end, action.actor)
+
+    def _on_grace_end(self, actor: Actor) -> None:
+        actor.grace = None
+        self._perform(self.actors.grace_ended(actor))
+
+    def _stop_grace(self, action: StopGrace) -> None:
+        if action.actor.grace is not None:
+            action.actor.grace.cancel()
+            action.actor.grace = None
+
+    def _gone(self, action: Gone) -> None:
+        """An actor ended: kill its worker (unless it is gone already) and give the slot a warm one."""
+        actor = action.actor
+        log.info("actor %s (%s) ended after %d call(s): %s", actor.short_id, actor.name, actor.served, action.why)
+        self._perform(self.state.actor_ended(actor.slot, actor.worker, f"its actor {actor.short_id} ended: {action.why}",
+                                             time.monotonic()))
 
     def _replace(self, action: Replace) -> None:
         """Kill the slot's old worker and start a fresh one (retried with back-off until the peer stops)."""

@@ -110,9 +110,10 @@ class StopTimer:
 
 @dataclass(frozen=True, eq=False)
 class ToWorker:
-    """Send `msg` to a worker (a lease's LEASE_END or CANCEL)."""
+    """Send `msg` to a worker (a lease's LEASE_END or CANCEL; an actor's CALL or CANCEL)."""
     worker: Worker
     msg: messages.Message
+    buffers: messages.Buffers = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -308,11 +309,11 @@ class SchedulerState:
         failed: messages.Message = {"t": messages.ERROR, "code": "no-lease"}
         return [*self._release(lease), Ended(lease, failed), *self._start_queued(now)]
 
-    def cancel_leased(self, lease_id: Any, client: str, task_id: int) -> Actions:
-        """Stop a task on a lease of `client` if it runs now, or keep it from starting: the leased
+    def cancel_leased(self, lease_id: Any, submitter_id: str, task_id: int) -> Actions:
+        """Stop a task on a lease of submitter `submitter_id` if it runs now, or keep it from starting: the leased
         worker decides, since only it knows which task runs."""
         lease = self.leases.get(lease_id) if isinstance(lease_id, str) else None
-        if lease is None or lease.slot is None or lease.slot.worker is None or lease.client != client or task_id <= 0:
+        if lease is None or lease.slot is None or lease.slot.worker is None or lease.submitter_id != submitter_id or task_id <= 0:
             return []
         return [ToWorker(lease.slot.worker, messages.cancel(task_id))]
 
@@ -571,7 +572,7 @@ class SchedulerState:
             return []
         task.answered = True
         self.tasks_done += 1
-        reply["id"] = task.client_id
+        reply["id"] = task.task_id
         if task.slot is not None:  # it started
             reply["ran"] = round(now - task.started, 6)
         return [Answer(task, reply, buffers or [])]

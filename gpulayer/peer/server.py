@@ -26,7 +26,7 @@ import psutil
 from .. import discovery, invite, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..jobs.store import RETENTION_DAYS, RETENTION_GB, StateDirInUse
-from ..matching import Requirements, match, missing_software
+from ..matching import Requirements, match
 from ..protocol import framing, handshake, messages
 from ..resources.model import Advert, Resources
 from ..resources.utilisation import Sample, Sampler
@@ -38,9 +38,9 @@ from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
 from .worker_processes import Worker
-from . import gossip, held
+from . import admission, gossip, held
 from .scheduler import Scheduler, default_preload, plan_slots
-from .slots import ActorHolder, Submission, TaskHolder
+from .slots import Submission, TaskHolder
 
 log = logging.getLogger("gpulayer.peer")
 
@@ -80,7 +80,7 @@ class Connection:
     def __init__(self, peer: Peer, sock: socket.socket, address: str):
         self.peer = peer
         self.address = address
-        self.client = "?"
+        self.submitter_id = "?"
         self.authenticated = False
         self.tasks: dict[int, Submission] = {}  # its tasks and actor creations, queued or running
         self.calls: dict[int, tuple[Actor, int]] = {}  # its actor calls in flight (peer/actors.py)
@@ -125,10 +125,10 @@ class Connection:
     # ---- TaskOwner: where the scheduler sends a task's outcome and output ----
 
     def task_done(self, task: Submission, reply: messages.Outgoing, buffers: list[Any]) -> None:
-        self.tasks.pop(task.client_id, None)
+        self.tasks.pop(task.task_id, None)
         keep = task.keep if isinstance(task, TaskHolder) else None
         if keep is not None and reply["t"] == messages.RESULT:  # type: ignore[typeddict-item]
-            reply, buffers = self.peer.held.keep(keep, self.client, reply, buffers)
+            reply, buffers = self.peer.held.keep(keep, self.submitter_id, reply, buffers)
         self.send(reply, buffers)
 
     def task_output(self, task: Submission, msg: messages.LogMessage) -> None:
@@ -275,7 +275,7 @@ class Peer:
     def cancel_all(self, message: str) -> None:
         """Answer every task with a peer-shutdown error and stop it."""
         self._forced = True
-        self.scheduler.actors.end_all(message)
+        self.scheduler.end_actors(message)
         for conn in list(self._connections):
             for task in list(conn.tasks.values()):
                 self.scheduler.cancel(task, "peer-shutdown", message)
@@ -360,7 +360,7 @@ class Peer:
                 self.refuse(conn, "timeout", "no AUTH within the handshake timeout")
             for conn in list(self._connections):
                 if now - conn.channel.last_received > self.config.client_silence:
-                    log.warning("submitter %s at %s went silent; dropping it", conn.client, conn.address)
+                    log.warning("submitter %s at %s went silent; dropping it", conn.submitter_id, conn.address)
                     conn.channel.close()
                     self.drop(conn)
                 elif conn.channel.reader.mid_message and now - conn.last_pong > 1.0:
@@ -376,13 +376,13 @@ class Peer:
             return
         reply, keys = checked
         conn.authenticated = True
-        conn.client = "".join(ch for ch in str(msg.get("client", "?"))[:64] if ch.isprintable())
+        conn.submitter_id = "".join(ch for ch in str(msg.get("client", "?"))[:64] if ch.isprintable())
         self._connections.add(conn)
         conn.channel.write(reply)  # the last frame in clear: every later byte both ways is sealed
         conn.channel.secure(*keys)
-        self._receiving(conn.channel.reader, conn.client)
-        self.scheduler.actors.connected(conn)
-        self.held.connected(conn.client)
+        self._receiving(conn.channel.reader, conn.submitter_id)
+        self.scheduler.submitter_connected(conn)
+        self.held.connected(conn.submitter_id)
 
     def _invite_step(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """One message of an invite's exchange (invite.py): unauthenticated, it can get the cluster key
@@ -398,12 +398,12 @@ class Peer:
         self.drop(conn)
         conn.channel.close_gracefully()
 
-    def _receiving(self, reader: framing.MessageReader, client: str) -> None:
+    def _receiving(self, reader: framing.MessageReader, submitter_id: str) -> None:
         """Receive big buffers as this peer does: within the memory headroom, into segments where it has
         local links (segments pooled for this submitter's data only)."""
         reader.budget = self._memory_refusal
         if self._local is not None:
-            reader.allocate = functools.partial(_receive_buffer, owner=client)
+            reader.allocate = functools.partial(_receive_buffer, owner=submitter_id)
 
     def refuse(self, conn: Connection, code: str, message: str) -> None:
         """Tell the other side why, then close (in the background)."""
@@ -434,12 +434,12 @@ class Peer:
             for task in list(conn.tasks.values()):
                 self.scheduler.cancel(task, "cancelled", "the submitter disconnected", notify=False)
             conn.tasks.clear()
-            remaining = next((other for other in self._connections if other.client == conn.client), None)
-            self.scheduler.actors.disconnected(conn, remaining is None)
+            remaining = next((other for other in self._connections if other.submitter_id == conn.submitter_id), None)
+            self.scheduler.submitter_disconnected(conn, remaining is None)
             if remaining is None:
-                self.held.disconnected(conn.client)
+                self.held.disconnected(conn.submitter_id)
             else:  # its actors' ACTOR_END goes there now (the connection that went was handed over, say)
-                self.scheduler.actors.connected(remaining)
+                self.scheduler.submitter_connected(remaining)
 
     # ---- messages: one handler a kind ------------------------------------------------------------
 
@@ -452,7 +452,7 @@ class Peer:
         post_auth: dict[str, Handler] = {
             messages.SUBMIT: self._admit, messages.ACTOR: self._admit, messages.CANCEL: self._cancel,
             messages.WITHDRAW: self._withdraw, messages.PING: self._ping, messages.STATUS: self._status,
-            messages.BYE: self._bye, messages.CALL: self.scheduler.actors.call, messages.CLOSE: self._close_actor,
+            messages.BYE: self._bye, messages.CALL: self.scheduler.call_actor, messages.CLOSE: self._close_actor,
             messages.DIRECT: self._direct, messages.LEASE: self._lease, messages.LOCAL: self._local_link,
             messages.FETCH: self._fetch, messages.RELEASE: self._release, messages.INVITE: self._invite,
             messages.PEERS: self._peers, **dict.fromkeys(messages.JOB_REQUESTS, self._job_request)}
@@ -490,21 +490,21 @@ class Peer:
         """Cancel a task, one on a lease of this submitter (ADR 0013), one waiting for a probe, or an actor call."""
         task = conn.tasks.get(request_id(msg))
         if msg.get("lease") is not None:
-            self.scheduler.cancel_leased(msg["lease"], conn.client, request_id(msg))
+            self.scheduler.cancel_leased(msg["lease"], conn.submitter_id, request_id(msg))
         elif task is not None:
             self.scheduler.cancel(task, "cancelled", "cancelled by the submitter")
         elif request_id(msg) in conn.probing:
             conn.probing.discard(request_id(msg))
         elif request_id(msg) in conn.calls:
-            self.scheduler.actors.cancel(conn, msg["id"])
+            self.scheduler.cancel_call(conn, msg["id"])
 
     def _withdraw(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """Give a queued task back to its submitter, to place elsewhere (ADR 0011); nothing once it started."""
         task = conn.tasks.get(request_id(msg))
         if task is not None and self.scheduler.withdraw(task):
-            del conn.tasks[task.client_id]
+            del conn.tasks[task.task_id]
             conn.channel.write(self.scheduler.report(
-                messages.reject(task.client_id, "withdrawn", "taken back by its submitter before it started")))
+                messages.reject(task.task_id, "withdrawn", "taken back by its submitter before it started")))
 
     def _ping(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         conn.channel.write(self.scheduler.report({"t": messages.PONG, "id": msg.get("id")}))
@@ -517,7 +517,7 @@ class Peer:
         self.drop(conn)
 
     def _close_actor(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
-        self.scheduler.actors.close(conn, msg)
+        self.scheduler.close_actor(conn, msg)
 
     def _local_link(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         """The submitter asks for a local link: the answer has none when there is none."""
@@ -525,10 +525,10 @@ class Peer:
         conn.channel.write({**offer, "id": msg.get("id")})
 
     def _fetch(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
-        conn.channel.write(*held.answer_fetch(self.held, msg, conn.client))
+        conn.channel.write(*held.answer_fetch(self.held, msg, conn.submitter_id))
 
     def _release(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
-        self.held.release(msg["ref"], conn.client)
+        self.held.release(msg["ref"], conn.submitter_id)
 
     def _job_request(self, conn: Connection, msg: messages.Message, buffers: list[Any]) -> None:
         self.jobs.handle(conn, msg, buffers, self._draining)
@@ -542,50 +542,29 @@ class Peer:
         conn.channel.write(messages.peers(msg.get("id"), self.gossip.listing()))
 
     def _admit(self, conn: Connection, msg: messages.Message, buffers: list[Any], probed: bool = False) -> None:
-        """Queue a SUBMIT (or an ACTOR, which creates an actor; both checked by their validators), or
-        REJECT it with the reason. A task that asks for software the job interpreter lacked waits for a
-        new probe, when one is due (`_admit_after_probe`); `probed` says that it did."""
-        task_id = msg["id"]
-        if task_id in conn.tasks or task_id in conn.probing and not probed:
-            return self._reject(conn, task_id, "bad-request", f"task id {task_id} is already in use on this connection")
-        if self._draining:
-            return self._reject(conn, task_id, "busy", "the peer is shutting down")
-        try:
-            req = Requirements.from_wire(msg.get("req") or {})
-        except ValueError as exc:
-            return self._reject(conn, task_id, "bad-request", str(exc))
-        reasons = match(req, self.advert)
-        missing = missing_software(req, self.advert) if reasons and not probed else frozenset()
-        if missing and self.reprobe.due(missing):
-            conn.probing.add(task_id)
-            self.scheduler.spawn(self._admit_after_probe(conn, msg, buffers, missing))
-            return
-        if reasons:
-            return self._reject(conn, task_id, "no-match", "; ".join(reasons))
-        if self.scheduler.state.queued >= self.config.max_queue:
-            return self._reject(conn, task_id, "busy", f"the queue is full ({self.config.max_queue} tasks)")
-        if self.scheduler.state.actors_hold_all(req):
-            return self._reject(conn, task_id, "busy", "actors hold the slots that fit")
-        keep = msg.get("keep") if msg["t"] == messages.SUBMIT else None  # checked by check_submit; actors keep nothing
-        if keep is not None and keep in self.held:
-            return self._reject(conn, task_id, "bad-request", "the keep id names a result held already")
-        task: Submission
-        if msg["t"] == messages.SUBMIT:
-            task = TaskHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
-                              timeout=msg.get("timeout"), keep=keep)
-        else:
-            task = ActorHolder(owner=conn, client_id=task_id, msg=msg, buffers=buffers, req=req,
-                               timeout=msg.get("timeout"), class_name=messages.printable(msg["name"]))
-        conn.tasks[task_id] = task
+        """Queue a SUBMIT or an ACTOR (both checked by their validators), or REJECT it, as admission decides
+        (admission.py). A task that asks for software the job interpreter lacked waits for a new probe,
+        when one is due (`_admit_after_probe`); `probed` says that it did."""
+        decide = functools.partial(admission.admit, conn, msg, buffers, self.scheduler.state, advert=self.advert,
+                                   draining=self._draining, max_queue=self.config.max_queue, held=self.held)
+        decision = decide(probe=not probed)
+        if isinstance(decision, admission.Probe):
+            if self.reprobe.due(decision.missing):
+                conn.probing.add(msg["id"])
+                self.scheduler.spawn(self._admit_after_probe(conn, msg, buffers, decision.missing))
+                return
+            decision = decide(probe=False)
+        if isinstance(decision, admission.Reject):
+            return self._reject(conn, decision.task_id, decision.code, decision.message)
+        assert isinstance(decision, admission.Admit)
+        task = decision.task
         if isinstance(task, TaskHolder) and msg.get("refs"):
-            conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id}))
+            conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task.task_id}))
             self.scheduler.spawn(self._enqueue_with_refs(conn, task, msg["refs"]))
-        elif self.scheduler.enqueue(task):
-            if msg["t"] == messages.ACTOR:  # its slot is taken: a gang creates its next rank now (ADR 0018)
-                conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id, "s": True}))
-        elif not task.answered:
-            # it waits: say so, and that it may be withdrawn until it starts (a task that started needs no ACCEPT)
-            conn.channel.write(self.scheduler.report({"t": messages.ACCEPT, "id": task_id, "w": msg["t"] == messages.SUBMIT}))
+            return
+        accepted = admission.acceptance(task, self.scheduler.enqueue(task))
+        if accepted is not None:
+            conn.channel.write(self.scheduler.report(accepted))
 
     async def _admit_after_probe(self, conn: Connection, msg: messages.Message, buffers: list[Any],
                                  missing: frozenset[str]) -> None:
@@ -618,11 +597,11 @@ class Peer:
         """Queue a task once the held results among its arguments are here (this peer's, or fetched
         from their peers); a lost one fails it with "held-lost"."""
         def fetch(ref: dict[str, Any]) -> tuple[bytes, list[Any]]:
-            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.client,
-                              functools.partial(self._receiving, client=conn.client))
+            return held.fetch(self.config.key, f"peer-{self.peer_id}", ref, conn.submitter_id,
+                              functools.partial(self._receiving, submitter_id=conn.submitter_id))
 
         try:
-            resolved = await held.gather(self.held, refs, conn.client, self.peer_id, fetch)
+            resolved = await held.gather(self.held, refs, conn.submitter_id, self.peer_id, fetch)
         except ConnectionError as exc:
             self.scheduler.cancel(task, "held-lost", f"a held result among its arguments is lost: {exc}")
             return
@@ -669,7 +648,7 @@ class Peer:
         if problem is not None:
             return conn.channel.write(messages.error("bad-request", problem, request_id))
         refusal = "the peer is shutting down" if self._draining else "; ".join(match(req, self.advert))
-        lease = refusal or self.scheduler.lease(conn.address, conn.client, req)
+        lease = refusal or self.scheduler.lease(conn.address, conn.submitter_id, req)
         if isinstance(lease, str):
             return conn.channel.write(messages.error("no-lease", lease, request_id))
         assert lease.slot is not None

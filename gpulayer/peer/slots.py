@@ -45,7 +45,7 @@ class TaskOwner(Protocol):
     """The submitter connection a task (or an actor's creation) came from."""
 
     address: str  # the submitter's "host:port"
-    client: str  # the submitter's id (its AUTH's "client"): whose data its tasks' workers hold
+    submitter_id: str  # the submitter's id (its AUTH's "client"): whose data its tasks' workers hold
 
     def task_done(self, task: Submission, reply: messages.Outgoing, buffers: list[Any]) -> None:
         """Send the task's outcome (once)."""
@@ -74,11 +74,6 @@ class Holder:
         raise NotImplementedError
 
     @property
-    def client(self) -> str:
-        """The submitter's id."""
-        raise NotImplementedError
-
-    @property
     def resident(self) -> bool:
         """Whether it holds its slot beyond one task (a live actor): it is not load that ends by itself."""
         return False
@@ -89,7 +84,7 @@ class Submission(Holder):
     """What a submitter sent to run (a SUBMIT or an ACTOR): queued, started, answered exactly once."""
 
     owner: TaskOwner
-    client_id: int  # its id on the submitter's connection
+    task_id: int  # its id on the submitter's connection
     msg: messages.Message | None  # what the submitter sent, until it starts
     buffers: list[Any] | None
     timeout: float | None
@@ -103,10 +98,6 @@ class Submission(Holder):
     @property
     def address(self) -> str:
         return self.owner.address
-
-    @property
-    def client(self) -> str:
-        return self.owner.client
 
     @property
     def name(self) -> Any:
@@ -136,8 +127,8 @@ class TaskHolder(Submission):
 
     def work(self) -> tuple[messages.Message, list[Any]]:
         assert self.msg is not None
-        msg: messages.Message = {"t": messages.SUBMIT, "id": self.client_id, "fn": self.msg["fn"],
-                             "args": self.msg["args"], "owner": self.owner.client}
+        msg: messages.Message = {"t": messages.SUBMIT, "id": self.task_id, "fn": self.msg["fn"],
+                             "args": self.msg["args"], "owner": self.owner.submitter_id}
         buffers = self.buffers or []
         if self.refs:  # after the task's own buffers: each held result's, in order
             msg["ab"] = len(buffers)
@@ -172,7 +163,7 @@ class ActorHolder(Submission):
 
     def work(self) -> tuple[messages.Message, list[Any]]:
         assert self.msg is not None
-        msg: messages.Message = {"t": messages.ACTOR, "id": self.client_id, "cls": self.msg["cls"],
+        msg: messages.Message = {"t": messages.ACTOR, "id": self.task_id, "cls": self.msg["cls"],
                              "args": self.msg["args"], "conc": self.msg["conc"], "actor": self.actor_id}
         buffers = self.buffers or []
         self.msg = self.buffers = None
@@ -196,10 +187,6 @@ class LeaseHolder(Holder):
     def address(self) -> str:
         return self.submitter
 
-    @property
-    def client(self) -> str:
-        return self.submitter_id
-
 
 @dataclass(eq=False, kw_only=True)
 class JobHolder(Holder):
@@ -216,10 +203,6 @@ class JobHolder(Holder):
     @property
     def address(self) -> str:
         return f"job {self.job_id}"
-
-    @property
-    def client(self) -> str:
-        return self.job_id
 
 
 Queued = Union[Submission, JobHolder]  # what waits in the scheduler's queue

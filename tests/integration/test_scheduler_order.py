@@ -27,7 +27,7 @@ class ResetOnAnswer:
     """A submitter's connection, as the scheduler sees one, whose first answer finds it reset: as the
     peer does then (Peer.drop), its other tasks are cancelled, with no answer to send."""
 
-    address, client = "127.0.0.1:1", "reset"
+    address, submitter_id = "127.0.0.1:1", "reset"
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
@@ -35,7 +35,7 @@ class ResetOnAnswer:
         self.tasks: list[TaskHolder] = []
 
     def task_done(self, task, reply, buffers):
-        self.answers[task.client_id] = dict(reply)
+        self.answers[task.task_id] = dict(reply)
         if len(self.answers) == 1:
             for other in self.tasks:
                 self.scheduler.cancel(other, "cancelled", "the submitter disconnected", notify=False)
@@ -47,10 +47,10 @@ class ResetOnAnswer:
         pass
 
 
-def holder(owner, client_id: int, seconds: float, timeout: float | None = None) -> TaskHolder:
-    msg = {"t": messages.SUBMIT, "id": client_id, "fn": serialization.dumps_function(nap),
+def holder(owner, task_id: int, seconds: float, timeout: float | None = None) -> TaskHolder:
+    msg = {"t": messages.SUBMIT, "id": task_id, "fn": serialization.dumps_function(nap),
            "args": serialization.dumps(((seconds,), {}))[0], "name": "nap"}
-    return TaskHolder(owner=owner, client_id=client_id, msg=msg, buffers=[], req=Requirements.build(),
+    return TaskHolder(owner=owner, task_id=task_id, msg=msg, buffers=[], req=Requirements.build(),
                       timeout=timeout)
 
 

@@ -27,7 +27,7 @@ class Up:
 class Owner:
     """A submitter's connection, as the state sees one: its address and id (sending is the shell's)."""
     address: str
-    client: str
+    submitter_id: str
 
     def task_done(self, task, reply, buffers):
         raise AssertionError("the state sends nothing itself")
@@ -46,17 +46,17 @@ def slots(count=1, device="cpu", memory_gb=None):
     return made
 
 
-def task(client_id=1, owner=ALICE, timeout=None, env=None, **req):
-    msg = {"t": messages.SUBMIT, "id": client_id, "fn": b"fn", "args": b"args", "name": f"f{client_id}"}
+def task(task_id=1, owner=ALICE, timeout=None, env=None, **req):
+    msg = {"t": messages.SUBMIT, "id": task_id, "fn": b"fn", "args": b"args", "name": f"f{task_id}"}
     if env:
         msg["env"] = env
-    return TaskHolder(owner=owner, client_id=client_id, msg=msg, buffers=[b"buffer"],
+    return TaskHolder(owner=owner, task_id=task_id, msg=msg, buffers=[b"buffer"],
                       req=Requirements.build(**req), timeout=timeout)
 
 
-def actor(client_id=7):
-    msg = {"t": messages.ACTOR, "id": client_id, "cls": b"cls", "args": b"args", "name": "Counter", "conc": 1}
-    return ActorHolder(owner=ALICE, client_id=client_id, msg=msg, buffers=[], req=Requirements.build(),
+def actor(task_id=7):
+    msg = {"t": messages.ACTOR, "id": task_id, "cls": b"cls", "args": b"args", "name": "Counter", "conc": 1}
+    return ActorHolder(owner=ALICE, task_id=task_id, msg=msg, buffers=[], req=Requirements.build(),
                        timeout=None, class_name="Counter")
 
 
@@ -344,7 +344,7 @@ def test_the_queue_starts_by_priority_then_the_submitters_in_turn():
     order = []
     holder = running
     for step in range(5):
-        actions = (state.task_replied(holder, {"t": messages.RESULT, "id": holder.client_id}, [], now=2.0 + step)
+        actions = (state.task_replied(holder, {"t": messages.RESULT, "id": holder.task_id}, [], now=2.0 + step)
                    if isinstance(holder, TaskHolder) else state.job_ended(holder, "ok", now=2.0 + step))
         holder = next(a.holder for a in actions if type(a).__name__ == "Started")
         order.append(holder)
