@@ -288,3 +288,39 @@ def test_a_reserved_slot_is_not_given_to_later_single_work(two_peers):
     finally:
         release.touch()
         client.close()
+
+
+def test_a_rank_is_bound_to_the_connection_that_claimed_it(gang_cluster, tmp_path):
+    """A rank recorded alone waits (it does not start by itself); once one connection claimed it, another
+    key holder's connection cannot reserve or start it; when the claiming connection goes, it is stopped."""
+    from dataclasses import replace
+
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import JobError, JobLink, Jobs, _submit_over
+    from gpulayer.jobs import folder
+    from gpulayer.jobs.store import JobSpec
+    from gpulayer.matching import Requirements
+    from gpulayer.protocol import jobs as job_protocol, messages
+
+    key, peers, project = gang_cluster
+    client = Client(key=key.encode(), echo_output=False, interfaces=["127.0.0.1"])
+    try:
+        at = [("127.0.0.1", peers[0].port)]
+        spec = replace(JobSpec(["python", "hang.py"], req=Requirements.build(accelerator="cpu").to_wire()),
+                       gang={"rank": 1, "size": 2})
+        with JobLink(client, at) as link:
+            rank = _submit_over(link, spec, folder.scan(project), None)["job"]["id"]
+
+        def gang_step(op: str) -> dict:
+            return job_protocol.request(messages.JOB_GANG, 0, rank, op=op)
+
+        with JobLink(client, at) as claimer, JobLink(client, at) as other:
+            claimer.ask(gang_step("claim"))
+            for op in ("claim", "reserve", "start"):
+                with pytest.raises(JobError, match=f"not a rank waiting here for this gang's {op}"):
+                    other.ask(gang_step(op))
+            assert Jobs(client).job(rank).state == "queued"  # waiting for its gang: not started
+        job = Jobs(client).job(rank)
+        assert job.wait(30) == "stopped" and "watcher (on rank 0's peer) went away" in job.logs()
+    finally:
+        client.close()
