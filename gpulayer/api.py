@@ -27,7 +27,8 @@ def _submit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     if options.nodes is not None:  # a gang: its future's result is the ranks' results (docs/gangs.md)
         return _gang(fn, args, kwargs, options)
     return default_client().submit(fn, args, kwargs, req=options.requirements, timeout=options.timeout,
-                                   retries=options.retries, env=options.env, keep=options.keep)
+                                   retries=options.retries, env=options.env, keep=options.keep,
+                                   priority=options.priority)
 
 
 def _gang(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions) -> Future[Any]:
@@ -51,7 +52,8 @@ def _map(fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], progress:
     if calls:
         check_arguments(fn, calls[0], {})  # a wrong count fails here, not on every peer
     return default_client().map(fn, calls, req=options.requirements, timeout=options.timeout,
-                                retries=options.retries, env=options.env, progress=progress)
+                                retries=options.retries, env=options.env, progress=progress,
+                                priority=options.priority)
 
 
 def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any] | Job:
@@ -64,22 +66,21 @@ def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any] | J
     from peer to peer, not through here (docs/data.md).
 
     Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
-    (what the peer must offer); timeout, retries, env, keep, nodes (how the task runs; nodes=N: a gang
-    of N ranks on N peers, whose future's result is their results in rank order). A function that
+    (what the peer must offer); timeout, retries, env, keep, nodes, priority (how the task runs; nodes=N: a
+    gang of N ranks on N peers, whose future's result is their results in rank order; priority=N: a peer
+    starts its waiting work highest priority first, docs/jobs.md "The queue"). A function that
     takes one of these names itself is called with `gl.options(...).submit(fn, ...)`, where
     every keyword goes to fn.
 
     With detach=True the call runs as a job (docs/jobs.md): it goes on when this process ends, and
-    the `Job` returned gives its result later, from any process (`gl.job(job.id).result()`); with it,
-    priority=N orders it in its peer's queue (docs/jobs.md, "The queue").
+    the `Job` returned gives its result later, from any process (`gl.job(job.id).result()`).
     """
     detach = kwargs.pop("detach", False)
-    priority = kwargs.pop("priority", 0) if detach else 0
     options, kwargs = split_call(fn, args, kwargs)
     if detach:
         no_keep(options, "gl.submit(..., detach=True)")
         return _jobs().submit_function(fn, args, kwargs, options.requirements, timeout=options.timeout,
-                                       retries=options.retries, env=options.env, priority=priority)
+                                       retries=options.retries, env=options.env, priority=options.priority)
     return _submit(fn, args, kwargs, options)
 
 
@@ -87,7 +88,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run fn(*args, **kwargs) on a matching peer and return its result (or raise its exception).
 
     Task options: accelerator, gpu_memory_gb, frameworks, capabilities, peer, devices, python
-    (what the peer must offer); timeout, retries, env, nodes (how the task runs; nodes=N runs fn as a
+    (what the peer must offer); timeout, retries, env, priority, nodes (how the task runs; nodes=N runs fn as a
     gang of N ranks on N distinct peers and returns their results in rank order, docs/gangs.md). The other keywords go
     to fn; the call is checked against fn's signature before anything is sent, and a keyword
     that fn also takes is refused as ambiguous: `gl.options(timeout=5).run(fn, ..., timeout=...)`

@@ -5,10 +5,12 @@ peer check with the same function, and the option table needs no transport for i
 
 from __future__ import annotations
 
+import getpass
 import math
 from typing import Any
 
 MAX_CONCURRENCY = 64  # the most calls one actor may run at once (threads in its worker)
+MAX_PRIORITY = 1_000_000  # a task's or a job's priority is a whole number from -MAX_PRIORITY to MAX_PRIORITY
 
 
 def check_timeout(timeout: Any) -> float | None:
@@ -18,6 +20,30 @@ def check_timeout(timeout: Any) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
     return float(timeout)
+
+
+def check_priority(value: Any) -> int:
+    """A priority (docs/jobs.md, "The queue"): a whole number from -MAX_PRIORITY to MAX_PRIORITY; ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_PRIORITY:
+        raise ValueError(f"priority must be a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}, not {value!r}")
+    return value
+
+
+def check_user(value: Any) -> str:
+    """The user a submitter names (its tasks' and jobs' user@host: their turn and their quota of a peer's
+    slots): printable text of at most 64 characters, without @; ValueError otherwise."""
+    if not isinstance(value, str) or len(value) > 64 or not value.isprintable() or "@" in value:
+        raise ValueError("a user is printable text of at most 64 characters, without @")
+    return value
+
+
+def login_user() -> str:
+    """This process's login name, as the user of its tasks and jobs ("" when it has none)."""
+    try:
+        name = getpass.getuser().replace("@", "_")[:64]
+    except (KeyError, OSError):
+        return ""
+    return name if name.isprintable() else ""
 
 
 def check_concurrency(value: Any) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks import check_timeout
+from .checks import check_priority, check_timeout
 from .matching import Requirements
 from .taskenv import check_env
 
@@ -22,7 +22,8 @@ from .taskenv import check_env
 REQUIREMENTS: dict[str, Any] = {"accelerator": None, "gpu_memory_gb": None, "frameworks": None,
                                 "capabilities": None, "peer": None, "devices": 1, "python": None}
 # How the submitter runs the task, with defaults.
-EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0, "env": None, "keep": False, "nodes": None}
+EXECUTION: dict[str, Any] = {"timeout": None, "retries": 0, "env": None, "keep": False, "nodes": None,
+                             "priority": 0}
 NAMES = frozenset(REQUIREMENTS) | frozenset(EXECUTION)
 
 
@@ -64,6 +65,7 @@ class TaskOptions:
     env: dict[str, str] = field(default_factory=dict)  # variables the task runs with (taskenv.check_env)
     keep: bool = False  # the result stays on its peer until asked for (docs/data.md)
     nodes: int | None = None  # a gang of this many ranks on distinct peers (docs/gangs.md)
+    priority: int = 0  # its place in its peer's queue, higher first (docs/jobs.md, "The queue")
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> TaskOptions:
@@ -75,10 +77,13 @@ class TaskOptions:
         req = Requirements.build(**{name: options.get(name, default) for name, default in REQUIREMENTS.items()})
         parsed = cls(req, check_timeout(options.get("timeout")), check_retries(options.get("retries", 0)),
                      check_env(options.get("env")), check_keep(options.get("keep", False)),
-                     check_nodes(options.get("nodes")))
+                     check_nodes(options.get("nodes")), check_priority(options.get("priority", 0)))
         if parsed.nodes is not None and (parsed.keep or req.peer is not None):
             raise ValueError("a gang (nodes=) returns its ranks' results and runs on several peers: "
                              "keep= and peer= do not apply to it")
+        if parsed.nodes is not None and parsed.priority:
+            raise ValueError("priority= orders tasks in a peer's queue; a gang (nodes=) takes its ranks' "
+                             "slots together and has none")
         return parsed
 
 

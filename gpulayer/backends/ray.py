@@ -563,13 +563,17 @@ class RayBackend:
 
     def submit(self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict[str, Any] | None = None, *,
                req: Requirements, timeout: float | None = None, retries: int = 0,
-               env: dict[str, str] | None = None, fn_bytes: bytes | None = None, keep: bool = False) -> RayFuture:
+               env: dict[str, str] | None = None, fn_bytes: bytes | None = None, keep: bool = False,
+               priority: int = 0) -> RayFuture:
         """Submit one call to a fitting node; NoMatchingPeer at once when none fits.
 
         keep=True (results held on the LAN's peers, docs/data.md) is refused: Ray keeps every result
-        in its own object store, and passing a future as an argument is not supported here."""
+        in its own object store, and passing a future as an argument is not supported here. So is a
+        priority: Ray's scheduler has none."""
         if self.closed:
             raise ConfigError("this Ray backend is closed; call gl.configure() again")
+        if priority:
+            raise ValueError("priority= is not supported on the Ray backend: Ray's scheduler has no task priorities")
         if keep:
             raise ValueError("keep=True is not supported on the Ray backend: Ray holds results in its object "
                              "store; pass values, or use the LAN backend to chain held results peer to peer")
@@ -650,16 +654,17 @@ class RayBackend:
             task.resolve(outcome)
 
     def map(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], *, req: Requirements, timeout: float | None = None,
-            retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
+            retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None,
+            priority: int = 0) -> list[Any]:
         """fn(*args) for the args of every call, queued on Ray at once; results in input order; the first failure
-        cancels the rest and is raised."""
+        cancels the rest and is raised. A priority is refused, as by `submit`."""
         fn_bytes = serialization.dumps_function(fn)
         bar = MapProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
         futures: list[RayFuture] = []
         try:
             for args in calls:
                 futures.append(self.submit(fn, args, req=req, timeout=timeout, retries=retries, env=env,
-                                           fn_bytes=fn_bytes))
+                                           fn_bytes=fn_bytes, priority=priority))
                 futures[-1].add_done_callback(lambda _: bar.advance())
             wait(futures, return_when=FIRST_EXCEPTION)
             failure = next((exc for f in futures if f.done() and not f.cancelled()

@@ -20,7 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from .. import discovery, held, lending, remote_exceptions, serialization
-from ..checks import check_timeout
+from ..checks import check_priority, check_timeout
 from ..errors import (ActorDied, ConfigError, GPULayerError, NoMatchingPeer, PeerLost, ProtocolError, RemoteError,
                       TaskRejected, TaskTimeout, WorkerDied)
 from ..matching import Requirements, match, missing_software
@@ -174,18 +174,21 @@ class Client(Listener):
 
     def submit(self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict[str, Any] | None = None, *,
                req: Requirements, timeout: float | None = None, retries: int = 0,
-               env: dict[str, str] | None = None, fn_bytes: bytes | None = None, keep: bool = False) -> TaskFuture:
+               env: dict[str, str] | None = None, fn_bytes: bytes | None = None, keep: bool = False,
+               priority: int = 0) -> TaskFuture:
         """Send one call to a matching peer; returns its future at once when a peer took it.
 
         Futures among the arguments are waited for first (the task is placed when they are done,
-        and their failure is its own); `keep` holds the result on the peer (docs/data.md).
+        and their failure is its own); `keep` holds the result on the peer (docs/data.md); a peer
+        starts its waiting work highest `priority` first.
         """
         timeout, retries, env = check_timeout(timeout), check_retries(retries), check_env(env)
         call = (tuple(args), kwargs or {})
         data, buffers, deps = _pickle_call(fn, call)
         task = SubmittedTask(fn_bytes or serialization.dumps_function(fn), None, None, req, timeout, retries,
                              getattr(fn, "__qualname__", type(fn).__name__), self.echo_output, env,
-                             keep=held.new_result_id() if check_keep(keep) else None, deps=deps)
+                             keep=held.new_result_id() if check_keep(keep) else None, deps=deps,
+                             priority=check_priority(priority))
         pending = [f for f in deps if not f.done()]
         if not pending:
             self._prepare(task, fn, data, buffers, deps)
@@ -245,7 +248,8 @@ class Client(Listener):
         return self.pool.received_bytes()
 
     def map(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], *, req: Requirements, timeout: float | None = None,
-            retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None) -> list[Any]:
+            retries: int = 0, env: dict[str, str] | None = None, progress: bool | None = None,
+            priority: int = 0) -> list[Any]:
         """fn(*args) for the args of every call, spread over all matching peers; results in input order.
 
         At most two tasks per slot of the matching peers are in flight at once, so that faster
@@ -262,7 +266,7 @@ class Client(Listener):
                 if window is not None:
                     window.acquire()
                 future = self.submit(fn, args, req=req, timeout=timeout, retries=retries, env=env,
-                                     fn_bytes=fn_bytes)
+                                     fn_bytes=fn_bytes, priority=priority)
                 if window is None:
                     slots = self.total_slots(req)
                     window = MapWindow(lambda: self.placement.contention.window(slots))

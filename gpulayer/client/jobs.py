@@ -8,7 +8,6 @@ of them holds it (a job id names its holder). The Client is used for discovery a
 
 from __future__ import annotations
 
-import getpass
 import os
 import socket
 import tempfile
@@ -20,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
+from ..checks import login_user
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, transfer
 from ..jobs.store import ENDED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
@@ -223,7 +223,7 @@ class Jobs:
                                    grace=grace, nodes=nodes)
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
-                       retries=retries, function=function, priority=priority, user=_login(), preemptible=preemptible,
+                       retries=retries, function=function, priority=priority, user=login_user(), preemptible=preemptible,
                        grace=grace)
         if nodes > 1:
             return self._submit_gang(spec, manifest, req, nodes)
@@ -292,14 +292,6 @@ class Jobs:
 
     def link(self, holder: Holder) -> JobLink:
         return JobLink(self.client, holder.addresses)
-
-
-def _login() -> str:
-    """This process's login name, as a job's user (its share of a peer's slots is its user@host's)."""
-    try:
-        return getpass.getuser().replace("@", "_")[:64]
-    except (KeyError, OSError):
-        return ""
 
 
 def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest,

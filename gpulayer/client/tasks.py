@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import held, lending, serialization
+from ..checks import login_user
 from ..errors import GPULayerError, PeerLost, WaitCycle
 from ..matching import Requirements
 from ..protocol import messages
@@ -167,6 +168,8 @@ class SubmittedTask:
     echo_output: bool
     env: dict[str, str] = field(default_factory=dict)
     keep: str | None = None  # the id its result is held under on its peer (keep=True)
+    priority: int = 0  # its place in its peer's queue, higher first
+    user: str = field(default_factory=login_user)  # whose quota of its peer's slots it counts in
     deps: list[TaskFuture] = field(default_factory=list)  # the futures among its arguments, kept until it ends
     future: TaskFuture = field(init=False)
     conn: PeerConnection | None = None
@@ -195,7 +198,8 @@ class SubmittedTask:
     def message(self) -> tuple[messages.Outgoing, list[Any]]:
         assert self.fn is not None and self.args is not None
         return messages.submit(self.task_id, self.fn, self.args, self.req.to_wire(), self.timeout, self.name,
-                               self.env, self.keep, [where.ref() for where in self.held_args()]), \
+                               self.env, self.keep, [where.ref() for where in self.held_args()], self.priority,
+                               self.user), \
             self.buffers or []
 
     def held_args(self) -> list[HeldResult]:

@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job-retention-gb", type=float, default=RETENTION_GB, metavar="GB",
                         help="the oldest ended jobs are removed while the jobs' folders come to more than this "
                              f"(default {RETENTION_GB:g})")
+    parser.add_argument("--max-slots-per-user", type=_positive_int, default=None, metavar="N",
+                        help="the most slots one user (user@host of the submitter) holds at once here, tasks and "
+                             "jobs together; the others' work goes first (default: no cap)")
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
@@ -106,6 +109,16 @@ def key_from_invite(args: argparse.Namespace) -> None:
     args.key_file = str(path)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def _workdir(text: str) -> str:
     """An existing, writable folder, made absolute."""
     path = os.path.abspath(os.path.expanduser(text))
@@ -145,6 +158,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         state_dir=args.state_dir,
         job_retention_days=args.job_retention_days,
         job_retention_gb=args.job_retention_gb,
+        max_slots_per_user=args.max_slots_per_user,
         seeds=args.seed + discovery.static_peers(),
     )
 

@@ -79,7 +79,8 @@ def admit(conn: Submitter, msg: messages.Message, buffers: list[Any], state: Sch
     task: Submission
     if msg["t"] == messages.SUBMIT:
         task = TaskHolder(owner=conn, task_id=task_id, msg=msg, buffers=buffers, req=req, timeout=msg.get("timeout"),
-                          keep=keep)
+                          keep=keep, priority=msg.get("priority", 0),
+                          user=f"{msg.get('user') or conn.submitter_id}@{conn.address.rsplit(':', 1)[0]}")
     else:
         task = ActorHolder(owner=conn, task_id=task_id, msg=msg, buffers=buffers, req=req, timeout=msg.get("timeout"),
                            class_name=messages.printable(msg["name"]))

@@ -374,20 +374,23 @@ class Jobs:
             self._limited[row.id] = row.spec.array
         task = JobHolder(req=Requirements.from_wire(row.spec.req), job_id=row.id,
                          name=row.spec.name or row.spec.command[0], priority=row.spec.priority,
-                         share=row.spec.share, start=lambda group, env: self._start(row.id, task, env))
+                         share=row.spec.share, user=row.spec.share,
+                         start=lambda group, env: self._start(row.id, task, env))
         self.queued[row.id] = task
         if not self.scheduler.enqueue(task):
             self._preempt_for(row, task)
 
     def _preempt_for(self, row: JobRow, task: JobHolder) -> None:
         """`row` waits: stop one running preemptible job of lower priority whose slots it could start on
-        (the lowest priority, then the last started) for its grace, to queue it again once it stopped.
-        The waiting job, first in the queue's order, then takes the slots."""
+        (the lowest priority, then the last started) and whose slots its user's quota lets it take, for
+        its grace, to queue it again once it stopped. The waiting job, first in the queue's order, then
+        takes the slots."""
         victims = []
         for job_id, run in self.runs.items():
             held = self.store.get(job_id)
             if held is not None and not run.stopping and held.spec.preemptible \
-                    and held.spec.priority < row.spec.priority and _could_start(task.req, run.task.group):
+                    and held.spec.priority < row.spec.priority and _could_start(task.req, run.task.group) \
+                    and self.scheduler.state.within_quota(task, run.task):
                 victims.append((held.spec.priority, -(held.started or 0.0), held, run))
         if not victims:
             return

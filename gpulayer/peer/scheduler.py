@@ -78,9 +78,10 @@ class Scheduler:
     honouring device memory."""
 
     def __init__(self, slots: list[Slot], python: str = sys.executable, preload: list[str] | None = None,
-                 worker_start_timeout: float = 120.0, workdir: str | None = None):
+                 worker_start_timeout: float = 120.0, workdir: str | None = None,
+                 max_slots_per_user: int | None = None):
         self.slots = slots
-        self.state = SchedulerState(slots)
+        self.state = SchedulerState(slots, max_slots_per_user)
         self.python = python
         self.preload = preload or []
         self.worker_start_timeout = worker_start_timeout

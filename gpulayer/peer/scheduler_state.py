@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Union
@@ -159,8 +160,9 @@ class SchedulerState:
     """The queue, the slots and what holds them; by priority, the submitters in turn, then first come first
     served (jobs/queue.py), honouring device memory."""
 
-    def __init__(self, slots: list[Slot]):
+    def __init__(self, slots: list[Slot], max_slots_per_user: int | None = None):
         self.slots = slots
+        self.max_slots_per_user = max_slots_per_user  # the quota (--max-slots-per-user): None, no cap
         self.borrowed: list[Slot] = []  # slots lent by blocked tasks (`lent_by` set) and spare ones (ADR 0014)
         self.queue: FairQueue[Queued] = FairQueue()  # in start order (jobs/queue.py)
         self.leases: dict[str, LeaseHolder] = {}  # by lease id
@@ -481,7 +483,7 @@ class SchedulerState:
             lent = [s for s in self.borrowed if s.lent_by is not None and s.ready] if self.borrowed else []
             every = ready + lent if lent else ready
             free = self.available_memory()
-            found = next(((t, g) for t in islice(self.queue, LOOKAHEAD)
+            found = next(((t, g) for t in islice(self._startable(), LOOKAHEAD)
                           if (g := take_slots(t.req, every if t.borrows else ready, free))), None) if every else None
             if found is None:
                 if self.leases:
@@ -491,6 +493,33 @@ class SchedulerState:
             self.queue.remove(task)
             actions += self._start(task, group, now)
         return actions
+
+    def within_quota(self, item: Queued, freed: Holder | None = None) -> bool:
+        """Whether `item`'s user may take its slots now (--max-slots-per-user), with those of `freed` free."""
+        held = self._held_by_users()
+        if freed is not None:
+            held[freed.user] -= len(freed.group)
+        return self._fits_quota(item, held)
+
+    def _held_by_users(self) -> Counter[str]:
+        """The slots each user holds (the holders that count in a quota: tasks and jobs)."""
+        held = Counter[str]()
+        for holder in {s.task for s in [*self.slots, *self.borrowed] if s.task is not None and s.task.user}:
+            held[holder.user] += len(holder.group)
+        return held
+
+    def _fits_quota(self, item: Queued, held: Counter[str]) -> bool:
+        """Work that needs more slots than the quota starts only while its user holds none."""
+        cap = self.max_slots_per_user
+        return cap is None or not item.user or held[item.user] <= 0 or held[item.user] + item.req.devices <= cap
+
+    def _startable(self) -> Iterator[Queued]:
+        """The queue in start order, less the work whose user holds its quota of slots already
+        (--max-slots-per-user): the others' work goes first."""
+        if self.max_slots_per_user is None:
+            return iter(self.queue)
+        held = self._held_by_users()
+        return (t for t in self.queue if self._fits_quota(t, held))
 
     def _start(self, task: Queued, group: list[Slot], now: float) -> Actions:
         lead = group[0]
@@ -524,7 +553,7 @@ class SchedulerState:
             if lease.yielding or lease.slot is None:
                 continue
             with_slot = [*ready, lease.slot]
-            if any(take_slots(t.req, with_slot, free) for t in islice(self.queue, LOOKAHEAD)):
+            if any(take_slots(t.req, with_slot, free) for t in islice(self._startable(), LOOKAHEAD)):
                 actions += self._yield(lease)
         return actions
 

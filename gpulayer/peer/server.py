@@ -71,6 +71,7 @@ class PeerConfig:
     state_dir: str | None = None  # the jobs' folder (peer/jobs.py); None: the first free one of the user's
     job_retention_days: float = RETENTION_DAYS
     job_retention_gb: float = RETENTION_GB
+    max_slots_per_user: int | None = None  # the slots one user@host may hold at once (tasks and jobs); None: no cap
     seeds: list[tuple[str, int]] = field(default_factory=list)  # peers to gossip with at first (gossip.py)
 
 
@@ -162,7 +163,8 @@ class Peer:
         self.advert = Advert.from_resources(config.resources, peer_id=self.peer_id, name=self.name,
                                             cluster=security.cluster_id(config.key), slots=len(self.slots))
         preload = config.preload if config.preload is not None else default_preload(config.resources)
-        self.scheduler = Scheduler(self.slots, config.python, preload, config.worker_start_timeout, config.workdir)
+        self.scheduler = Scheduler(self.slots, config.python, preload, config.worker_start_timeout, config.workdir,
+                                   config.max_slots_per_user)
         # measured utilisation: for STATUS, and free memory for starting tasks
         self.held = held.HeldResults(held.limit_from_env(), grace_from_env())  # results kept (keep=True)
         self.sampler = Sampler(recorded=config.measured_from, on_sample=self._on_sample)

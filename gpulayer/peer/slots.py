@@ -67,6 +67,7 @@ class Holder:
     started: float = 0.0  # time.monotonic() when it started: its outcome says how long it ran ("ran")
     answered: bool = False  # it ended: its outcome was sent (a lease: it was given back)
     blocked: bool = False  # its worker waits on a future: its slots are lent meanwhile (ADR 0014)
+    user: str = ""  # whose quota of slots it counts in (--max-slots-per-user): "user@host"; "" none (actors, leases)
 
     @property
     def address(self) -> str:
@@ -91,7 +92,7 @@ class Submission(Holder):
     env: dict[str, str] = field(default_factory=dict)  # its environment variables (the message's "env")
     one_off: bool = False  # it runs in a worker of its own, which a warm one replaces after it
     timer: asyncio.TimerHandle | None = None  # its timeout, while it runs
-    priority: int = 0  # its place in the queue (jobs/queue.py): tasks all have the lowest
+    priority: int = 0  # its place in the queue (jobs/queue.py): a SUBMIT's "priority" (default 0; actors 0)
     share: str = ""  # whose turn it counts in among the queued work of its priority: tasks share one
     borrows: ClassVar[bool] = True  # it may run on a slot lent by a blocked task (it gives it back when it ends)
 

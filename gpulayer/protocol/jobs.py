@@ -13,14 +13,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..checks import check_timeout
+from ..checks import MAX_PRIORITY, check_timeout, check_user
 from ..taskenv import check_env
 from ..jobs.store import PREEMPT_GRACE_S, JobSpec, check_job_id
 from . import messages
 
 MAX_COMMAND_ARGS = 4096
 MAX_RETRIES = 100
-MAX_PRIORITY = 1_000_000
 MAX_ARRAY_JOBS, MAX_ARRAY_INDEX = 10_000, 1_000_000
 MAX_GRACE_S = 3600.0
 MAX_FILES = 200_000
@@ -79,8 +78,10 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
     priority, user = fields.get("priority", 0), fields.get("user", "")
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
         return f"a job's priority is a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY}"
-    if not isinstance(user, str) or len(user) > 64 or not user.isprintable() or "@" in user:
-        return "a job's user is printable text of at most 64 characters, without @"
+    try:
+        check_user(user)
+    except ValueError as exc:
+        return f"a job's {exc}"
     if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool):
         return "a JOB_SUBMIT's 'req' is a map and 'function' a boolean"
     gang = fields.get("gang", {})

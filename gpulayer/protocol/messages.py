@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, TypedDict, Union
 
 from .. import held, security
-from ..checks import check_concurrency, check_timeout
+from ..checks import check_concurrency, check_priority, check_timeout, check_user
 from ..taskenv import check_env, read_at_load
 
 PROTOCOL_VERSION = 2  # in every message ("v") and every advert ("ver"); bump on any incompatible change
@@ -69,6 +69,8 @@ class _SubmitOptions(TypedDict, total=False):
     env: dict[str, str]  # the task's environment variables (check_env); omitted when there are none
     keep: str  # keep the result on the peer under this id (held.new_result_id; docs/data.md)
     refs: list[dict[str, Any]]  # the held results among its arguments (`ref` entries)
+    priority: int  # its place in the peer's queue, higher first (check_priority); omitted when 0
+    user: str  # the submitter's login name (check_user): its user@host's quota of the peer's slots
 
 
 class SubmitMessage(Envelope, _SubmitOptions):
@@ -116,9 +118,13 @@ Buffers = Union[list[Any], tuple[Any, ...]]  # out-of-band buffers: anything wit
 
 def submit(task_id: int, fn: bytes, args: bytes, req: dict[str, Any], timeout: float | None,
            name: str, env: Mapping[str, str] | None = None, keep: str | None = None,
-           refs: list[dict[str, Any]] | None = None) -> SubmitMessage:
+           refs: list[dict[str, Any]] | None = None, priority: int = 0, user: str = "") -> SubmitMessage:
     msg: SubmitMessage = {"t": SUBMIT, "id": task_id, "fn": fn, "args": args, "req": req, "timeout": timeout,
                           "name": name}
+    if priority:
+        msg["priority"] = priority
+    if user:
+        msg["user"] = user
     if env:
         msg["env"] = dict(env)
     if keep is not None:
@@ -298,6 +304,12 @@ def check_submit(msg: Mapping[str, Any], leased: bool = False) -> str | None:
         problem = f"bad 'keep': {problem}"
     if problem is None and "refs" in msg:
         problem = check_refs(msg["refs"])
+    if problem is None and ("priority" in msg or "user" in msg):
+        try:
+            check_priority(msg.get("priority", 0))
+            check_user(msg.get("user", ""))
+        except ValueError as exc:
+            problem = f"a SUBMIT's {exc}"
     if problem is None and leased:
         problem = lease_refusal(msg)
     return problem

@@ -5,7 +5,9 @@ the hooks somebody overrides, and metrics reach the host only at the sync points
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import os
 import time
 import warnings
@@ -17,7 +19,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from ..accelerators import AUTO
 from . import (accelerators, checkpoint, compiled, datamodule as datamodules, distributed, loggers as loggers_, optim,
-               options, precision as precision_rules, profilers, randomness)
+               options, precision as precision_rules, profilers, randomness, resume as resumes)
 from .batches import batch_size as _batch_size, to_device as _to_device
 from .callbacks import Callback, EarlyStopping, ModelCheckpoint
 from .hooks import TRANSFER_HOOKS, Dispatch, ModelHooks, overrides as _overrides, warn_unsupported
@@ -81,6 +83,7 @@ def _resolve(loader):
     """The loader itself (asked of its source if need be), with seeded workers after seed_everything(workers=True)."""
     loader = loader.get() if isinstance(loader, _Source) else loader
     randomness.seed_workers(loader)
+    resumes.shield_workers(loader)
     return loader
 
 
@@ -107,8 +110,10 @@ class Trainer:
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None,
                  deterministic: bool = False, benchmark: bool | None = None, inference_mode: bool = True,
                  profiler: str | None = None, default_root_dir: str | None = None,
-                 enable_autolog_hparams: bool = True, compile: bool | str | dict = False, **lightning_options):
+                 enable_autolog_hparams: bool = True, compile: bool | str | dict = False,
+                 resume_every_n_steps: int | None = None, **lightning_options):
         options.check_default_only(lightning_options)
+        resumes.check_interval(resume_every_n_steps)
         if devices == AUTO or devices == -1:
             devices = options.auto_devices(accelerators.resolve(accelerator, 1, num_nodes).kind)
         self.placement = accelerators.resolve(accelerator, options.devices_count(devices), num_nodes)
@@ -165,6 +170,7 @@ class Trainer:
         self.enable_model_summary = enable_model_summary
         self.enable_autolog_hparams = enable_autolog_hparams
         self.profiler = profilers.resolve(profiler)
+        self.resume_every_n_steps = resume_every_n_steps
         self._compile = compiled.parse(compile, self.placement.kind, self.placement.devices, num_nodes, name,
                                        accumulate_grad_batches)
 
@@ -198,12 +204,15 @@ class Trainer:
         self._val: Any = None  # this fit's validation loader (or its _Source until first needed)
         self._train: Any = None  # the same for training
         self._train_started = False
+        self._resume: resumes.Resume | None = None  # this fit's resume checkpoint (resume.py), if it keeps one
+        self._position: dict | None = None  # where the resumed epoch stopped: its batches done and RNG states
 
     def __getstate__(self):
         """Picklable for DDP workers: configuration and callbacks, not the state of a run."""
         return {**self.__dict__, "module": None, "optimizer": None, "lr_scheduler": None,
                 "_progress": TrainerProgress(), "metric_store": None, "_train_store": None, "_ddp": None, "clip_params": [],
-                "_compiled_step": None, "hooks": None, "datamodule": None, "_val": None, "_train": None}
+                "_compiled_step": None, "hooks": None, "datamodule": None, "_val": None, "_train": None,
+                "_resume": None, "_position": None}
 
     @staticmethod
     def _checked_callbacks(callbacks, enable_checkpointing: bool) -> list[Callback]:
@@ -276,6 +285,11 @@ class Trainer:
         return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
 
     @property
+    def received_sigterm(self) -> bool:
+        """Whether this fit, run as a job, got a SIGTERM: it saves and stops at the next step boundary."""
+        return self._resume is not None and self._resume.requested
+
+    @property
     def estimated_stepping_batches(self) -> int | float:
         """The optimizer steps this fit will take (for OneCycleLR in configure_optimizers), as Lightning's:
         max_steps when set, else epochs x ceil(batches per epoch / accumulate_grad_batches)."""
@@ -345,8 +359,10 @@ class Trainer:
     def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
         """Write model, optimizer, scheduler, loop position, RNG state, callback and DataModule states and
         the hyperparameters (rank 0 only); `weights_only`: the model and hyperparameters only."""
-        if not self.is_global_zero:
-            return
+        if self.is_global_zero:
+            checkpoint.save(self._checkpoint_state(weights_only), path)
+
+    def _checkpoint_state(self, weights_only: bool) -> dict[str, Any]:
         model = self.module
         state: dict[str, Any] = {"epoch": self._resume_epoch, "global_step": self.global_step,
                                  "state_dict": model.state_dict()}
@@ -366,7 +382,7 @@ class Trainer:
                     state["datamodule_hyper_parameters"] = dict(self.datamodule.hparams)
             if self.hooks is not None:
                 self.hooks("on_save_checkpoint", state)
-        checkpoint.save(state, path)
+        return state
 
     def print(self, *args, **kwargs) -> None:
         if self.is_global_zero:
@@ -538,13 +554,22 @@ class Trainer:
         self.should_stop = self._train_started = False
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
         self._deadline = None if self._max_seconds is None else time.monotonic() + self._max_seconds
+        resume = self._resume = None if self._all_reduce else \
+            resumes.Resume.for_fit(self.default_root_dir, self.resume_every_n_steps)
+        self._position = None
+        ckpt_path = self._resume_from(resume, ckpt_path)
         try:
+            if resume is not None:
+                resume.install()
             hooks("on_fit_start")
             if self.enable_model_summary and self.is_global_zero:
                 print(summarize(model))
             self._log_hyperparams(model)
             if ckpt_path:
                 self._restore(model, checkpoint.load(checkpoint.resolve(ckpt_path, self.callbacks)))
+                if resume is not None and ckpt_path == resume.path:
+                    self.print(f"glt: resumed from {ckpt_path}: epoch {self.current_epoch}, step {self.global_step}"
+                               + (f", batch {self._position['batch']}" if self._position else ""))
             self._ddp = distributed.wrap(model, self.device) if self._all_reduce else None
             self._compiled_step = compiled.build(self._compile, self, model)
             if isinstance(val, _Source) and not val.defined():
@@ -559,19 +584,73 @@ class Trainer:
             train = self._train_loader()
             # Lightning makes the first epoch's iterator here, before on_train_start (a DataLoader draws its
             # base seed then): the same seed gives the same batches
-            batches = iter(train) if not self._finished() else None
+            batches = self._epoch_iterator(train) if not self._finished() else None
             while not self._finished():
                 self._train_epoch(model, train, val, batches)
                 batches = None
             if self._train_started:
                 hooks("on_train_end")
             hooks("on_fit_end")
+            if resume is not None:
+                if resume.requested:  # the SIGTERM came after the last step: the next run ends at once
+                    self._save_resume(None)
+                resume.discard()
         except BaseException as e:
             hooks("on_exception", e)
             raise
         finally:
-            self.metric_store = self._ddp = self._compiled_step = None
+            if resume is not None:
+                resume.uninstall()
+            self.metric_store = self._ddp = self._compiled_step = self._resume = self._position = None
             self._progress.close()
+
+    def _resume_from(self, resume: resumes.Resume | None, ckpt_path: str | None) -> str | None:
+        """The checkpoint to resume from: as a job, the fit's resume checkpoint whenever there is one
+        (else `ckpt_path`); elsewhere with `ckpt_path="last"`, that one first."""
+        found = resume.found() if resume is not None else None
+        if found and (resume.on_sigterm or ckpt_path == "last"):
+            return found
+        if resume is not None and resume.on_sigterm and resumes.restarts():
+            self.print(f"glt: restart {resumes.restarts()} of this job, and no {resume.path} to resume from: "
+                       f"{'from ' + ckpt_path if ckpt_path else 'training from the start'}")
+        return ckpt_path
+
+    def _save_resume(self, batches_done: int | None) -> None:
+        """Write the resume checkpoint at this step boundary, `batches_done` into the epoch (None: the fit
+        is over); after a SIGTERM, stop the fit (SIGTERMException)."""
+        resume = self._resume
+        state = self._checkpoint_state(False)
+        state["loop"] = {"finished": True} if batches_done is None else \
+            {"batch": batches_done, "rng_iter": resume.rng_iter, "rng_first": resume.rng_first}
+        checkpoint.save(state, resume.path)
+        if resume.requested:
+            self.print(f"glt: SIGTERM: saved {resume.path} at epoch {self.current_epoch}, step {self.global_step}; "
+                       f"stopping")
+            raise resumes.SIGTERMException(resumes.EXIT_CODE)
+
+    def _mark(self, point: str) -> None:
+        """A point where the epoch's loader draws its seeds ("rng_iter": making its iterator, "rng_first":
+        its first batch): resuming mid-epoch puts the interrupted epoch's RNG states back there, and a fit
+        with a resume checkpoint keeps them for its saves."""
+        if self._position is not None:
+            randomness.restore(self._position[point], self.device)
+        if self._resume is not None:
+            setattr(self._resume, point, randomness.capture(self.device))
+
+    def _epoch_iterator(self, loader: Iterable) -> Any:
+        self._mark("rng_iter")
+        return iter(loader)
+
+    def _fast_forward(self, batches: Any) -> int:
+        """Resuming mid-epoch: skip the batches the interrupted run had done (they are drawn, not trained
+        on), then put back its RNG states at that step; the batches skipped (0 when not resuming)."""
+        self._mark("rng_first")
+        position, self._position = self._position, None
+        if position is None:
+            return 0
+        collections.deque(itertools.islice(batches, position["batch"]), maxlen=0)
+        randomness.restore(position["rng"], self.device)
+        return position["batch"]
 
     def _restore(self, model: Module, ckpt: dict) -> None:
         if "optimizer" not in ckpt:
@@ -591,6 +670,11 @@ class Trainer:
             self.datamodule.load_state_dict(ckpt["datamodule"])
         self.current_epoch = self._resume_epoch = ckpt["epoch"]
         self.global_step = ckpt["global_step"]
+        loop = ckpt.get("loop")  # a resume checkpoint's (resume.py): where in the epoch it stopped
+        if loop is not None and loop.get("finished"):
+            self.should_stop = True
+        elif loop is not None:
+            self._position = {**loop, "rng": ckpt["rng"]}
         # last, so the next epoch draws the same random numbers as in the interrupted run
         randomness.restore(ckpt["rng"], self.device)
 
@@ -655,9 +739,12 @@ class Trainer:
         accumulate, optimizer = self.accumulate_grad_batches, self.optimizer
         autocast, backward = self.precision.autocast, self.precision.backward
         log_every, deadline = self.log_every_n_steps, self._deadline
-        pending = batches_done = 0
+        resume = self._resume
+        pending = 0
         stop = skipped = False
-        for batch_idx, batch in enumerate(loader if batches is None else batches):
+        batches = self._epoch_iterator(loader) if batches is None else batches
+        batches_done = skip = self._fast_forward(batches)
+        for batch_idx, batch in enumerate(batches, skip):
             if batch_idx == n_batches:
                 break
             with profile("run_training_batch"):
@@ -702,6 +789,8 @@ class Trainer:
                 break
             if val_every is not None and batches_done % val_every == 0 and batches_done != n_batches:
                 self._validate_in_fit(model, val)
+            if resume is not None and not pending and resume.due(self.global_step):
+                self._save_resume(batches_done)
         if pending and not stop and not skipped:  # a loader without a length ended mid-accumulation
             self._optimizer_step(batches_done)
         if batches_done == n_batches if n_batches is not None else not (stop or skipped or self.should_stop):

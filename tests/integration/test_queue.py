@@ -1,12 +1,18 @@
-"""The queue of a peer's jobs (issue 28): priorities, and equal priorities shared between submitters in
-turn. Real peers in subprocesses, real TCP; each job writes its name when it starts, so the order
-in which the one-slot peer started them is read from the jobs' own output."""
+"""The queue of a peer's jobs and tasks (issue 28): priorities, equal priorities shared between submitters
+in turn, arrays, preemption (and a glt.Trainer job that resumes after it), and per-user quotas. Real peers
+in subprocesses, real TCP; the work writes when it starts, so the order in which a peer started it is
+read from the work's own output."""
 
 from __future__ import annotations
 
+import inspect
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from support import wait_until
+from support import authenticated, new_key, wait_until
 from test_jobs import jobs_peer  # noqa: F401  (the fixture: a one-slot peer with a state folder of its own)
 
 
@@ -146,3 +152,169 @@ def test_never_a_job_that_did_not_ask_nor_for_an_equal_priority(jobs_peer, tmp_p
     assert events.read_text().splitlines() == ["willing start 0", "willing term", "unwilling start 0",
                                                "unwilling term", "urgent"]
     assert willing.refresh().info["restarts"] == 0
+
+
+RESUMABLE_FIT = Path(__file__).parents[1] / "torch" / "resumable_fit.py"
+
+
+def test_a_preempted_trainer_job_resumes_from_its_checkpoint_and_ends_as_if_never_stopped(jobs_peer, tmp_path):
+    """glt.Trainer as a preemptible job (resumable_fit.py: a seeded CPU fit of 18 steps, a spawned DataLoader
+    worker) is preempted mid-epoch by a job of higher priority, saves on the SIGTERM, is queued again,
+    resumes, and ends with the weights of the same fit run straight through, each batch trained once."""
+    import torch
+
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_JOB")}
+    ran = subprocess.run([sys.executable, str(RESUMABLE_FIT)], cwd=straight, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+
+    _, _, _, jobs = jobs_peer()
+    project, waiting, events = tmp_path / "project", tmp_path / "waiting", tmp_path / "events"
+    project.mkdir()
+    (project / "resumable_fit.py").write_bytes(RESUMABLE_FIT.read_bytes())
+    fit = jobs.submit(["python", "resumable_fit.py", "--signal-at", "8", "--wait-for-sigterm", str(waiting),
+                       "--workers", "1"], project, _cpu(), preemptible=True, grace=120)
+    wait_until(waiting.exists, 120)  # in step 8 of 18, mid-epoch 1, until the SIGTERM comes
+    high = jobs.submit(_marker(events, "high"), None, _cpu(), priority=1)
+    assert high.wait(120) == "succeeded" and fit.wait(300) == "succeeded", fit.logs()
+    assert fit.info["restarts"] == 1 and events.read_text() == "high\n"
+    logs = fit.logs()
+    assert "glt: SIGTERM: saved" in logs and "step 9; stopping" in logs and "epoch 1, step 9, batch 6" in logs
+    back = tmp_path / "back"
+    fit.fetch(["weights.pt", "batches"], to=back)
+    assert (back / "batches").read_text() == (straight / "batches").read_text()  # none lost, none twice
+    resumed, expected = torch.load(back / "weights.pt"), torch.load(straight / "weights.pt")
+    assert resumed.keys() == expected.keys()
+    assert all(torch.allclose(resumed[k], expected[k]) for k in expected)
+
+
+def _note(log: str, name: str, release: str = "") -> str:
+    """A task: append `name` to `log` as it starts; with `release`, work until that file exists."""
+    import os
+    import time
+
+    with open(log, "a") as f:
+        f.write(name + "\n")
+    deadline = time.monotonic() + 120
+    while release and not os.path.exists(release):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release} never came")
+        time.sleep(0.02)
+    return name
+
+
+def _queued(peers: list[dict]) -> int:
+    return sum(row["queued"] or 0 for row in peers)
+
+
+def test_waiting_tasks_start_highest_priority_first(peer_factory, tmp_path):
+    """priority= of gl.submit, gl.map and @gl.remote's options: a busy one-slot peer starts its waiting
+    tasks highest first, then first come first served; the order is read from the tasks' own output."""
+    import threading
+
+    import gpulayer as gl
+
+    key = new_key()
+    peer_factory("prio", "--concurrency", "1", key=key)
+    log, release = tmp_path / "started", tmp_path / "release"
+    gl.configure(key=key.encode(), interfaces=["127.0.0.1"], echo_output=False)
+    try:
+        blocker = gl.submit(_note, str(log), "blocker", str(release))
+        wait_until(log.exists, 60)
+        waiting = [gl.submit(_note, str(log), "low", priority=-1), gl.submit(_note, str(log), "plain")]
+        mapped: list[str] = []
+        mapper = threading.Thread(target=lambda: mapped.extend(gl.map(_note, [str(log)] * 2, ["m1", "m2"],
+                                                                      priority=3)))
+        mapper.start()
+        wait_until(lambda: _queued(gl.peers(wait=0)) == 4, 60)
+        waiting.append(gl.remote(_note).options(priority=9).submit(str(log), "urgent"))
+        wait_until(lambda: _queued(gl.peers(wait=0)) == 5, 60)
+        release.touch()
+        assert [f.result(60) for f in [blocker, *waiting]] == ["blocker", "low", "plain", "urgent"]
+        mapper.join(60)
+        assert mapped == ["m1", "m2"]
+        assert log.read_text().split() == ["blocker", "urgent", "m1", "m2", "plain", "low"]
+    finally:
+        gl.api.shutdown()
+
+
+def test_a_bad_task_priority_is_refused_by_the_option_table_and_by_the_peer(peer_factory):
+    import pytest
+
+    import gpulayer as gl
+    from gpulayer.protocol import messages
+
+    for bad in (10 ** 7, True, 1.5, "high"):
+        with pytest.raises(ValueError, match="priority must be a whole number"):
+            gl.submit(_note, "log", "x", priority=bad)
+    with pytest.raises(ValueError, match="priority must be a whole number"):
+        gl.remote(priority=-(10 ** 7))(_note)
+    peer = peer_factory("prio-check", "--concurrency", "1", key=new_key())
+    conn = authenticated(peer)
+    try:
+        conn.send({**messages.submit(1, b"f", b"a", {}, None, "f"), "priority": "high"})
+        for _ in range(8):  # past the peer's unasked messages
+            reply, _ = conn.recv(time.monotonic() + 10)
+            if reply["t"] == messages.REJECT:
+                break
+        assert (reply["id"], reply["code"]) == (1, "bad-request") and "priority" in reply["message"], reply
+    finally:
+        conn.close()
+
+
+def _hold(events: str, name: str, release: str) -> str:
+    """Work that writes "start NAME", works until `release` exists, then writes "end NAME"."""
+    import os
+    import time
+
+    def write(line: str) -> None:
+        with open(events, "a") as f:
+            f.write(line + "\n")
+
+    write(f"start {name}")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(release):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release} never came")
+        time.sleep(0.02)
+    write(f"end {name}")
+    return name
+
+
+def test_a_user_at_the_quota_waits_while_the_others_work_goes_first(jobs_peer, tmp_path, monkeypatch):
+    """`--max-slots-per-user 1` on a two-slot peer: alice's second job and her task wait although a slot is
+    free, bob's job takes it; alice never holds two slots at once (read from the work's own output)."""
+    import gpulayer as gl
+
+    peer, _, key, jobs = jobs_peer("quota", "--concurrency", "2", "--max-slots-per-user", "1")
+    events, release = tmp_path / "events", tmp_path / "release"
+    hold = inspect.getsource(_hold) + "import sys\n_hold(*sys.argv[1:])\n"
+
+    def job(name: str):
+        return jobs.submit(["python", "-c", hold, str(events), name, str(release)], None, _cpu(), name=name)
+
+    gl.configure(key=key.encode(), peers=f"127.0.0.1:{peer.port}", mdns=False, echo_output=False)
+    try:
+        monkeypatch.setenv("LOGNAME", "alice")  # the user a submitter gives (getpass reads LOGNAME first)
+        first = job("a1")
+        wait_until(lambda: events.exists() and "start a1" in events.read_text(), 60)
+        second = job("a2")
+        task = gl.submit(_hold, str(events), "a-task", str(release), accelerator="cpu")
+        wait_until(lambda: _queued(gl.peers(wait=0)) == 2, 60)
+        assert second.refresh().state == "queued" and events.read_text().split("\n")[:-1] == ["start a1"]
+        monkeypatch.setenv("LOGNAME", "bob")
+        other = job("b1")
+        wait_until(lambda: "start b1" in events.read_text(), 60)  # the free slot went to bob
+        release.touch()
+        assert [j.wait(60) for j in (first, second, other)] == ["succeeded"] * 3 and task.result(60) == "a-task"
+    finally:
+        gl.api.shutdown()
+    lines = events.read_text().splitlines()
+    assert lines.index("start b1") < lines.index("start a2") and lines.index("start b1") < lines.index("start a-task")
+    alice = 0
+    for line in lines:
+        if line.split()[1] != "b1":
+            alice += 1 if line.startswith("start") else -1
+            assert alice <= 1, lines

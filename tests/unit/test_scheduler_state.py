@@ -349,3 +349,32 @@ def test_the_queue_starts_by_priority_then_the_submitters_in_turn():
         holder = next(a.holder for a in actions if type(a).__name__ == "Started")
         order.append(holder)
     assert order == [urgent, ann1, later, ann2, low] and state.queued == 0
+
+
+def test_a_user_at_its_quota_waits_while_another_users_work_starts_on_the_free_slot():
+    """--max-slots-per-user 1 on two slots: alice's second task waits although a slot is free, bob's task
+    and job take it; when alice's first ends her next starts. A job counts in its user's quota too."""
+    state = SchedulerState(slots(2), max_slots_per_user=1)
+    a1, a2, b1 = task(1), task(2), task(3, owner=BOB)
+    for holder, user in ((a1, "alice@10.0.0.1"), (a2, "alice@10.0.0.1"), (b1, "bob@10.0.0.2")):
+        holder.user = user
+    assert kinds(state.task_arrived(a1, now=0.0)) == ["Started", "Run"]
+    assert state.task_arrived(a2, now=0.1) == [] and state.queued == 1 and state.busy == 1
+    assert kinds(state.task_arrived(b1, now=0.2)) == ["Started", "Run"] and state.slots[1].task is b1
+    bobs_job = JobHolder(req=Requirements.build(), job_id="j1", name="j1", share="bob@10.0.0.2",
+                         user="bob@10.0.0.2", start=lambda group, env: None)
+    assert state.task_arrived(bobs_job, now=0.3) == []
+    actions = state.task_replied(a1, {"t": messages.RESULT, "id": 1}, [], now=1.0)
+    assert kinds(actions) == ["StopTimer", "Answer", "Started", "Run"] and actions[3].task is a2  # not bob's job
+    assert state.within_quota(bobs_job) is False and state.within_quota(bobs_job, freed=b1) is True
+
+
+def test_work_that_needs_more_slots_than_the_quota_starts_while_its_user_holds_none():
+    gpus = slots(2, "cuda", 80.0)
+    for slot in gpus:
+        slot.env["CUDA_VISIBLE_DEVICES"] = str(slot.index)
+    state = SchedulerState(gpus, max_slots_per_user=1)
+    wide, again = task(1, accelerator="cuda", devices=2), task(2, accelerator="cuda", devices=2)
+    wide.user = again.user = "alice@10.0.0.1"
+    assert kinds(state.task_arrived(wide, now=0.0))[0] == "Started" and state.busy == 2
+    assert not state.within_quota(again) and state.within_quota(again, freed=wide)
