@@ -100,7 +100,7 @@ class Gangs:
         """A JOB_GANG of a watcher: claim the rank (bind it to this connection), reserve its slots
         (answered with two free ports once it holds them), or start it with the rendezvous variables."""
         bound, op = self.ranks.get(row.id), msg["op"]
-        owner = op == "claim" and bound is not None and bound.conn is None or bound is not None and bound.conn is conn
+        owner = bound is not None and (bound.conn is conn or (op == "claim" and bound.conn is None))
         ready = {"claim": True, "reserve": bound is not None and bound.reserve is None and bound.task is None
                  and not bound.started, "start": bound is not None and bound.task is not None}[op]
         if bound is None or not owner or not ready:
