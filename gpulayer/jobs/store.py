@@ -90,6 +90,8 @@ class JobSpec:
     limit: int = 0  # at most this many of its array run (or wait for a slot) at once; 0: no limit
     preemptible: bool = False  # it may be stopped for a job of higher priority, and queued again
     grace: float = PREEMPT_GRACE_S  # seconds from SIGTERM to SIGKILL when it is preempted
+    gang: dict[str, Any] = field(default_factory=dict)  # a gang's (peer/gangs.py): {"rank", "size"} for a rank,
+    # {"size", "ranks": [{"job", "peer", "at", "addr"}]} for the gang's own record on rank 0's peer
 
     @property
     def share(self) -> str:
@@ -123,7 +125,8 @@ class JobRow:
                 "priority": self.spec.priority, "user": self.spec.user, "array": self.spec.array,
                 "index": self.spec.index, "preemptible": self.spec.preemptible, "restarts": self.restarts,
                 "submitted": self.submitted, "started": self.started, "ended": self.ended,
-                "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes}
+                "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes,
+                "gang": self.spec.gang}
 
 
 class StateDirInUse(Exception):

@@ -36,6 +36,7 @@ from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
 from ..transport.channel import AsyncChannel
+from .gangs import Gangs, JobSteps
 from .scheduler import Scheduler
 from .slots import JobHolder, Slot
 from .worker_processes import job_pythonpath, worker_env
@@ -100,7 +101,7 @@ class Jobs:
     """This peer's jobs: the store, the blob cache, the runs, and the answers to the job requests."""
 
     def __init__(self, scheduler: Scheduler, python: str, state_dir: str | None, advert: Callable[[], Advert],
-                 retention_days: float = RETENTION_DAYS, retention_gb: float = RETENTION_GB):
+                 retention_days: float = RETENTION_DAYS, retention_gb: float = RETENTION_GB, key: bytes = b""):
         self.dir, self._lock = claim_state_dir(state_dir)
         self.store = JobStore(self.dir)
         self.blobs = folder.BlobStore(self.dir / "blobs")
@@ -116,6 +117,7 @@ class Jobs:
         self._parked: dict[str, list[str]] = {}  # array -> its jobs held back by its limit, in order
         self._uploads: dict[tuple[object, int], Upload] = {}
         self._ended: dict[str, list[asyncio.Future[None]]] = {}
+        self.gangs = Gangs(self, JobSteps(self._info, self._enqueue, self._end, self._append_log), key)  # gang jobs
         for stray in self.store.sweep():  # a receipt or a recording cut by a crash: never recorded
             log.info("removed %s from the jobs' folder: no recorded job's", stray)
 
@@ -148,11 +150,16 @@ class Jobs:
             _stop_leftover(row)
             self.store.update(row.id, state=QUEUED, restarts=row.restarts + 1, pid=None)
         for row in self.store.rows([QUEUED]):
-            self._enqueue(row)
+            if row.spec.gang:  # its gang's watcher, or the ranks' bond to it, did not survive
+                self._end(row.id, LOST, "its peer stopped or died before its gang started (a gang starts whole "
+                                        "or not at all)", None)
+            else:
+                self._enqueue(row)
         self._retain()
 
     async def shutdown(self) -> None:
         """The peer stops: running jobs are stopped and recorded lost; queued ones stay queued."""
+        self.gangs.shutdown()
         runs = list(self.runs.values())
         for run in runs:
             run.stopping = LOST
@@ -167,6 +174,7 @@ class Jobs:
         """A connection went: its unfinished uploads are dropped (nothing of them is recorded)."""
         for key in [k for k in self._uploads if k[0] is conn]:
             self._uploads.pop(key).receiver.abort()
+        self.gangs.forget(conn)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -196,6 +204,8 @@ class Jobs:
             return self._answer_when(conn, msg, [m.id for m in self._members(row)], msg.get("timeout"))
         if kind == messages.JOB_RM:
             return self._remove(conn, msg, row)
+        if kind == messages.JOB_GANG:
+            return self.gangs.request(conn, msg, row)
         if kind == messages.JOB_LOGS:
             self.scheduler.spawn(self._send_log(conn, msg, row))
         elif kind == messages.JOB_FETCH:
@@ -369,7 +379,10 @@ class Jobs:
                  conn.address, shlex.join(upload.spec.command))
         conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
         for row in rows:
-            self._enqueue(row)
+            if row.spec.gang:
+                self.gangs.recorded(row)
+            else:
+                self._enqueue(row)
 
     # ---- running ----------------------------------------------------------------------------
 
@@ -414,8 +427,13 @@ class Jobs:
         _signal(run, signal.SIGTERM)
 
     def _start(self, job_id: str, task: JobHolder, slot_env: dict[str, str]) -> None:
-        """The scheduler gave the job its slots: run it."""
+        """The scheduler gave the job its slots: run it (a gang's rank waits for its gang's start)."""
         self.queued.pop(job_id, None)
+        if not self.gangs.holds(job_id, task, slot_env):
+            self.run(job_id, task, slot_env)
+
+    def run(self, job_id: str, task: JobHolder, slot_env: dict[str, str]) -> None:
+        """Run the job on the slots `task` holds, with `slot_env` (their device variables, and more)."""
         run = self.runs[job_id] = Run(task)
         run.runner = self.scheduler.spawn(self._run(job_id, run, slot_env))
 
@@ -494,6 +512,8 @@ class Jobs:
 
     def stop(self, row: JobRow, grace: float) -> None:
         """SIGTERM to the job's process tree, SIGKILL after `grace` s; a queued job just ends, stopped."""
+        if self.gangs.stop(row, grace):
+            return
         task = self.queued.pop(row.id, None)
         if self._unpark(row) or (task is not None and self.scheduler.withdraw(task)):
             return self._end(row.id, STOPPED, "stopped before it started", None)

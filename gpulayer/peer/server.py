@@ -188,7 +188,7 @@ class Peer:
         check_shm_settings()
         try:
             self.jobs = Jobs(self.scheduler, config.python, config.state_dir, lambda: self.advert,
-                             config.job_retention_days, config.job_retention_gb)
+                             config.job_retention_days, config.job_retention_gb, config.key)
         except (OSError, StateDirInUse) as exc:
             raise ConfigError(f"the state folder: {exc}") from None
         self._pre_auth, self._post_auth = self._handlers()
