@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from .. import distributed
 from ..errors import GPULayerError
 from ..jobs.store import ENDED, FAILED, LOST, RUNNING, STOPPED, SUCCEEDED, JobRow
 from ..protocol import handshake, jobs as job_protocol, messages
-from ..transport import blocking, sockets
+from ..transport import blocking
 from .slots import JobHolder
 
 if TYPE_CHECKING:
@@ -259,12 +258,10 @@ class Watcher:
         errors: list[str] = []
         for host, port in member.at:
             try:
-                sock = socket.create_connection((host, port), CONNECT_S)
+                conn = blocking.dial((host, port), CONNECT_S)
             except OSError as exc:
                 errors.append(f"{host}:{port}: {exc.strerror or exc}")
                 continue
-            sockets.tune(sock)
-            conn = blocking.BlockingConnection(sock)
             try:
                 handshake.client_handshake(conn, self.gangs.key, f"gang-{self.row.id}")
             except (OSError, GPULayerError) as exc:

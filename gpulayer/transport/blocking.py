@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ProtocolError
 from ..protocol.framing import BULK_PIECE, PRE_AUTH_MAX_FRAME, connection_reader, encode, join_small, max_message_bytes
 from ..protocol.messages import Buffers, Message, Outgoing
-from . import shm
+from . import shm, sockets
 
 if TYPE_CHECKING:
     from ..protocol import records
@@ -118,6 +118,13 @@ class BlockingConnection:
                 pass
 
 
+def dial(address: tuple[str, int], timeout: float) -> BlockingConnection:
+    """A connection to `address` (host, port), its socket tuned as every GPUlayer connection's; OSError if none."""
+    sock = socket.create_connection(address, timeout)
+    sockets.tune(sock)
+    return BlockingConnection(sock)
+
+
 def connections(addresses: list[tuple[str, int]], timeout: float,
                 errors: list[str]) -> Generator[tuple[str, BlockingConnection], None, None]:
     """("host:port", a connection) for each of `addresses` that accepts one, in order, each closed when the
@@ -125,11 +132,10 @@ def connections(addresses: list[tuple[str, int]], timeout: float,
     for host, port in addresses:
         label = f"{host}:{port}"
         try:
-            sock = socket.create_connection((host, port), timeout)
+            conn = dial((host, port), timeout)
         except OSError as exc:
             errors.append(f"{label} ({exc.strerror or exc})")
             continue
-        conn = BlockingConnection(sock)
         try:
             yield label, conn
         finally:
