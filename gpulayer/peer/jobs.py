@@ -46,7 +46,7 @@ log = logging.getLogger("gpulayer.peer")
 LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json", "grace", "work", "manifest.json"
 DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
 FOLLOW_POLL_S = 0.02  # how often a followed log is looked at again while its job runs (a stat when it did not grow)
-FOLLOW_FAST_S, FOLLOW_FAST_FOR_S = 0.002, 1.0  # more often in the first second of a follow: a job's first line
+FOLLOW_FAST_S, FOLLOW_FAST_FOR_S = 0.005, 1.0  # more often in the first second of a follow: a job's first line
 STATUS_ENDED, STATUS_TAIL_LINES, STATUS_TAIL_BYTES = 20, 5, 2000  # what STATUS says of the jobs (the dashboard)  # the defaults of --job-retention-days and --job-retention-gb
 
 
