@@ -17,6 +17,7 @@ import os
 import shlex
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -29,7 +30,8 @@ import psutil
 
 from ..jobs import folder, shim, transfer
 from ..jobs.store import (ENDED, FAILED, LOST, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING, STOPPED,
-                          SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of)
+                          SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of,
+                          kill_point)
 from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
@@ -44,6 +46,7 @@ log = logging.getLogger("gpulayer.peer")
 LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json", "grace", "work", "manifest.json"
 DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
 FOLLOW_POLL_S = 0.02  # how often a followed log is looked at again while its job runs (a stat when it did not grow)
+FOLLOW_FAST_S, FOLLOW_FAST_FOR_S = 0.005, 1.0  # more often in the first second of a follow: a job's first line
 STATUS_ENDED, STATUS_TAIL_LINES, STATUS_TAIL_BYTES = 20, 5, 2000  # what STATUS says of the jobs (the dashboard)  # the defaults of --job-retention-days and --job-retention-gb
 
 
@@ -115,8 +118,8 @@ class Jobs:
         self._uploads: dict[tuple[object, int], Upload] = {}
         self._ended: dict[str, list[asyncio.Future[None]]] = {}
         self.gangs = Gangs(self, JobSteps(self._info, self._enqueue, self._end, self._append_log), key)  # gang jobs
-        for leftover in self.store.jobs_dir.glob("incoming-*"):  # a receipt cut by a crash: never recorded
-            shutil.rmtree(leftover, ignore_errors=True)
+        for stray in self.store.sweep():  # a receipt or a recording cut by a crash: never recorded
+            log.info("removed %s from the jobs' folder: no recorded job's", stray)
 
     @property
     def holder(self) -> str:
@@ -307,51 +310,71 @@ class Jobs:
         if draining:
             return conn.channel.write(messages.error("busy", "the peer is shutting down", request_id))
         need = self.blobs.missing(manifest.blobs())
-        receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need})
+        receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need},
+                                         transfer.DiskThread() if need else None)
         self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, array)
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
         if not need:
-            self._record(conn, request_id)
+            self.scheduler.spawn(self._record(conn, request_id))
 
     def _blob(self, conn: JobConnection, msg: messages.Message, buffers: list[Any]) -> None:
-        """A piece of a blob the JOB_NEED asked for; the job is recorded once the last blob is stored."""
+        """A piece of a blob the JOB_NEED asked for: checked here, hashed and written on the upload's disk
+        thread (the event loop only decrypts and parses); the job is recorded once the last blob is stored."""
         upload = self._uploads.get((conn, msg.get("id")))  # type: ignore[arg-type]
         try:
             if upload is None:
                 raise folder.FolderError("a BLOB must belong to a JOB_SUBMIT of this connection")
-            done = upload.receiver.feed(msg, buffers)
-            if done:
-                upload.receiver.finish()
+            if upload.receiver.feed(msg, buffers):
+                self.scheduler.spawn(self._stored(conn, msg["id"], upload))
         except (OSError, folder.FolderError) as exc:
-            self.forget_upload(conn, msg.get("id"))
-            return conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", msg.get("id")))
-        if done:
-            self._record(conn, msg["id"])
+            self._upload_failed(conn, msg.get("id"), exc)
+
+    async def _stored(self, conn: JobConnection, request_id: int, upload: Upload) -> None:
+        """The last blob came: wait, off the event loop, for the disk thread to store every blob, then
+        record the job (unless the connection went meanwhile: nothing of it is recorded)."""
+        try:
+            await self._loop().run_in_executor(None, upload.receiver.finish)
+        except (OSError, folder.FolderError) as exc:
+            return self._upload_failed(conn, request_id, exc)
+        if self._uploads.get((conn, request_id)) is upload:
+            await self._record(conn, request_id)
+
+    def _upload_failed(self, conn: JobConnection, request_id: Any, exc: Exception) -> None:
+        self.forget_upload(conn, request_id)
+        conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", request_id))
 
     def forget_upload(self, conn: JobConnection, request_id: Any) -> None:
         upload = self._uploads.pop((conn, request_id), None)
         if upload is not None:
             upload.receiver.abort()
 
-    def _record(self, conn: JobConnection, request_id: int) -> None:
-        """Build the job's folder from the blobs (one per job of an array), record the job or the array's
-        jobs (durably, in one transaction), then acknowledge it with the (first) job."""
-        upload = self._uploads.pop((conn, request_id))
+    async def _record(self, conn: JobConnection, request_id: int) -> None:
+        """Build the job's folder from the blobs (one per job of an array) on a thread, off the event loop;
+        then record the job or the array's jobs with their folders (durably, in one transaction), and
+        acknowledge it with the (first) job. The upload stays listed while its folders are built (its
+        blobs are in use); if its connection went meanwhile, nothing is recorded."""
+        upload = self._uploads[(conn, request_id)]
         incoming = [Path(self.store.reserve()) for _ in (upload.array[0] if upload.array else [None])]
+        problem = None
         try:
-            for path in incoming:
-                folder.materialise(upload.manifest, self.blobs, path / WORK_DIR)
-                _write_private(path / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
+            await self._loop().run_in_executor(None, _build, upload.manifest, self.blobs, incoming)
         except (OSError, folder.FolderError) as exc:
+            problem = f"the job's folder cannot be built: {exc}"
+        if self._uploads.pop((conn, request_id), None) is not upload or problem is not None:
             for path in incoming:
                 shutil.rmtree(path, ignore_errors=True)
-            return conn.channel.write(messages.error("bad-request", f"the job's folder cannot be built: {exc}",
-                                                 request_id))
+            if problem is not None:
+                conn.channel.write(messages.error("bad-request", problem, request_id))
+            return
         size = upload.manifest.total_bytes
-        rows = self.store.add_array(upload.spec, size, *upload.array) if upload.array \
-            else [self.store.add(upload.spec, size)]
-        for path, row in zip(incoming, rows):
-            os.replace(path, self.store.folder(row.id))
+        try:  # the folders are moved into place in the transaction that records the jobs: both or neither
+            rows = self.store.add_array(upload.spec, size, *upload.array, incoming) if upload.array \
+                else [self.store.add(upload.spec, size, incoming[0])]
+        except (OSError, sqlite3.Error) as exc:
+            for path in incoming:
+                shutil.rmtree(path, ignore_errors=True)
+            return conn.channel.write(messages.error("bad-request", f"the job cannot be recorded: {exc}", request_id))
+        kill_point("job-recorded")
         log.info("job %s%s recorded from %s: %s", rows[0].id, f" (an array of {len(rows)})" if upload.array else "",
                  conn.address, shlex.join(upload.spec.command))
         conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
@@ -432,9 +455,14 @@ class Jobs:
         home = self.store.folder(job_id)
         env = self._environment(row, slot_env)
         state, reason, code = FAILED, "", None
+        ran = False  # whether a supervisor started (a job stopped before that never ran)
         for attempt in range(row.attempts + 1, row.attempts + row.spec.retries + 2):
+            if run.stopping:  # stopped, timed out or preempted before this attempt's supervisor started
+                state, reason, code = _outcome(None, run.stopping, row.spec.timeout)
+                break
             (home / STATUS_FILE).unlink(missing_ok=True)
             self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
+            ran = True
             try:
                 run.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-I", "-S", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
@@ -445,7 +473,7 @@ class Jobs:
                 state, reason = FAILED, f"its supervisor could not start: {exc}"
                 break
             self.store.update(job_id, pid=run.proc.pid, pid_started=_started_at(run.proc.pid))
-            if run.stopping:  # stopped while this run started
+            if run.stopping:  # stopped while its supervisor started: it ends before or after running the command
                 _signal(run, signal.SIGTERM)
             if row.spec.timeout:
                 run.timer = self._loop().call_later(row.spec.timeout, self._time_out, job_id)
@@ -463,6 +491,9 @@ class Jobs:
             self.scheduler.job_ended(run.task, PREEMPTED)
             self._limited.pop(job_id, None)  # its array's place is taken again when it is queued again
             return self._requeue(job_id)
+        if run.stopping == LOST and not ran:  # the peer stops before the job started: it stays queued
+            self.scheduler.job_ended(run.task, LOST)
+            return
         if run.stopping == LOST:  # the peer stops: recorded as lost, as after a crash
             state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
         self._end(job_id, state, reason, code)
@@ -555,12 +586,13 @@ class Jobs:
         until the job ends. Then the job's JOB_INFO, with the offset reached."""
         path = self.store.folder(row.id) / LOG_FILE
         offset = msg.get("offset", 0) if msg.get("tail") is None else _tail_offset(path, msg["tail"])
+        fast_until = time.monotonic() + FOLLOW_FAST_FOR_S
         while not conn.channel.closed:
             ended = self._row_ended(row.id)  # read before the log: what it wrote until it ended is read after
             offset = await self._send_from(conn, msg["id"], path, offset)
             if ended or not msg["follow"]:
                 break
-            await asyncio.sleep(FOLLOW_POLL_S)
+            await asyncio.sleep(FOLLOW_FAST_S if time.monotonic() < fast_until else FOLLOW_POLL_S)
         self._info(conn, msg, offset=offset)
 
     async def _send_from(self, conn: JobConnection, request_id: int, path: Path, offset: int) -> int:
@@ -606,6 +638,13 @@ class Jobs:
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
 
 
+def _build(manifest: folder.Manifest, blobs: folder.BlobStore, incoming: list[Path]) -> None:
+    """Each job's folder in `incoming`: its working folder from the blobs, and the manifest it was shipped with."""
+    for path in incoming:
+        folder.materialise(manifest, blobs, path / WORK_DIR)
+        _write_private(path / MANIFEST_FILE, json.dumps(manifest.to_wire()).encode())
+
+
 def _could_start(req: Requirements, group: list[Slot]) -> bool:
     """Whether a job of `req` could start on the slots of `group` once they are free."""
     return len({s.device for s in group}) >= req.devices and all(
@@ -613,8 +652,14 @@ def _could_start(req: Requirements, group: list[Slot]) -> bool:
 
 
 def _outcome(status: dict[str, int] | None, stopping: str, timeout: float | None) -> tuple[str, str, int | None]:
-    """(state, reason, exit code) of an ended run; a signal is given as its negative number."""
-    if status is None:
+    """(state, reason, exit code) of an ended run; a signal is given as its negative number. No status, or
+    an empty one, means the command never started: a supervisor stopped before its SIGTERM handler was set
+    (or before any supervisor started) gives none, one stopped before it ran the command gives {}."""
+    if not status:
+        if stopping == STOPPED:
+            return STOPPED, "stopped before it started", None
+        if stopping == "timeout":
+            return FAILED, f"ran past its timeout of {timeout:g} s before it started, and was stopped", None
         return FAILED, "its supervisor ended without a status", None
     code = -status["signal"] if "signal" in status else status.get("code")
     if stopping == STOPPED:

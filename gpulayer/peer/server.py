@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from .. import discovery, invite, security
+from .. import discovery, invite, mdns, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..jobs.store import RETENTION_DAYS, RETENTION_GB, StateDirInUse
 from ..matching import Requirements, match
@@ -181,7 +181,7 @@ class Peer:
         self._forced = False
         self._stopped: asyncio.Event | None = None
         self._server: socket.socket | None = None
-        self._advertiser: discovery.Advertiser | None = None
+        self._advertiser: mdns.Advertiser | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
@@ -226,7 +226,7 @@ class Peer:
         self.sampler.start()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
-                None, discovery.Advertiser, self.advert, self.port, self.config.interfaces, self.jobs.dir)
+                None, mdns.Advertiser, self.advert, self.port, self.config.interfaces, self.jobs.dir)
         log.info("peer %s (%s) listening on %s with %d slot(s): %s", self.name, self.peer_id,
                  discovery.host_port((host or "*", self.port)),
                  len(self.slots), ", ".join(s.device for s in self.slots))

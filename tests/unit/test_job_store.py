@@ -90,6 +90,33 @@ def test_malformed_specs_are_refused_with_the_reason(spec, says):
     assert says in job_protocol.check_spec(spec, "me")
 
 
+def test_an_array_and_its_folders_are_recorded_all_or_none(tmp_path):
+    """A folder that cannot be moved into place (here: gone) records none of the array's jobs, and the
+    folders already moved are removed; `sweep` removes what no recorded job owns."""
+    store = JobStore(tmp_path / "state")
+    folders = [Path(store.reserve()) for _ in range(3)]
+    (folders[0] / "work").mkdir()
+    folders[2].rmdir()
+    with pytest.raises(FileNotFoundError):
+        store.add_array(JobSpec(["sweep"]), 0, range(3), 0, folders)
+    assert store.rows() == [] and not list(store.jobs_dir.iterdir())
+    placed = store.add_array(JobSpec(["sweep"]), 0, range(1), 0, [Path(store.reserve())])
+    assert [p.name for p in store.jobs_dir.iterdir()] == [placed[0].id]
+    stray = store.folder(f"{store.holder}-99")
+    stray.mkdir()
+    assert store.sweep() == [stray.name] and [p.name for p in store.jobs_dir.iterdir()] == [placed[0].id]
+
+
+def test_an_array_that_fails_half_way_records_none_of_its_jobs(tmp_path):
+    """The store's connection is in autocommit mode: its transactions are explicit (on main, the array's
+    first row was committed with an empty id before its spec failed)."""
+    store = JobStore(tmp_path / "state")
+    with pytest.raises(TypeError):
+        store.add_array(JobSpec(["x"], env={"A": object()}), 0, range(2), 0)  # type: ignore[dict-item]
+    assert store.rows() == []
+    assert [r.spec.index for r in store.add_array(JobSpec(["x"]), 0, range(2), 0)] == [0, 1]
+
+
 GANG_RANK = {"job": "0123456789ab-1", "peer": "p", "at": [["127.0.0.1", 7000]], "addr": "127.0.0.1"}
 
 
