@@ -22,10 +22,13 @@ The files (the folder, the artifact, the peer's store, what is fetched) live in 
 seconds at random (dirty-page throttling under the other tests' load), which measured the disk, not
 the transfer. Both ways write the same files to the same place.
 
-Until the job messages land (jobs-core), the two ends call the transfer functions directly over a
-`blocking.BlockingConnection` (the peer's side as it runs on a connection handed to a thread); the job
-messages themselves are stood in for by SUBMIT/ACCEPT maps. Rounds alternate the ways compared; medians
-are given with their min and max.
+The "gpulayer" way calls the transfer functions directly over a `blocking.BlockingConnection` at both
+ends (the job messages stood in for by SUBMIT/ACCEPT maps): the transfer alone. The "peer" way is a
+real submit to a real peer (`python -m gpulayer.peer` in the peer's namespace): JOB_SUBMIT, JOB_NEED,
+the blobs into the peer's event loop and its disk thread, the job's folder built from them and the job
+recorded, until its JOB_INFO; the peer's retention (a tiny --job-retention-gb) then drops the ended job
+and its blobs, so each round's store is fresh. Rounds alternate the ways compared; medians are given
+with their min and max.
 """
 
 from __future__ import annotations
@@ -303,6 +306,44 @@ class Submitter:
         self.connect(b"Q").close()
 
 
+    def peer_upload(self, address: tuple[str, int]) -> tuple[float, float]:
+        """Seconds of a real submit of the folder (scanned: its digests cached) to the real peer at `address`,
+        to its JOB_INFO, and the longest answer (s) to the JOB_LISTs another connection sent meanwhile, one at
+        a time (how long the peer's event loop was held); then the job is waited for (its end lets the peer's
+        retention drop it and its blobs)."""
+        import threading
+        from types import SimpleNamespace
+
+        from gpulayer.client.jobs import JobLink, _submit_over
+        from gpulayer.jobs.store import JobSpec
+        from gpulayer.protocol import jobs as job_protocol
+
+        client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")  # as GPULAYER_KEY
+        done, answers = threading.Event(), [0.0]
+
+        def probe() -> None:
+            with JobLink(client, [address]) as link:  # type: ignore[arg-type]
+                while not done.is_set():
+                    asked = time.perf_counter()
+                    link.ask(job_protocol.request(messages.JOB_LIST, 0), timeout=60.0)
+                    answers.append(time.perf_counter() - asked)
+                    done.wait(0.005)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        started = time.perf_counter()
+        manifest = scan(self.folder, cache=self.cache)
+        with JobLink(client, [address]) as link:  # type: ignore[arg-type]
+            info = _submit_over(link, JobSpec(["true"]), manifest, None)
+        seconds = time.perf_counter() - started
+        done.set()
+        prober.join()
+        with JobLink(client, [address]) as link:  # type: ignore[arg-type]
+            ended = link.ask(job_protocol.request(messages.JOB_WAIT, 0, info["job"]["id"], timeout=120.0))
+        assert ended["job"] is None or ended["job"]["state"] == "succeeded", ended
+        return seconds, max(answers)
+
+
 def run_submitter(args: argparse.Namespace) -> None:
     workdir = Path(args.workdir)
     folder = Path(args.folder)
@@ -316,12 +357,18 @@ def run_submitter(args: argparse.Namespace) -> None:
     deadline = Deadline(args.max_minutes)
     sub.upload("warm-up")
     sub.drop("warm-up")
-    up: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    up: dict[str, list[float]] = {"raw": [], "gpulayer": [], "peer": []}
     up_cpu: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    peer_stall: list[float] = []
     resubmit: list[dict] = []
     for i in deadline.rounds(args.rounds):
         store = f"round-{i}"
         for way in rotated(list(up), i):
+            if way == "peer":
+                seconds, stall = sub.peer_upload((args.host, int(args.peer_port)))
+                up[way].append(seconds)
+                peer_stall.append(stall)
+                continue
             if way == "raw":
                 seconds, cpu = sub.raw_upload()
             else:
@@ -340,7 +387,7 @@ def run_submitter(args: argparse.Namespace) -> None:
             down[way].append(seconds)
             down_cpu[way].append(cpu)
     sub.close()
-    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "resubmit": resubmit, "fetch_s": down,
+    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "peer_upload_longest_answer_s": peer_stall, "resubmit": resubmit, "fetch_s": down,
                       "fetch_cpu_s": down_cpu, "scan_cold_s": cold, "scan_warm_s": warm,
                       "files": len(sub.manifest.entries), "folder_bytes": sub.manifest.total_bytes}))
 
@@ -360,12 +407,20 @@ def across_namespaces(workdir: Path, quick: bool, rounds: int, max_minutes: floa
         peer_dir = workdir / "peer"
         peer_dir.mkdir()
         peer_host.popen([sys.executable, __file__, "--serve", str(peer_dir), "--bind", peer_host.ip], os.environ)
+        ready = workdir / "peer.ready.json"
+        peer_host.popen([sys.executable, "-m", "gpulayer.peer", "--interfaces", peer_host.ip, "--name", "bench-peer",
+                         "--concurrency", "1", "--state-dir", str(workdir / "peer-state"), "--job-retention-gb",
+                         "0.000001", "--ready-file", str(ready)],
+                        {**os.environ, "GPULAYER_KEY": os.environ[KEY_ENV], "GPULAYER_SHM": "0"},
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_file(peer_dir / "port", 30)
+        wait_for_file(ready, 60)
         sub_dir = workdir / "submitter"
         sub_dir.mkdir()
         out = submitter_host.run([sys.executable, __file__, "--submit", "--host", peer_host.ip,
                                   "--port", (peer_dir / "port").read_text(), "--workdir", str(sub_dir),
                                   "--folder", str(folder), "--artifact", str(artifact), "--rounds", str(rounds),
+                                  "--peer-port", str(json.loads(ready.read_text())["port"]),
                                   "--max-minutes", str(max_minutes)], timeout=60 * max_minutes + 600,
                                  env=os.environ.copy())
         if out.returncode != 0:
@@ -454,15 +509,18 @@ def submit_latency(workdir: Path, rounds: int) -> dict:
     finally:
         peer.stop()
     port = 18265 + secrets.randbelow(1000)
-    head, problem = ray_head(env, port)
+    # Ray's processes keep their own bytecode: a straggler of the head writing into the run's folder as it
+    # is removed left it behind
+    ray_env = {k: v for k, v in env.items() if k != "PYTHONPYCACHEPREFIX"}
+    head, problem = ray_head(ray_env, port)
     try:
         if problem is not None:
             out["ray"] = {"skipped": problem}
         else:
             ray_submit = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
                           f"http://127.0.0.1:{port}", "--working-dir", str(folder), "--", *FIRST_LINE]
-            out["ray_first_s"] = time_to_line(ray_submit, env)
-            out["ray_s"] = spread([time_to_line(ray_submit, env) for _ in range(rounds)])
+            out["ray_first_s"] = time_to_line(ray_submit, ray_env)
+            out["ray_s"] = spread([time_to_line(ray_submit, ray_env) for _ in range(rounds)])
     finally:
         if head.poll() is None:
             head.communicate(timeout=60)
@@ -478,12 +536,20 @@ def summarize(m: dict) -> dict:
     up = {way: gb_per_s(folder, s) for way, s in m["upload_s"].items()}
     down = {way: gb_per_s(artifact, s) for way, s in m["fetch_s"].items()}
     up_ratio = spread([r / g for g, r in zip(m["upload_s"]["gpulayer"], m["upload_s"]["raw"])])
+    peer_ratio = spread([r / g for g, r in zip(m["upload_s"].get("peer", []), m["upload_s"]["raw"])]) \
+        if m["upload_s"].get("peer") else None
     down_ratio = spread([r / g for g, r in zip(m["fetch_s"]["gpulayer"], m["fetch_s"]["raw"])])
     cable = spread([r["cable_bytes"] / folder for r in m["resubmit"]])
     s = {
         "folder_mb": folder / 1e6, "folder_files": m["files"], "artifact_mib": artifact / MIB,
         "upload_gb_per_s": {w: [v["median"], v["min"], v["max"]] for w, v in up.items()},
         "upload_over_raw": up_ratio["median"], "upload_over_raw_range": [up_ratio["min"], up_ratio["max"]],
+        # a real submit to a real peer (its event loop, its disk thread, the job's folder built and recorded)
+        "upload_peer_over_raw": peer_ratio and peer_ratio["median"],
+        "upload_peer_over_raw_range": peer_ratio and [peer_ratio["min"], peer_ratio["max"]],
+        # the longest a JOB_LIST waited for its answer while the peer received an upload (its event loop held)
+        "upload_peer_longest_answer_ms": m.get("peer_upload_longest_answer_s") and
+        1e3 * spread(m["peer_upload_longest_answer_s"])["median"],
         "resubmit_content_bytes": max(r["content_bytes"] for r in m["resubmit"]),
         "resubmit_cable_bytes_over_folder": cable["median"],
         "resubmit_seconds": spread([r["seconds"] for r in m["resubmit"]])["median"],
@@ -579,7 +645,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-minutes", type=float, default=20.0, help="rounds stop early past this")
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="where the files live (default: /dev/shm, tmpfs)")
-    for hidden in ("--serve", "--bind", "--host", "--port", "--workdir", "--folder", "--artifact"):
+    for hidden in ("--serve", "--bind", "--host", "--port", "--peer-port", "--workdir", "--folder", "--artifact"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--submit", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -208,7 +208,9 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     (each sees GPULAYER_ARRAY_INDEX), at most `limit` of them running at once (0: no limit); the first
     job is returned, and its id names the array (stop and wait act on all of its jobs). A `preemptible`
     job may be stopped for one of higher priority (SIGTERM, SIGKILL after `grace` s, default 30) and is
-    then queued again (GPULAYER_RESTARTS counts it).
+    then queued again (GPULAYER_RESTARTS counts it). With `nodes=N` (N > 1), a gang: N ranks on N distinct
+    matching peers, started together with the rendezvous variables of docs/gangs.md; the `Job` returned is
+    the gang's (its `ranks`, one merged log; docs/jobs.md, "Gangs").
     """
     import shlex
 
@@ -222,7 +224,7 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     return _jobs().submit(argv, working_dir, parsed.requirements, excludes=tuple(excludes), name=name,
                           env=parsed.env, timeout=parsed.timeout, retries=parsed.retries, priority=priority,
                           array=array, preemptible=preemptible, grace=PREEMPT_GRACE_S if grace is None else grace,
-                          limit_bytes=(limit_mb << 20) if limit_mb is not None else None)
+                          limit_bytes=(limit_mb << 20) if limit_mb is not None else None, nodes=parsed.nodes or 1)
 
 
 def job(job_id: str) -> Job:

@@ -12,6 +12,7 @@ Torch-free and MLX-free until `init()` is called: a worker imports this module t
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -98,6 +99,8 @@ def init(framework: str = TORCH, backend: str | None = None) -> Any:
     dist.init_process_group(backend, init_method=f"tcp://{_host(os.environ['MASTER_ADDR'])}:{os.environ['MASTER_PORT']}",
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     _joined.append(TORCH)
+    atexit.unregister(shutdown)  # once: a gang job's command (no Rank.run around it) leaves it as it exits,
+    atexit.register(shutdown)  # else gloo may abort the process at exit ("terminate called ...")
     return None
 
 

@@ -68,7 +68,7 @@ def _submit(args: argparse.Namespace) -> int:
         raise ConfigError("give the command after --, e.g. gpulayer submit -- python train.py")
     options: dict[str, Any] = {"env": check_env(dict(args.env)) or None, "timeout": args.timeout,
                                "retries": args.retries}
-    for name in ("accelerator", "gpu_memory_gb", "peer"):
+    for name in ("accelerator", "gpu_memory_gb", "peer", "nodes"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.frameworks:
@@ -78,7 +78,8 @@ def _submit(args: argparse.Namespace) -> int:
                      **options)
     print(job.id, flush=True)
     what = f"array {job.id} of {args.array[1] - args.array[0] + 1} jobs" if args.array else f"job {job.id}"
-    print(f"gpulayer: {what} recorded on peer {job.peer}", file=sys.stderr)
+    peers = ", ".join(rank.peer for rank in job.ranks) or job.peer
+    print(f"gpulayer: {what} recorded on peer{'s' if job.ranks else ''} {peers}", file=sys.stderr)
     return _follow(job) if args.follow else 0
 
 
@@ -98,7 +99,7 @@ def _list(args: argparse.Namespace) -> int:
     table = [header] + [(str(r.get("id")), str(r.get("name") or "")[:24], str(r.get("state")),
                          str(r.get("priority") or 0), str(r.get("peer")), str(r.get("submitter") or "")[:24],
                          _when(r.get("submitted")), _when(r.get("started")), _when(r.get("ended")),
-                         "" if r.get("exit_code") is None else str(r.get("exit_code"))) for r in _grouped(rows)]
+                         "" if r.get("exit_code") is None else str(r.get("exit_code"))) for r in _ganged(_grouped(rows))]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
@@ -127,6 +128,26 @@ def _grouped(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                        state=", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states)),
                        started=min((m["started"] for m in members if m.get("started")), default=None),
                        ended=None if None in ended else max(ended), exit_code=None)
+    return shown
+
+
+def _ganged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with each gang as its own row (its ranks' peers in PEER) followed by one row per rank (its
+    state and peer); a rank's own row is shown there only."""
+    ranks = {r["id"]: r for r in rows if (r.get("gang") or {}).get("rank") is not None}
+    owned = {m["job"] for r in rows for m in (r.get("gang") or {}).get("ranks", [])}
+    shown: list[dict[str, Any]] = []
+    for row in rows:
+        members = (row.get("gang") or {}).get("ranks")
+        if row["id"] in owned:
+            continue
+        if not members:
+            shown.append(row)
+            continue
+        shown.append({**row, "peer": ",".join(m["peer"] for m in members)})
+        for index, member in enumerate(members):
+            shown.append({**ranks.get(member["job"], {"state": "unknown"}), "id": f"  rank {index}: {member['job']}",
+                          "name": "", "peer": member["peer"], "submitter": ""})
     return shown
 
 
@@ -159,7 +180,7 @@ def _stop(args: argparse.Namespace) -> int:
 
 def _fetch(args: argparse.Namespace) -> int:
     job = _jobs().job(args.job)
-    for path in job.fetch(args.paths or None, args.to, force=args.force):
+    for path in job.fetch(args.paths or None, args.to, force=args.force, rank=args.rank):
         print(path)
     return 0
 
@@ -198,6 +219,9 @@ def add_commands(sub: Any) -> None:
                         help="it may be stopped for a job of higher priority, and is then queued again")
     submit.add_argument("--grace", type=float, default=None, metavar="S",
                         help="seconds from SIGTERM to SIGKILL when it is preempted (default 30)")
+    submit.add_argument("--nodes", type=int, default=None, metavar="N",
+                        help="a gang: N ranks on N distinct matching peers, started together, stopped together "
+                             "(RANK, WORLD_SIZE, MASTER_ADDR ... set for torch.distributed and MLX)")
     submit.add_argument("--follow", "-f", action="store_true",
                         help="stream its output until it ends, exit with its exit code (Ctrl-C detaches)")
     submit.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
@@ -229,6 +253,7 @@ def add_commands(sub: Any) -> None:
     fetch.add_argument("paths", nargs="*", metavar="PATH")
     fetch.add_argument("--to", default=".", metavar="DIR", help="where to write them (default: .)")
     fetch.add_argument("--force", action="store_true", help="overwrite files that exist")
+    fetch.add_argument("--rank", type=int, default=None, metavar="K", help="a gang's rank K (default 0)")
     fetch.set_defaults(func=_fetch)
 
     rm = sub.add_parser("rm", help="forget an ended job and delete its folder on its peer")

@@ -16,11 +16,11 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from functools import lru_cache
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
 
 from .accelerators import CPU, CUDA, GPU, GPU_KINDS, MPS, MPS_MAX_DEVICES, TASK_CHOICES, UNSUPPORTED, is_gpu
 from .protocol.messages import PROTOCOL_VERSION
@@ -143,6 +143,8 @@ _MAJOR_MINOR = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}")
 
 @lru_cache(maxsize=256)
 def _specifier(spec: str) -> SpecifierSet:
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet  # here: a submitter that names no version never pays for it
+
     try:
         return SpecifierSet(spec)
     except InvalidSpecifier:
@@ -267,6 +269,8 @@ def missing_software(req: Requirements, advert: Advert) -> frozenset[str]:
 
 
 def _version_ok(version: str, spec: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
     try:
         return _specifier(spec).contains(Version(version), prereleases=True)
     except InvalidVersion:

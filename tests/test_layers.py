@@ -20,7 +20,7 @@ LAYERS: list[dict[str, set[str]]] = [
                 "distributed", "records", "security", "progress", "peer_table", "jobs", "jobs.folder"}},
     {"protocol": {"protocol"}},
     {"transport": {"transport", "lending", "invite", "jobs.transfer"}},
-    {"offers and needs": {"resources", "matching", "task_options", "discovery"}},
+    {"offers and needs": {"resources", "matching", "task_options", "discovery", "mdns"}},
     {"worker": {"worker"}, "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
     {"backends": {"backends"}},
     {"surface": {"", "__main__", "runtime", "api", "actor_class", "cli", "dashboard", "demo", "benchmark",

@@ -110,7 +110,7 @@ def _run_once(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwa
     creations: list[Future[ActorHandle]] = []
     ranks: list[ActorHandle] = []
     try:
-        for index, peer_id in enumerate(sorted(_choose(client, req, nodes))):  # in peer-id order: no deadlock
+        for index, peer_id in enumerate(sorted(choose(client, req, nodes))):  # in peer-id order: no deadlock
             if gang.cancelled():
                 raise CancelledError("the gang was cancelled")
             taken = threading.Event()
@@ -138,17 +138,21 @@ def _run_once(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwa
         _stop(ranks)
 
 
-def _choose(client: Client, req: Requirements, nodes: int) -> list[str]:
+def choose(client: Client, req: Requirements, nodes: int, feature: str | None = None) -> list[str]:
     """The ids of `nodes` distinct matching peers, the best first, leaving out those whose slots this
-    submitter's own actors hold; NoMatchingPeer when fewer are known after discovery's wait."""
+    submitter's own actors hold (and those whose adverts do not name `feature`, when given: a part of the
+    protocol the gang needs); NoMatchingPeer when fewer are known after discovery's wait."""
     client.start()
     client.directory.wait_for(lambda _: len(client.placement.candidates(req)) >= nodes, client.discovery_timeout)
     held = _held_by_own_actors(client)
-    chosen = [record.advert.peer_id for record in client.placement.ranked(req)
-              if record.advert.peer_id not in held][:nodes]
+    ranked = client.placement.ranked(req)
+    older = {r.advert.peer_id: r.advert.name for r in ranked if feature is not None and feature not in r.advert.features}
+    chosen = [record.advert.peer_id for record in ranked
+              if record.advert.peer_id not in held and record.advert.peer_id not in older][:nodes]
     if len(chosen) < nodes:
         reasons = client.placement.reasons(req)
         reasons[f"the gang of {nodes}"] = [f"needs {nodes} distinct matching peers; {len(chosen)} match and are free"] \
+            + [f"peer {name} runs a GPUlayer without {feature}" for name in older.values()] \
             + [f"every slot of peer {peer} holds an actor of this submitter ({', '.join(names)}): a rank would wait "
                "for it to be closed, which this gang cannot do; close it first" for peer, names in held.values()]
         raise NoMatchingPeer(req, reasons, client.directory.foreign_note())

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -56,7 +57,8 @@ class JobLink:
 
     def __init__(self, client: Client, addresses: list[tuple[str, int]]):
         try:
-            self.conn, self.hello = blocking.handshaken(addresses, client.key, client.submitter_id, CONNECT_TIMEOUT)
+            self.conn, self.hello, self.address = blocking.handshaken(addresses, client.key, client.submitter_id,
+                                                                      CONNECT_TIMEOUT)
         except blocking.Unreachable as exc:
             raise PeerLost(f"the peer is unreachable: {exc}") from None
         self._ids = iter(range(1, 1 << 62))
@@ -201,20 +203,24 @@ class Jobs:
                excludes: tuple[str, ...] = (), name: str = "", env: dict[str, str] | None = None,
                timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
                function: bool = False, priority: int = 0, array: tuple[int, int, int] | None = None,
-               preemptible: bool = False, grace: float = PREEMPT_GRACE_S) -> Job:
+               preemptible: bool = False, grace: float = PREEMPT_GRACE_S, nodes: int = 1) -> Job:
         """Ship `working_dir` (none: an empty folder) and record the job on the best matching peer;
         returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent.
         With `array` (first, last, limit): one job per index on that peer, the first one returned (its id
-        names the array)."""
+        names the array). With `nodes` > 1: a gang of that many ranks on distinct peers (docs/gangs.md)."""
+        if nodes > 1 and (array is not None or preemptible or retries or function):
+            raise ConfigError("a gang job (nodes > 1) takes no array, preemptible, retries or function (not yet)")
         if working_dir is None:
             with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
                 return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
                                    function=function, priority=priority, array=array, preemptible=preemptible,
-                                   grace=grace)
+                                   grace=grace, nodes=nodes)
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
                        retries=retries, function=function, priority=priority, user=login_user(), preemptible=preemptible,
                        grace=grace, pinned=req.peer is not None)
+        if nodes > 1:
+            return self._submit_gang(spec, manifest, req, nodes)
         self.client.start()
         self.client.placement.wait_for_match(req, (), self.client.discovery_timeout)
         failures: dict[str, list[str]] = {}
@@ -231,6 +237,38 @@ class Jobs:
             self._holders[holder.holder] = holder
             return Job(self, holder, info["job"])
         raise NoMatchingPeer(req, {**self.client.placement.reasons(req), **failures})
+
+    def _submit_gang(self, spec: JobSpec, manifest: folder.Manifest, req: Requirements, nodes: int) -> Job:
+        """Record one rank on each of `nodes` distinct matching peers (in peer-id order: rank 0 on the
+        lowest), then the gang's own record on rank 0's peer, which watches the ranks from then on
+        (peer/gangs.py). A rank that cannot be recorded stops those recorded before it."""
+        from .gangs import choose, rank_addresses
+
+        chosen = [self.client.directory.get(peer_id)
+                  for peer_id in sorted(choose(self.client, req, nodes, messages.JOB_GANG))]
+        ranks: list[dict[str, Any]] = []
+        try:
+            for index, record in enumerate(chosen):
+                assert record is not None
+                with JobLink(self.client, record.addresses) as link:
+                    info = _submit_over(link, replace(spec, gang={"rank": index, "size": nodes}), manifest, None)
+                at = [list(link.address), *(list(a) for a in record.addresses if a != link.address)]
+                ranks.append({"job": info["job"]["id"], "peer": record.advert.name, "at": at})
+                self._holders[holder_of(ranks[-1]["job"])] = Holder(holder_of(ranks[-1]["job"]), record.advert.name,
+                                                                   record.addresses)
+            hosts = rank_addresses([list(dict.fromkeys(host for host, _ in rank["at"])) for rank in ranks])
+            gang = {"size": nodes, "ranks": [{**rank, "addr": host} for rank, host in zip(ranks, hosts)]}
+            with tempfile.TemporaryDirectory(prefix="gpulayer-gang-") as empty, \
+                    JobLink(self.client, [tuple(a) for a in ranks[0]["at"]]) as link:
+                info = _submit_over(link, replace(spec, gang=gang), folder.scan(empty), None)
+        except BaseException:
+            for rank in ranks:  # best effort: otherwise they fail once no watcher claimed them
+                try:
+                    Job(self, self._holders[holder_of(rank["job"])], {"id": rank["job"]}).stop(0)
+                except (GPULayerError, OSError):
+                    pass
+            raise
+        return Job(self, self._holders[holder_of(info["job"]["id"])], info["job"])
 
     def submit_function(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                         req: Requirements, **options: Any) -> Job:
@@ -287,6 +325,12 @@ class Job:
     def reason(self) -> str:
         return str(self.info.get("reason") or "")
 
+    @property
+    def ranks(self) -> list[Job]:
+        """A gang job's ranks, in rank order (each a job on its own peer); [] for any other job."""
+        return [Job(self._jobs, Holder(holder_of(r["job"]), r["peer"], [tuple(a) for a in r["at"]]), {"id": r["job"]})
+                for r in (self.info.get("gang") or {}).get("ranks", [])]
+
     def _link(self) -> JobLink:
         """A connection to the job's peer; where it is not reachable where it was, the peers are asked
         again which of them holds the job (a restarted peer listens on another port)."""
@@ -325,28 +369,55 @@ class Job:
         return self.state
 
     def remove(self) -> None:
-        """Forget the ended job on its peer and delete its folder there."""
+        """Forget the ended job on its peer and delete its folder there (a gang's: its ranks' too)."""
         self._ask(messages.JOB_RM)
+        for rank in self.ranks:
+            rank.remove()
 
     def logs(self, follow: bool = False, tail: int | None = None, out: IO[bytes] | None = None) -> str:
         """Its stdout and stderr as written, from the start (or the last `tail` lines); with `follow`,
-        until it ends. With `out`, the bytes go there as they come (and "" is returned)."""
+        until it ends. With `out`, the bytes go there as they come (and "" is returned). A gang's is
+        every rank's, each line after `[rank K] ` (the gang's own notes after `[gang] `): with `follow`
+        in the order they come, else rank after rank."""
         pieces: list[bytes] = []
+        lock = threading.Lock()
 
-        def take(_msg: messages.Message, buffers: list[Any]) -> None:
-            data = bytes(buffers[0]) if buffers else b""
-            if out is None:
-                pieces.append(data)
-            else:
-                out.write(data)
-                out.flush()
+        def write(data: bytes) -> None:
+            with lock:
+                if out is None:
+                    pieces.append(data)
+                else:
+                    out.write(data)
+                    out.flush()
 
-        self._ask(messages.JOB_LOGS, take, offset=0, follow=follow, tail=tail)
+        sources = [(f"[rank {i}] ".encode(), rank) for i, rank in enumerate(self.ranks)]
+        if not sources:
+            self._ask(messages.JOB_LOGS, lambda _msg, buffers: write(bytes(buffers[0]) if buffers else b""),
+                      offset=0, follow=follow, tail=tail)
+            return b"".join(pieces).decode("utf-8", "replace")
+        sources.append((b"[gang] ", self))
+        if follow:
+            threads = [threading.Thread(target=_prefixed_log, args=(job, prefix, write, follow, tail), daemon=True)
+                       for prefix, job in sources]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        else:
+            for prefix, job in sources:
+                _prefixed_log(job, prefix, write, follow, tail)
         return b"".join(pieces).decode("utf-8", "replace")
 
-    def fetch(self, paths: list[str] | None = None, to: str | os.PathLike[str] = ".", force: bool = False) -> list[Path]:
+    def fetch(self, paths: list[str] | None = None, to: str | os.PathLike[str] = ".", force: bool = False,
+              rank: int | None = None) -> list[Path]:
         """Bring files of the job's folder into `to` (default: what the job created or changed); nothing is
-        written when one would overwrite a file, unless `force`. Returns the paths written."""
+        written when one would overwrite a file, unless `force`. Returns the paths written. A gang's: those
+        of its rank `rank` (default 0)."""
+        ranks = self.ranks
+        if ranks or rank is not None:
+            if not 0 <= (rank or 0) < len(ranks):
+                raise JobError("bad-request", f"job {self.id} has {len(ranks)} rank(s): no rank {rank}")
+            return ranks[rank or 0].fetch(paths, to, force)
         receiver = transfer.FileReceiver(to, force)
         try:
             self._ask(messages.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), paths=paths)
@@ -367,6 +438,27 @@ class Job:
                 raise JobError("no-result", f"job {self.id} ended {self.state} without a result"
                                             f"{': ' + self.reason if self.reason else ''}") from None
             return call.outcome(Path(here, call.OUTCOME_FILE).read_bytes())
+
+
+def _prefixed_log(job: Job, prefix: bytes, write: Callable[[bytes], None], follow: bool, tail: int | None) -> None:
+    """A job's log, each line after `prefix`, to `write` (whole lines only: a line cut between pieces is
+    joined first). A peer that cannot be asked gives a line that says why."""
+    partial = b""
+
+    def take(_msg: messages.Message, buffers: list[Any]) -> None:
+        nonlocal partial
+        *lines, partial = (partial + (bytes(buffers[0]) if buffers else b"")).split(b"\n")
+        if lines:
+            write(b"".join(prefix + line + b"\n" for line in lines))
+
+    try:
+        job._ask(messages.JOB_LOGS, take, offset=0, follow=follow, tail=tail)
+    except (GPULayerError, OSError) as exc:
+        if partial:
+            write(prefix + partial + b"\n")
+        partial = f"gpulayer: the log of job {job.id} cannot be read: {exc}".encode()
+    if partial:
+        write(prefix + partial + b"\n")
 
 
 def exit_status(job: Job) -> int:

@@ -28,9 +28,10 @@ import stat
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, TypeGuard, Union
 
-import pathspec
+if TYPE_CHECKING:
+    import pathspec
 
 from ..errors import ConfigError, GPULayerError
 
@@ -259,7 +260,7 @@ class _Ignores:
 
     def __init__(self, excludes: Iterable[str]):
         patterns = list(excludes)
-        self.excludes = pathspec.GitIgnoreSpec.from_lines(patterns) if patterns else None
+        self.excludes = _spec(patterns) if patterns else None
 
     def ignored(self, rel: str, is_dir: bool, specs: list[tuple[str, pathspec.GitIgnoreSpec]]) -> bool:
         """Whether `rel` (relative to the root) is left out; `specs`: (base, spec) from the root down."""
@@ -279,11 +280,17 @@ def _inside(path: str, real_root: str) -> bool:
     return path == real_root or path.startswith(real_root.rstrip(os.sep) + os.sep)
 
 
+def _spec(lines: list[str]) -> pathspec.GitIgnoreSpec:
+    import pathspec  # here: a folder with no ignore file (nor --exclude) never pays for it
+
+    return pathspec.GitIgnoreSpec.from_lines(lines)
+
+
 def _read_ignore_file(real_dir: str) -> pathspec.GitIgnoreSpec | None:
     path = os.path.join(real_dir, IGNORE_FILE)
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            return pathspec.GitIgnoreSpec.from_lines(f.read().splitlines())
+            return _spec(f.read().splitlines())
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
     except OSError as exc:

@@ -6,7 +6,8 @@ of the job's whole process tree: on Linux it is a child subreaper, so a descenda
 exits (one started with `setsid` and left behind, say) is re-parented to it, not to init. When
 COMMAND ends, or on SIGTERM (the peer's stop or timeout), every descendant gets SIGTERM, and
 SIGKILL after the seconds that GRACE_FILE holds (DEFAULT_GRACE_S when it holds none: the peer writes
-it before a stop); then it writes {"code": N} or {"signal": N} to STATUS and exits.
+it before a stop); then it writes {"code": N} or {"signal": N} to STATUS and exits. Stopped before it
+started COMMAND, it writes {} and never starts it.
 
 It runs with the peer's interpreter, isolated and without site (its start costs no site-packages;
 psutil, with site, is imported when a tree is signalled; no gpulayer import), so
@@ -92,11 +93,15 @@ class Supervisor:
         signal.signal(signal.SIGALRM, lambda *_: signal_tree(signal.SIGKILL))
         become_subreaper()
         out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        if self.ending:  # stopped while it started: the command never runs
+            return _write_status(status_file, {})
         try:
             child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
         except OSError as exc:
             os.write(out, f"gpulayer: cannot run {command[0]!r}: {exc.strerror or exc}\n".encode())
             return _write_status(status_file, {"code": 127})
+        if self.ending:  # stopped while the command was being started: it goes too
+            signal_tree(signal.SIGTERM)
         status: dict[str, int] = {}
         while True:
             try:

@@ -11,17 +11,21 @@ is never reused, and stays valid across restarts of that peer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
-import sqlite3
+import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import sqlite3
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST = "queued", "running", "succeeded", "failed", "stopped", "lost"
 PREEMPTED = "preempted"  # being stopped for a job of higher priority; queued again once it stopped
@@ -36,6 +40,7 @@ ENDED = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
 RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of the peer's --job-retention-days and --job-retention-gb
 JOB_ID = re.compile(r"([0-9a-f]{12})-([1-9][0-9]{0,9})")
 HOLDER_HEX = 12
+KILL_AT_ENV = "GPULAYER_TEST_KILL_AT"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -90,6 +95,8 @@ class JobSpec:
     preemptible: bool = False  # it may be stopped for a job of higher priority, and queued again
     grace: float = PREEMPT_GRACE_S  # seconds from SIGTERM to SIGKILL when it is preempted
     pinned: bool = False  # submitted for one peer (--peer): no other peer pulls it
+    gang: dict[str, Any] = field(default_factory=dict)  # a gang's (peer/gangs.py): {"rank", "size"} for a rank,
+    # {"size", "ranks": [{"job", "peer", "at", "addr"}]} for the gang's own record on rank 0's peer
 
     @property
     def share(self) -> str:
@@ -125,7 +132,7 @@ class JobRow:
                 "index": self.spec.index, "preemptible": self.spec.preemptible, "restarts": self.restarts,
                 "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes,
-                "moved": self.moved}
+                "moved": self.moved, "gang": self.spec.gang}
 
 
 class StateDirInUse(Exception):
@@ -149,7 +156,9 @@ class JobStore:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # created private before SQLite opens it
         os.close(fd)
         path.chmod(0o600)
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        import sqlite3  # here: a submitter imports this module for the job's names only
+
+        self.db: sqlite3.Connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(_SCHEMA)
@@ -165,7 +174,7 @@ class JobStore:
         if row is not None:
             return str(row[0])
         holder = secrets.token_hex(HOLDER_HEX // 2)
-        with self.db:
+        with self._transaction():
             self.db.execute("INSERT INTO meta (key, value) VALUES ('holder', ?)", (holder,))
         return holder
 
@@ -178,43 +187,74 @@ class JobStore:
 
     # ---- rows ----------------------------------------------------------------------------------
 
-    def add(self, spec: JobSpec, folder_bytes: int) -> JobRow:
-        """Record a new queued job, durably; its id is the next of this holder."""
-        now = time.time()
-        with self.db:
-            cursor = self.db.execute(
-                "INSERT INTO jobs (id, spec, state, submitted, folder_bytes) VALUES ('', ?, ?, ?, ?)",
-                (json.dumps(asdict(spec)), QUEUED, now, folder_bytes))
-            job_id = f"{self.holder}-{cursor.lastrowid}"
-            self.db.execute("UPDATE jobs SET id = ? WHERE n = ?", (job_id, cursor.lastrowid))
-        row = self.get(job_id)
-        assert row is not None
-        return row
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """Statements that commit together or not at all (the connection is in autocommit mode)."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
-    def add_array(self, spec: JobSpec, folder_bytes: int, indices: range, limit: int) -> list[JobRow]:
-        """Record one queued job per index, in one transaction (all or none); the first one's id names
-        the array."""
+    def add(self, spec: JobSpec, folder_bytes: int, folder: Path | None = None) -> JobRow:
+        """Record a new queued job, durably, with `folder` (from `reserve`) moved into place as its own;
+        its id is the next of this holder."""
+        return self._insert([spec], folder_bytes, [folder] if folder else [], array=False)[0]
+
+    def add_array(self, spec: JobSpec, folder_bytes: int, indices: range, limit: int,
+                  folders: Sequence[Path] = ()) -> list[JobRow]:
+        """Record one queued job per index, each with its folder, all or none; the first one's id names the
+        array."""
+        return self._insert([replace(spec, index=index, limit=limit) for index in indices], folder_bytes, folders,
+                            array=True)
+
+    def _insert(self, specs: list[JobSpec], folder_bytes: int, folders: Sequence[Path], array: bool) -> list[JobRow]:
+        """Insert the jobs and move their folders into place in one transaction: the folders are renamed
+        (and the rename made durable) before the commit, so a crash leaves every job recorded with its
+        folder, or none recorded and at most folders that `sweep` removes at the next start."""
         now = time.time()
         ids: list[str] = []
-        with self.db:
-            for index in indices:
+        with self._transaction():
+            for spec in specs:
                 cursor = self.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes) "
                                          "VALUES ('', '', ?, ?, ?)", (QUEUED, now, folder_bytes))
                 ids.append(f"{self.holder}-{cursor.lastrowid}")
-                member = replace(spec, array=ids[0], index=index, limit=limit)
+                spec = replace(spec, array=ids[0]) if array else spec
                 self.db.execute("UPDATE jobs SET id = ?, spec = ? WHERE n = ?",
-                                (ids[-1], json.dumps(asdict(member)), cursor.lastrowid))
+                                (ids[-1], json.dumps(asdict(spec)), cursor.lastrowid))
+            if folders:
+                self._place(folders, ids)
         return [row for row in map(self.get, ids) if row is not None]
 
-    def add_arriving(self, job_id: str, spec: JobSpec, submitted: float, folder_bytes: int, source: str) -> JobRow:
-        """Record a job pulled from the holder `source` under its own id, durably, as arriving: it is this
-        peer's to queue once its owner recorded it moved (the hand-over's second phase)."""
-        with self.db:
+    def add_arriving(self, job_id: str, spec: JobSpec, submitted: float, folder_bytes: int, source: str,
+                     folder: Path | None = None) -> JobRow:
+        """Record a job pulled from the holder `source` under its own id, with `folder` (from `reserve`) moved
+        into place, durably, as arriving: it is this peer's to queue once its owner recorded it moved (the
+        hand-over's second phase)."""
+        with self._transaction():
             self.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes, moved) VALUES (?, ?, ?, ?, ?, ?)",
                             (job_id, json.dumps(asdict(spec)), ARRIVING, submitted, folder_bytes, source))
+            if folder is not None:
+                self._place([folder], [job_id])
         row = self.get(job_id)
         assert row is not None
         return row
+
+    def _place(self, folders: Sequence[Path], ids: list[str]) -> None:
+        """Rename each folder to its job's, durably; on a failure the ones renamed are removed."""
+        placed = []
+        try:
+            for folder, job_id in zip(folders, ids, strict=True):
+                os.replace(folder, self.folder(job_id))
+                placed.append(self.folder(job_id))
+            _sync_dir(self.jobs_dir)
+        except BaseException:
+            for path in placed:
+                shutil.rmtree(path, ignore_errors=True)
+            raise
+        kill_point("job-placed")
 
     def reserve(self) -> str:
         """A fresh private folder for a job being received (renamed to the job's once it is recorded)."""
@@ -239,10 +279,22 @@ class JobStore:
         with self.db:
             self.db.execute(f"UPDATE jobs SET {names} WHERE id = ?", (*values.values(), job_id))
 
+    def sweep(self) -> list[str]:
+        """At the start, before any upload: remove what of the jobs' folder is no recorded job's own (a
+        receipt or a recording cut by a crash, a removal cut half way); the names removed."""
+        recorded = {row.id for row in self.rows()}
+        stray = sorted(p.name for p in self.jobs_dir.iterdir() if p.name not in recorded)
+        for name in stray:
+            path = self.jobs_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        return stray
+
     def remove(self, job_id: str) -> None:
-        """Forget a job and delete its folder."""
-        with self.db:
-            self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        """Forget a job and delete its folder (what a crash leaves of it, `sweep` removes)."""
+        self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
         shutil.rmtree(self.folder(job_id), ignore_errors=True)
 
     def retain(self, max_age_s: float, max_bytes: int, now: float | None = None) -> list[str]:
@@ -267,6 +319,22 @@ _COLUMNS = ("id, spec, state, reason, submitted, started, ended, exit_code, atte
 def _row(values: tuple[Any, ...]) -> JobRow:
     job_id, spec, *rest = values
     return JobRow(job_id, JobSpec(**json.loads(spec)), *rest)
+
+
+def _sync_dir(path: Path) -> None:
+    """Make the renames in a folder durable (fsync of the folder)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def kill_point(point: str) -> None:
+    """Tests only: the process kills itself with SIGKILL here when GPULAYER_TEST_KILL_AT names `point`
+    (docs/configuration.md), to show what a crash at that point leaves."""
+    if os.environ.get(KILL_AT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def default_state_dir() -> Path:

@@ -221,7 +221,8 @@ class BlobReceiver:
 
     `expected` is what the peer asked for (digest -> size). Blobs come one after another, each in
     order; `feed` checks each message and returns True once the last expected byte has come; `finish`
-    then waits for the disk work (on `disk`, if given; else it was done inline) and raises its error.
+    then waits for the disk work (hashing and writing; on `disk`, if given, else done inline) and raises
+    its error.
     FolderError (and nothing of the blob kept) for a digest not asked for, a chunk out of place or past
     its size, or a blob that fails its check. `release(chunk)`, if given, gets each chunk once written.
     """
@@ -234,7 +235,7 @@ class BlobReceiver:
         self._sink = _Sink(disk, release)
         self._current: str | None = None  # the blob being received, how much of it came, their digest so far
         self._offset = 0
-        self._hash = hashlib.new(DIGEST)
+        self._hash = hashlib.new(DIGEST)  # updated by the disk work, before it writes each chunk
         self._writer: BlobWriter | None = None  # touched by the disk work only
 
     @property
@@ -260,12 +261,11 @@ class BlobReceiver:
                 _refuse(self, f"blob {digest[:16]} got more than the {size} bytes announced")
             self._offset += view.nbytes
             self.received += view.nbytes
-            self._hash.update(view)  # here, while the disk thread writes what came before
-            self._sink.run(partial(self._write, buffers[0]), view.nbytes)
+            self._sink.run(partial(self._write, buffers[0], self._hash), view.nbytes)
         if self._offset == size:
             self._current = None
             del self.left[digest]
-            self._sink.run(partial(self._commit, self._hash.hexdigest()))
+            self._sink.run(partial(self._commit, self._hash))
         return self.done
 
     def _unpack(self, pack: Any, chunk: Any) -> bool:
@@ -276,20 +276,19 @@ class BlobReceiver:
             _refuse(self, "a BLOB pack lists blobs not asked for, or not what its chunk holds")
         blobs, offset = [], 0
         for digest, size in pack:
-            data = view[offset:offset + size]
-            blobs.append((digest, data, hashlib.new(DIGEST, data).hexdigest()))
+            blobs.append((digest, view[offset:offset + size]))
             offset += size
             del self.left[digest]
         self._sink.run(partial(self._store_whole, blobs), view.nbytes)  # one piece of disk work for the pack
         self.received += view.nbytes
         return self.done
 
-    def _store_whole(self, blobs: list[tuple[str, memoryview, str]]) -> None:
-        """Store whole blobs: (digest, bytes, the digest they hashed to)."""
-        for digest, data, hashed in blobs:
-            with self.store.writer(digest, len(data), caller_hashes=True) as writer:
+    def _store_whole(self, blobs: list[tuple[str, memoryview]]) -> None:
+        """Store whole blobs (digest, bytes), each checked against its digest."""
+        for digest, data in blobs:
+            with self.store.writer(digest, len(data)) as writer:
                 writer.write(data)
-                writer.commit(hashed)
+                writer.commit()
 
     def finish(self) -> None:
         """Wait for the disk work; FolderError if a blob failed its check (nothing of it kept)."""
@@ -298,15 +297,18 @@ class BlobReceiver:
     def _open(self, digest: str, size: int) -> None:
         self._writer = self.store.writer(digest, size, caller_hashes=True)
 
-    def _write(self, chunk: Any) -> None:
+    def _write(self, chunk: Any, hasher: Any) -> None:
+        """Hash the chunk and write it: on the disk thread where there is one (hashlib lets go of the GIL),
+        so that the side receiving the messages (the peer's event loop, say) only decrypts and parses."""
         assert self._writer is not None
+        hasher.update(chunk)
         self._writer.write(chunk)
         self._sink.release(chunk)
 
-    def _commit(self, hashed: str) -> None:
+    def _commit(self, hasher: Any) -> None:
         assert self._writer is not None
         writer, self._writer = self._writer, None
-        writer.commit(hashed)
+        writer.commit(hasher.hexdigest())
 
     def abort(self) -> None:
         """Drop the blob being received (the connection broke, or the upload was refused)."""

@@ -95,7 +95,8 @@ def key_from_invite(args: argparse.Namespace) -> None:
     over mDNS; write the key 0600 to --key-file (default ~/.config/gpulayer/key), which must not exist
     yet, and point `args.key_file` at it."""
     from .. import invite, security
-    from ..discovery import configured_interfaces, every_peer
+    from ..discovery import configured_interfaces
+    from ..mdns import every_peer
 
     invite.parse_code(args.invite)  # a typo fails here, before any look-up
     path = Path(args.key_file) if args.key_file else security.default_key_path()

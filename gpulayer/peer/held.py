@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, GPULayerError, ProtocolError
 from ..protocol import framing, handshake, messages
-from ..transport import blocking, sockets
+from ..transport import blocking
 from .actors import DEFAULT_GRACE
 
 log = logging.getLogger("gpulayer.peer")
@@ -123,21 +123,13 @@ def fetch(key: bytes, fetcher_id: str, ref: dict[str, Any], owner: str,
     descriptor). Raises ConnectionError with the reason when the holder is unreachable, is another
     peer now, holds no such result, or the result does not fit in the memory free here.
     """
-    errors = []
-    for host, port in ref["at"]:
-        try:
-            sock = socket.create_connection((host, port), timeout=handshake.HANDSHAKE_TIMEOUT)
-        except OSError as exc:
-            errors.append(f"{host}:{port}: {exc.strerror or exc}")
-            continue
-        sockets.tune(sock)
-        conn = blocking.BlockingConnection(sock)
-        try:
-            return _fetch_over(conn, key, fetcher_id, ref, owner, f"{host}:{port}", receiving)
-        except (OSError, GPULayerError) as exc:
-            raise ConnectionError(f"peer {messages.printable(ref['peer'], 40)} at {host}:{port}: {exc}") from None
-        finally:
-            conn.close()
+    errors: list[str] = []
+    with closing(blocking.connections([tuple(a) for a in ref["at"]], handshake.HANDSHAKE_TIMEOUT, errors)) as reachable:
+        for address, conn in reachable:
+            try:
+                return _fetch_over(conn, key, fetcher_id, ref, owner, address, receiving)
+            except (OSError, GPULayerError) as exc:
+                raise ConnectionError(f"peer {messages.printable(ref['peer'], 40)} at {address}: {exc}") from None
     raise ConnectionError(f"peer {messages.printable(ref['peer'], 40)} is unreachable: {'; '.join(errors)}")
 
 

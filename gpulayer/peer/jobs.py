@@ -17,6 +17,7 @@ import os
 import shlex
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -29,11 +30,13 @@ import psutil
 
 from ..jobs import folder, shim, transfer
 from ..jobs.store import (ENDED, FAILED, LOST, MOVED, MOVING, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING,
-                          STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of)
+                          STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of,
+                          kill_point)
 from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
 from ..transport.channel import AsyncChannel
+from .gangs import Gangs, JobSteps
 from .pull import Owner
 from .scheduler import Scheduler
 from .slots import JobHolder, Slot
@@ -44,6 +47,7 @@ log = logging.getLogger("gpulayer.peer")
 LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json", "grace", "work", "manifest.json"
 DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
 FOLLOW_POLL_S = 0.02  # how often a followed log is looked at again while its job runs (a stat when it did not grow)
+FOLLOW_FAST_S, FOLLOW_FAST_FOR_S = 0.005, 1.0  # more often in the first second of a follow: a job's first line
 STATUS_ENDED, STATUS_TAIL_LINES, STATUS_TAIL_BYTES = 20, 5, 2000  # what STATUS says of the jobs (the dashboard)  # the defaults of --job-retention-days and --job-retention-gb
 
 
@@ -98,7 +102,7 @@ class Jobs:
     """This peer's jobs: the store, the blob cache, the runs, and the answers to the job requests."""
 
     def __init__(self, scheduler: Scheduler, python: str, state_dir: str | None, advert: Callable[[], Advert],
-                 retention_days: float = RETENTION_DAYS, retention_gb: float = RETENTION_GB):
+                 retention_days: float = RETENTION_DAYS, retention_gb: float = RETENTION_GB, key: bytes = b""):
         self.dir, self._lock = claim_state_dir(state_dir)
         self.store = JobStore(self.dir)
         self.blobs = folder.BlobStore(self.dir / "blobs")
@@ -116,8 +120,9 @@ class Jobs:
         self._ended: dict[str, list[asyncio.Future[None]]] = {}
         self.owner = Owner(self)  # the owner's side of peers pulling its queued jobs (pull.py)
         self.pulling: dict[str, folder.Manifest] = {}  # jobs this peer is pulling: their blobs are in use
-        for leftover in self.store.jobs_dir.glob("incoming-*"):  # a receipt cut by a crash: never recorded
-            shutil.rmtree(leftover, ignore_errors=True)
+        self.gangs = Gangs(self, JobSteps(self._info, self._enqueue, self._end, self._append_log), key)  # gang jobs
+        for stray in self.store.sweep():  # a receipt or a recording cut by a crash: never recorded
+            log.info("removed %s from the jobs' folder: no recorded job's", stray)
 
     @property
     def holder(self) -> str:
@@ -150,11 +155,16 @@ class Jobs:
         for row in self.store.rows([MOVING]):  # offered to a peer that had not committed: it stays here
             self.store.update(row.id, state=QUEUED, moved="")
         for row in self.store.rows([QUEUED]):
-            self._enqueue(row)
+            if row.spec.gang:  # its gang's watcher, or the ranks' bond to it, did not survive
+                self._end(row.id, LOST, "its peer stopped or died before its gang started (a gang starts whole "
+                                        "or not at all)", None)
+            else:
+                self._enqueue(row)
         self._retain()
 
     async def shutdown(self) -> None:
         """The peer stops: running jobs are stopped and recorded lost; queued ones stay queued."""
+        self.gangs.shutdown()
         runs = list(self.runs.values())
         for run in runs:
             run.stopping = LOST
@@ -170,6 +180,7 @@ class Jobs:
         for key in [k for k in self._uploads if k[0] is conn]:
             self._uploads.pop(key).receiver.abort()
         self.owner.forget(conn)
+        self.gangs.forget(conn)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -205,6 +216,8 @@ class Jobs:
             return self._answer_when(conn, msg, [m.id for m in self._members(row)], msg.get("timeout"))
         if kind == messages.JOB_RM:
             return self._remove(conn, msg, row)
+        if kind == messages.JOB_GANG:
+            return self.gangs.request(conn, msg, row)
         if kind == messages.JOB_LOGS:
             self.scheduler.spawn(self._send_log(conn, msg, row))
         elif kind == messages.JOB_FETCH:
@@ -310,56 +323,79 @@ class Jobs:
         if draining:
             return conn.channel.write(messages.error("busy", "the peer is shutting down", request_id))
         need = self.blobs.missing(manifest.blobs())
-        receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need})
+        receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need},
+                                         transfer.DiskThread() if need else None)
         self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, array)
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
         if not need:
-            self._record(conn, request_id)
+            self.scheduler.spawn(self._record(conn, request_id))
 
     def _blob(self, conn: JobConnection, msg: messages.Message, buffers: list[Any]) -> None:
-        """A piece of a blob the JOB_NEED asked for; the job is recorded once the last blob is stored."""
+        """A piece of a blob the JOB_NEED asked for: checked here, hashed and written on the upload's disk
+        thread (the event loop only decrypts and parses); the job is recorded once the last blob is stored."""
         upload = self._uploads.get((conn, msg.get("id")))  # type: ignore[arg-type]
         try:
             if upload is None:
                 raise folder.FolderError("a BLOB must belong to a JOB_SUBMIT of this connection")
-            done = upload.receiver.feed(msg, buffers)
-            if done:
-                upload.receiver.finish()
+            if upload.receiver.feed(msg, buffers):
+                self.scheduler.spawn(self._stored(conn, msg["id"], upload))
         except (OSError, folder.FolderError) as exc:
-            self.forget_upload(conn, msg.get("id"))
-            return conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", msg.get("id")))
-        if done:
-            self._record(conn, msg["id"])
+            self._upload_failed(conn, msg.get("id"), exc)
+
+    async def _stored(self, conn: JobConnection, request_id: int, upload: Upload) -> None:
+        """The last blob came: wait, off the event loop, for the disk thread to store every blob, then
+        record the job (unless the connection went meanwhile: nothing of it is recorded)."""
+        try:
+            await self._loop().run_in_executor(None, upload.receiver.finish)
+        except (OSError, folder.FolderError) as exc:
+            return self._upload_failed(conn, request_id, exc)
+        if self._uploads.get((conn, request_id)) is upload:
+            await self._record(conn, request_id)
+
+    def _upload_failed(self, conn: JobConnection, request_id: Any, exc: Exception) -> None:
+        self.forget_upload(conn, request_id)
+        conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", request_id))
 
     def forget_upload(self, conn: JobConnection, request_id: Any) -> None:
         upload = self._uploads.pop((conn, request_id), None)
         if upload is not None:
             upload.receiver.abort()
 
-    def _record(self, conn: JobConnection, request_id: int) -> None:
-        """Build the job's folder from the blobs (one per job of an array), record the job or the array's
-        jobs (durably, in one transaction), then acknowledge it with the (first) job."""
-        upload = self._uploads.pop((conn, request_id))
+    async def _record(self, conn: JobConnection, request_id: int) -> None:
+        """Build the job's folder from the blobs (one per job of an array) on a thread, off the event loop;
+        then record the job or the array's jobs with their folders (durably, in one transaction), and
+        acknowledge it with the (first) job. The upload stays listed while its folders are built (its
+        blobs are in use); if its connection went meanwhile, nothing is recorded."""
+        upload = self._uploads[(conn, request_id)]
         incoming = [Path(self.store.reserve()) for _ in (upload.array[0] if upload.array else [None])]
+        problem = None
         try:
-            for path in incoming:
-                folder.materialise(upload.manifest, self.blobs, path / WORK_DIR)
-                _write_private(path / MANIFEST_FILE, json.dumps(upload.manifest.to_wire()).encode())
+            await self._loop().run_in_executor(None, _build, upload.manifest, self.blobs, incoming)
         except (OSError, folder.FolderError) as exc:
+            problem = f"the job's folder cannot be built: {exc}"
+        if self._uploads.pop((conn, request_id), None) is not upload or problem is not None:
             for path in incoming:
                 shutil.rmtree(path, ignore_errors=True)
-            return conn.channel.write(messages.error("bad-request", f"the job's folder cannot be built: {exc}",
-                                                 request_id))
+            if problem is not None:
+                conn.channel.write(messages.error("bad-request", problem, request_id))
+            return
         size = upload.manifest.total_bytes
-        rows = self.store.add_array(upload.spec, size, *upload.array) if upload.array \
-            else [self.store.add(upload.spec, size)]
-        for path, row in zip(incoming, rows):
-            os.replace(path, self.store.folder(row.id))
+        try:  # the folders are moved into place in the transaction that records the jobs: both or neither
+            rows = self.store.add_array(upload.spec, size, *upload.array, incoming) if upload.array \
+                else [self.store.add(upload.spec, size, incoming[0])]
+        except (OSError, sqlite3.Error) as exc:
+            for path in incoming:
+                shutil.rmtree(path, ignore_errors=True)
+            return conn.channel.write(messages.error("bad-request", f"the job cannot be recorded: {exc}", request_id))
+        kill_point("job-recorded")
         log.info("job %s%s recorded from %s: %s", rows[0].id, f" (an array of {len(rows)})" if upload.array else "",
                  conn.address, shlex.join(upload.spec.command))
         conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
         for row in rows:
-            self._enqueue(row)
+            if row.spec.gang:
+                self.gangs.recorded(row)
+            else:
+                self._enqueue(row)
 
     # ---- running ----------------------------------------------------------------------------
 
@@ -406,8 +442,13 @@ class Jobs:
         _signal(run, signal.SIGTERM)
 
     def _start(self, job_id: str, task: JobHolder, slot_env: dict[str, str]) -> None:
-        """The scheduler gave the job its slots: run it."""
+        """The scheduler gave the job its slots: run it (a gang's rank waits for its gang's start)."""
         self.queued.pop(job_id, None)
+        if not self.gangs.holds(job_id, task, slot_env):
+            self.run(job_id, task, slot_env)
+
+    def run(self, job_id: str, task: JobHolder, slot_env: dict[str, str]) -> None:
+        """Run the job on the slots `task` holds, with `slot_env` (their device variables, and more)."""
         run = self.runs[job_id] = Run(task)
         run.runner = self.scheduler.spawn(self._run(job_id, run, slot_env))
 
@@ -429,9 +470,14 @@ class Jobs:
         home = self.store.folder(job_id)
         env = self._environment(row, slot_env)
         state, reason, code = FAILED, "", None
+        ran = False  # whether a supervisor started (a job stopped before that never ran)
         for attempt in range(row.attempts + 1, row.attempts + row.spec.retries + 2):
+            if run.stopping:  # stopped, timed out or preempted before this attempt's supervisor started
+                state, reason, code = _outcome(None, run.stopping, row.spec.timeout)
+                break
             (home / STATUS_FILE).unlink(missing_ok=True)
             self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
+            ran = True
             try:
                 run.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-I", "-S", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
@@ -442,7 +488,7 @@ class Jobs:
                 state, reason = FAILED, f"its supervisor could not start: {exc}"
                 break
             self.store.update(job_id, pid=run.proc.pid, pid_started=_started_at(run.proc.pid))
-            if run.stopping:  # stopped while this run started
+            if run.stopping:  # stopped while its supervisor started: it ends before or after running the command
                 _signal(run, signal.SIGTERM)
             if row.spec.timeout:
                 run.timer = self._loop().call_later(row.spec.timeout, self._time_out, job_id)
@@ -460,6 +506,9 @@ class Jobs:
             self.scheduler.job_ended(run.task, PREEMPTED)
             self._limited.pop(job_id, None)  # its array's place is taken again when it is queued again
             return self.requeue(job_id)
+        if run.stopping == LOST and not ran:  # the peer stops before the job started: it stays queued
+            self.scheduler.job_ended(run.task, LOST)
+            return
         if run.stopping == LOST:  # the peer stops: recorded as lost, as after a crash
             state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
         self._end(job_id, state, reason, code)
@@ -479,6 +528,8 @@ class Jobs:
 
     def stop(self, row: JobRow, grace: float) -> None:
         """SIGTERM to the job's process tree, SIGKILL after `grace` s; a queued job just ends, stopped."""
+        if self.gangs.stop(row, grace):
+            return
         task = self.queued.pop(row.id, None)
         if self._unpark(row) or (task is not None and self.scheduler.withdraw(task)) or self.owner.cancel(row.id):
             return self._end(row.id, STOPPED, "stopped before it started", None)
@@ -555,12 +606,13 @@ class Jobs:
         until the job ends. Then the job's JOB_INFO, with the offset reached."""
         path = self.store.folder(row.id) / LOG_FILE
         offset = msg.get("offset", 0) if msg.get("tail") is None else _tail_offset(path, msg["tail"])
+        fast_until = time.monotonic() + FOLLOW_FAST_FOR_S
         while not conn.channel.closed:
             ended = self._row_ended(row.id)  # read before the log: what it wrote until it ended is read after
             offset = await self._send_from(conn, msg["id"], path, offset)
             if ended or not msg["follow"]:
                 break
-            await asyncio.sleep(FOLLOW_POLL_S)
+            await asyncio.sleep(FOLLOW_FAST_S if time.monotonic() < fast_until else FOLLOW_POLL_S)
         self._info(conn, msg, offset=offset)
 
     async def _send_from(self, conn: JobConnection, request_id: int, path: Path, offset: int) -> int:
@@ -606,6 +658,13 @@ class Jobs:
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
 
 
+def _build(manifest: folder.Manifest, blobs: folder.BlobStore, incoming: list[Path]) -> None:
+    """Each job's folder in `incoming`: its working folder from the blobs, and the manifest it was shipped with."""
+    for path in incoming:
+        folder.materialise(manifest, blobs, path / WORK_DIR)
+        _write_private(path / MANIFEST_FILE, json.dumps(manifest.to_wire()).encode())
+
+
 def _could_start(req: Requirements, group: list[Slot]) -> bool:
     """Whether a job of `req` could start on the slots of `group` once they are free."""
     return len({s.device for s in group}) >= req.devices and all(
@@ -613,8 +672,14 @@ def _could_start(req: Requirements, group: list[Slot]) -> bool:
 
 
 def _outcome(status: dict[str, int] | None, stopping: str, timeout: float | None) -> tuple[str, str, int | None]:
-    """(state, reason, exit code) of an ended run; a signal is given as its negative number."""
-    if status is None:
+    """(state, reason, exit code) of an ended run; a signal is given as its negative number. No status, or
+    an empty one, means the command never started: a supervisor stopped before its SIGTERM handler was set
+    (or before any supervisor started) gives none, one stopped before it ran the command gives {}."""
+    if not status:
+        if stopping == STOPPED:
+            return STOPPED, "stopped before it started", None
+        if stopping == "timeout":
+            return FAILED, f"ran past its timeout of {timeout:g} s before it started, and was stopped", None
         return FAILED, "its supervisor ended without a status", None
     code = -status["signal"] if "signal" in status else status.get("code")
     if stopping == STOPPED:

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
 import socket
 import time
@@ -66,8 +65,10 @@ T = TypeVar("T")
 
 def movable(row: JobRow) -> bool:
     """Whether a peer may pull the job: queued, never run (its folder is as it was shipped, with no work of
-    its in it), not pinned to its peer (--peer), not an array's (a stop of the array acts on its peer)."""
-    return row.state == QUEUED and not (row.spec.pinned or row.attempts or row.restarts or row.spec.array)
+    its in it), not pinned to its peer (--peer), not an array's (a stop of the array acts on its peer), not a
+    gang's (its watcher reserved that peer)."""
+    return row.state == QUEUED and not (row.spec.pinned or row.attempts or row.restarts or row.spec.array
+                                        or row.spec.gang)
 
 
 # ---- the owner's side ---------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ class OwnerLink:
     """One authenticated connection from this peer to an owner, used on a pull thread (blocking)."""
 
     def __init__(self, key: bytes, client_id: str, addresses: list[Address]):
-        self.conn, self.hello = blocking.handshaken(addresses, key, client_id, CONNECT_TIMEOUT_S)
+        self.conn, self.hello, _ = blocking.handshaken(addresses, key, client_id, CONNECT_TIMEOUT_S)
         self._ids = iter(range(1, 1 << 62))
 
     def close(self) -> None:
@@ -473,27 +474,27 @@ class Puller:
             self.jobs.pulling[job_id] = manifest
             await self._call(link.blobs, {**self._step(job_id, "need"), "need": need}, self.jobs.blobs,
                              {d: sizes[d] for d in need})
-            await self._call(self._build, job_id, manifest)
-            self.jobs.store.add_arriving(job_id, spec, submitted, manifest.total_bytes, owner)
-        except BaseException:
-            shutil.rmtree(self.jobs.store.folder(job_id), ignore_errors=True)
-            raise
+            incoming = await self._call(self._build, manifest)
+            try:
+                self.jobs.store.add_arriving(job_id, spec, submitted, manifest.total_bytes, owner, incoming)
+            except BaseException:
+                shutil.rmtree(incoming, ignore_errors=True)
+                raise
         finally:
             self.jobs.pulling.pop(job_id, None)
             self._taking -= 1
         await self._commit(link, job_id)
 
-    def _build(self, job_id: str, manifest: folder.Manifest) -> None:
-        """The job's folder from the blobs (a leftover of a receipt cut short is replaced)."""
+    def _build(self, manifest: folder.Manifest) -> Path:
+        """A job's folder built from the blobs, in a fresh folder of `reserve` (recorded with the job)."""
         incoming = Path(self.jobs.store.reserve())
         try:
             folder.materialise(manifest, self.jobs.blobs, incoming / "work")
             (incoming / "manifest.json").write_text(json.dumps(manifest.to_wire()))
-            shutil.rmtree(self.jobs.store.folder(job_id), ignore_errors=True)
-            os.replace(incoming, self.jobs.store.folder(job_id))
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)
             raise
+        return incoming
 
     def _step(self, job_id: str, step: str) -> messages.Message:
         return {"t": messages.JOB_TAKE, "job": job_id, "holder": self.jobs.holder, "step": step}

@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from .. import discovery, invite, security
+from .. import discovery, invite, mdns, security
 from ..errors import ConfigError, FrameTooLarge, ProtocolError
 from ..jobs.store import RETENTION_DAYS, RETENTION_GB, StateDirInUse
 from ..matching import Requirements, match
@@ -182,15 +182,15 @@ class Peer:
         self._forced = False
         self._stopped: asyncio.Event | None = None
         self._server: socket.socket | None = None
-        self._advertiser: discovery.Advertiser | None = None
-        self._browser: discovery.Browser | None = None  # the peers that pulling asks, heard over mDNS
+        self._advertiser: mdns.Advertiser | None = None
+        self._browser: mdns.Browser | None = None  # the peers that pulling asks, heard over mDNS
         self._loop: asyncio.AbstractEventLoop | None = None
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
         check_shm_settings()
         try:
             self.jobs = Jobs(self.scheduler, config.python, config.state_dir, lambda: self.advert,
-                             config.job_retention_days, config.job_retention_gb)
+                             config.job_retention_days, config.job_retention_gb, config.key)
         except (OSError, StateDirInUse) as exc:
             raise ConfigError(f"the state folder: {exc}") from None
         self.puller: pull.Puller | None = None  # once started, with --pull (the default)
@@ -231,7 +231,7 @@ class Peer:
             await self._start_pulling()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
-                None, discovery.Advertiser, self.advert, self.port, self.config.interfaces, self.jobs.dir)
+                None, mdns.Advertiser, self.advert, self.port, self.config.interfaces, self.jobs.dir)
         log.info("peer %s (%s) listening on %s with %d slot(s): %s", self.name, self.peer_id,
                  discovery.host_port((host or "*", self.port)),
                  len(self.slots), ", ".join(s.device for s in self.slots))
@@ -241,7 +241,7 @@ class Peer:
         assert self._loop is not None
         directory = discovery.Directory(self.advert.cluster)
         if self.config.advertise:
-            self._browser = await self._loop.run_in_executor(None, discovery.Browser, directory,
+            self._browser = await self._loop.run_in_executor(None, mdns.Browser, directory,
                                                              self.config.interfaces)
 
         def owners() -> list[list[discovery.Address]]:

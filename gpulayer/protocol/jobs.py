@@ -26,6 +26,10 @@ MAX_ARRAY_JOBS, MAX_ARRAY_INDEX = 10_000, 1_000_000
 MAX_GRACE_S = 3600.0
 MAX_FILES = 200_000
 MAX_TAIL = 1_000_000
+MAX_NODES = 256  # ranks of a gang job
+GANG_OPS = ("claim", "reserve", "start")  # a JOB_GANG's steps (peer/gangs.py)
+RENDEZVOUS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "MLX_RANK", "MLX_HOSTFILE", "GPULAYER_RANK_ADDR"})  # what a JOB_GANG's start may set
 DEFAULT_GRACE_S = 10.0
 MAX_PULL_WAIT_S = 600.0  # the longest a JOB_PULL may be held for a job to offer
 TAKE_STEPS = ("need", "commit", "refuse")  # a JOB_TAKE: the blobs the puller lacks, then its word
@@ -39,7 +43,7 @@ def submit(request_id: int, spec: JobSpec, files: list[list[Any]],
     fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
               "timeout": spec.timeout, "retries": spec.retries, "function": spec.function,
               "priority": spec.priority, "user": spec.user, "preemptible": spec.preemptible, "grace": spec.grace,
-              "pinned": spec.pinned}
+              "pinned": spec.pinned, **({"gang": spec.gang} if spec.gang else {})}
     return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files,
             **({"array": list(array)} if array is not None else {})}
 
@@ -86,6 +90,10 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
     if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool) \
             or not isinstance(fields.get("pinned", False), bool):
         return "a JOB_SUBMIT's 'req' is a map, 'function' and 'pinned' booleans"
+    gang = fields.get("gang", {})
+    problem = check_gang(gang)
+    if problem is not None:
+        return problem
     try:
         env = check_env(fields.get("env"))
         timeout = check_timeout(fields.get("timeout"))
@@ -93,8 +101,35 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
         return str(exc)
     return JobSpec(command=command, name=name, env=env, req=fields.get("req", {}), timeout=timeout,
                    retries=retries, submitter=submitter, function=fields.get("function", False),
-                   priority=priority, user=user, preemptible=preemptible, grace=float(grace),
+                   priority=priority, user=user, preemptible=preemptible, grace=float(grace), gang=gang,
                    pinned=fields.get("pinned", False))
+
+
+def _text(value: Any, most: int) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= most and value.isprintable()
+
+
+def check_gang(gang: Any) -> str | None:
+    """Why a spec's "gang" is malformed, or None: {} (no gang), a rank's {"rank", "size"}, or the gang's own
+    {"size", "ranks": [{"job", "peer", "at": [[host, port], ...], "addr"}, ...]} (one entry per rank)."""
+    if gang == {}:
+        return None
+    shape = (f"a job's 'gang' is {{'rank', 'size'}} or {{'size', 'ranks'}}, with a size from 2 to {MAX_NODES} and "
+             "each rank's job id, peer name, addresses and rendezvous address")
+    if not isinstance(gang, dict) or not (_count(gang.get("size"), MAX_NODES) and gang["size"] >= 2):
+        return shape
+    if set(gang) == {"rank", "size"}:
+        return None if _count(gang["rank"], gang["size"] - 1) else shape
+    ranks = gang.get("ranks")
+    if set(gang) != {"size", "ranks"} or not isinstance(ranks, list) or len(ranks) != gang["size"]:
+        return shape
+    for rank in ranks:
+        if not (isinstance(rank, dict) and set(rank) == {"job", "peer", "at", "addr"} and check_job_id(rank["job"]) is None
+                and _text(rank["peer"], 200) and _text(rank["addr"], 100) and isinstance(rank["at"], list)
+                and 0 < len(rank["at"]) <= 16 and all(isinstance(a, list) and len(a) == 2 and _text(a[0], 100)
+                                                      and _count(a[1], 65535) for a in rank["at"])):
+            return shape
+    return None
 
 
 def check_array(value: Any) -> tuple[range, int] | str | None:
@@ -138,6 +173,12 @@ def check_request(msg: Mapping[str, Any]) -> str | None:
     if kind == messages.JOB_TAKE and (msg.get("step") not in TAKE_STEPS or not (
             isinstance(msg.get("need", []), list) and all(folder.is_digest(d) for d in msg.get("need", [])))):
         return f"a JOB_TAKE's 'step' is one of {', '.join(TAKE_STEPS)}, its 'need' a list of digests"
+    if kind == messages.JOB_GANG:
+        env = msg.get("env", {})
+        if msg.get("op") not in GANG_OPS or not isinstance(env, dict) or not set(env) <= RENDEZVOUS \
+                or not all(isinstance(v, str) and len(v) <= 1 << 16 and "\0" not in v for v in env.values()):
+            return (f"a JOB_GANG's 'op' is one of {', '.join(GANG_OPS)}, and its 'env' maps rendezvous variables "
+                    f"({', '.join(sorted(RENDEZVOUS))}) to text")
     if kind == messages.JOB_FETCH:
         paths = msg.get("paths")
         if paths is not None and not (isinstance(paths, list) and len(paths) <= MAX_FILES

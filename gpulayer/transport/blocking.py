@@ -119,6 +119,13 @@ class BlockingConnection:
                 pass
 
 
+def dial(address: tuple[str, int], timeout: float) -> BlockingConnection:
+    """A connection to `address` (host, port), its socket tuned as every GPUlayer connection's; OSError if none."""
+    sock = socket.create_connection(address, timeout)
+    sockets.tune(sock)
+    return BlockingConnection(sock)
+
+
 def connections(addresses: list[tuple[str, int]], timeout: float,
                 errors: list[str]) -> Generator[tuple[str, BlockingConnection], None, None]:
     """("host:port", a connection) for each of `addresses` that accepts one, in order, each closed when the
@@ -126,11 +133,10 @@ def connections(addresses: list[tuple[str, int]], timeout: float,
     for host, port in addresses:
         label = f"{host}:{port}"
         try:
-            sock = socket.create_connection((host, port), timeout)
+            conn = dial((host, port), timeout)
         except OSError as exc:
             errors.append(f"{label} ({exc.strerror or exc})")
             continue
-        conn = BlockingConnection(sock)
         try:
             yield label, conn
         finally:
@@ -142,13 +148,15 @@ class Unreachable(ConnectionError):
 
 
 def handshaken(addresses: list[tuple[str, int]], key: bytes, client_id: str,
-               timeout: float) -> tuple[BlockingConnection, Message]:
+               timeout: float) -> tuple[BlockingConnection, Message, tuple[str, int]]:
     """A connection to the first of `addresses` that accepts one, past the submitter's half of the handshake,
-    and the peer's HELLO. Raises Unreachable, or what the handshake raises (the connection closed)."""
+    the peer's HELLO, and that address. Raises Unreachable, or what the handshake raises (the connection
+    closed)."""
     errors = []
     for host, port in addresses:
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
+            address = (host, port)
             break
         except OSError as exc:
             errors.append(f"{host}:{port}: {exc.strerror or exc}")
@@ -157,7 +165,7 @@ def handshaken(addresses: list[tuple[str, int]], key: bytes, client_id: str,
     sockets.tune(sock)
     conn = BlockingConnection(sock)
     try:
-        return conn, handshake.client_handshake(conn, key, client_id)
+        return conn, handshake.client_handshake(conn, key, client_id), address
     except BaseException:
         conn.close()
         raise

@@ -40,9 +40,9 @@ def jobs_peer(peer_factory, tmp_path):
     key = new_key()
     client = Client(key=key.encode(), echo_output=False)
 
-    def start(name: str = "jobs", *args: str):
+    def start(name: str = "jobs", *args: str, env: dict | None = None):
         state = tmp_path / f"{name}-state"
-        peer = peer_factory(name, "--concurrency", "1", "--state-dir", str(state), *args, key=key)
+        peer = peer_factory(name, "--concurrency", "1", "--state-dir", str(state), *args, key=key, env=env)
         return peer, state, key, Jobs(client)
 
     yield start
@@ -343,3 +343,51 @@ def test_a_peer_stopped_with_sigterm_stops_its_running_job_and_records_it_lost(j
     peer.start()
     lost = jobs.job(job.id)
     assert lost.state == "lost" and "stopped while it ran" in lost.reason and lost.logs().startswith("up\n")
+
+
+def test_a_job_stopped_while_its_supervisor_starts_ends_stopped(jobs_peer):
+    """A stop that comes right after the submit reaches the job before, while or just after its supervisor
+    starts (before its SIGTERM handler is set, on main: recorded failed); each ends stopped, the slot free."""
+    _, _, _, jobs = jobs_peer()
+    for _ in range(6):
+        job = jobs.submit(["sleep", "30"], None, _cpu())
+        assert job.stop(grace=0.5) == "stopped", job.reason
+        assert job.stop(grace=0.5) == "stopped"  # a second stop changes nothing
+    running = jobs.submit(["sleep", "30"], None, _cpu())
+    queued = jobs.submit(["sleep", "30"], None, _cpu())
+    assert queued.stop() == "stopped" and queued.reason == "stopped before it started" and queued.exit_code is None
+    assert running.stop(grace=0.5) == "stopped"
+    assert jobs.submit(["true"], None, _cpu()).wait(60) == "succeeded"  # the one slot was given back each time
+
+
+def test_a_timeout_that_ends_before_the_supervisor_started_is_a_timeout(jobs_peer):
+    _, _, _, jobs = jobs_peer()
+    job = jobs.submit(["sleep", "30"], None, _cpu(), timeout=0.001)
+    assert job.wait(60) == "failed" and "ran past its timeout of 0.001 s" in job.reason
+
+
+@pytest.mark.parametrize("point, kept", [("job-placed", False), ("job-recorded", True)])
+def test_a_peer_killed_as_it_records_a_job_keeps_the_job_with_its_folder_or_neither(jobs_peer, tmp_path, point,
+                                                                                  kept):
+    """kill -9 of the peer with the job's folder moved into place but its record not committed, and with
+    the record committed but the submit not acknowledged: after the restart the job is queued with its
+    folder (and runs), or it is not recorded and its folder is gone; never one without the other."""
+    from gpulayer.errors import NoMatchingPeer
+
+    peer, state, _, jobs = jobs_peer(env={"GPULAYER_TEST_KILL_AT": point})
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "data.txt").write_text("shipped\n")
+    with pytest.raises(NoMatchingPeer, match="lost"):  # the peer died before it acknowledged the job
+        jobs.submit(["cat", "data.txt"], project, _cpu())
+    assert peer.proc.wait(30) == -signal.SIGKILL
+    del peer.env["GPULAYER_TEST_KILL_AT"]
+    peer.start()
+    answers = [info for _, info in jobs.holders(include_old=True) if not isinstance(info, str)]
+    assert len(answers) == 1  # the restarted peer (the dead one's address answers nothing)
+    rows = answers[0]["jobs"]
+    assert [p.name for p in (state / "jobs").iterdir()] == [r["id"] for r in rows]
+    assert len(rows) == kept
+    if kept:
+        job = jobs.job(rows[0]["id"])
+        assert job.wait(60) == "succeeded" and job.logs() == "shipped\n"

@@ -14,8 +14,8 @@ from lanlab import lan_env, new_lan
 from support import new_key
 
 RESOLVE = """
-from gpulayer import discovery
-print(sorted(set(discovery.every_peer(3.0))))
+from gpulayer import mdns
+print(sorted(set(mdns.every_peer(3.0))))
 """
 
 

@@ -13,7 +13,7 @@ import pytest
 from lanlab import HERE, lan_env, new_lan
 from support import new_key, wait_until
 
-from gpulayer.discovery import ANNOUNCEMENTS, LEGACY_UNICAST_TTL
+from gpulayer.mdns import ANNOUNCEMENTS, LEGACY_UNICAST_TTL
 
 AVAHI_CONF = """[server]
 host-name={name}

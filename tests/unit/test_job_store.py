@@ -120,3 +120,67 @@ def test_malformed_requests_are_refused_with_the_reason(msg, says):
 ])
 def test_malformed_specs_are_refused_with_the_reason(spec, says):
     assert says in job_protocol.check_spec(spec, "me")
+
+
+def test_an_array_and_its_folders_are_recorded_all_or_none(tmp_path):
+    """A folder that cannot be moved into place (here: gone) records none of the array's jobs, and the
+    folders already moved are removed; `sweep` removes what no recorded job owns."""
+    store = JobStore(tmp_path / "state")
+    folders = [Path(store.reserve()) for _ in range(3)]
+    (folders[0] / "work").mkdir()
+    folders[2].rmdir()
+    with pytest.raises(FileNotFoundError):
+        store.add_array(JobSpec(["sweep"]), 0, range(3), 0, folders)
+    assert store.rows() == [] and not list(store.jobs_dir.iterdir())
+    placed = store.add_array(JobSpec(["sweep"]), 0, range(1), 0, [Path(store.reserve())])
+    assert [p.name for p in store.jobs_dir.iterdir()] == [placed[0].id]
+    stray = store.folder(f"{store.holder}-99")
+    stray.mkdir()
+    assert store.sweep() == [stray.name] and [p.name for p in store.jobs_dir.iterdir()] == [placed[0].id]
+
+
+def test_an_array_that_fails_half_way_records_none_of_its_jobs(tmp_path):
+    """The store's connection is in autocommit mode: its transactions are explicit (on main, the array's
+    first row was committed with an empty id before its spec failed)."""
+    store = JobStore(tmp_path / "state")
+    with pytest.raises(TypeError):
+        store.add_array(JobSpec(["x"], env={"A": object()}), 0, range(2), 0)  # type: ignore[dict-item]
+    assert store.rows() == []
+    assert [r.spec.index for r in store.add_array(JobSpec(["x"]), 0, range(2), 0)] == [0, 1]
+
+
+GANG_RANK = {"job": "0123456789ab-1", "peer": "p", "at": [["127.0.0.1", 7000]], "addr": "127.0.0.1"}
+
+
+@pytest.mark.parametrize("gang", [
+    {"rank": 2, "size": 2},  # no rank 2 of 2
+    {"rank": 0, "size": 1},  # a gang has 2 ranks or more
+    {"rank": 0, "size": 257},
+    {"size": 2, "ranks": [GANG_RANK]},  # one entry a rank
+    {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "job": "../x"}]},
+    {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "at": [["h", 70000]]}]},
+    {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "extra": 1}]},
+    {"rank": 0, "size": 2, "ranks": []},
+    [0, 2],
+])
+def test_malformed_gangs_are_refused_with_the_reason(gang):
+    assert "a job's 'gang' is" in job_protocol.check_spec({"command": ["x"], "gang": gang}, "me")
+
+
+def test_a_gangs_spec_is_taken_whole():
+    rank = job_protocol.check_spec({"command": ["x"], "gang": {"rank": 1, "size": 2}}, "me")
+    whole = job_protocol.check_spec({"command": ["x"], "gang": {"size": 2, "ranks": [GANG_RANK] * 2}}, "me")
+    assert rank.gang == {"rank": 1, "size": 2} and whole.gang["ranks"] == [GANG_RANK] * 2
+    start = {"t": messages.JOB_GANG, "id": 1, "job": "0123456789ab-1", "op": "start", "env": {"RANK": "1"}}
+    assert job_protocol.check_request(start) is None
+
+
+@pytest.mark.parametrize("fields", [
+    {"op": "run"},
+    {"op": "start", "env": {"LD_PRELOAD": "/tmp/x.so"}},  # only the rendezvous variables
+    {"op": "start", "env": {"RANK": 0}},
+    {"op": "start", "env": {"RANK": "0\0"}},
+])
+def test_a_malformed_gang_request_is_refused(fields):
+    msg = {"t": messages.JOB_GANG, "id": 1, "job": "0123456789ab-1", **fields}
+    assert "a JOB_GANG's 'op'" in job_protocol.check_request(msg)
