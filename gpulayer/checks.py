@@ -5,6 +5,7 @@ peer check with the same function, and the option table needs no transport for i
 
 from __future__ import annotations
 
+import functools
 import getpass
 import math
 from typing import Any
@@ -37,8 +38,10 @@ def check_user(value: Any) -> str:
     return value
 
 
+@functools.cache
 def login_user() -> str:
-    """This process's login name, as the user of its tasks and jobs ("" when it has none)."""
+    """This process's login name, as the user of its tasks and jobs ("" when it has none); read once
+    (getpass reads four environment variables: 10 us, which every task and actor call paid)."""
     try:
         name = getpass.getuser().replace("@", "_")[:64]
     except (KeyError, OSError):

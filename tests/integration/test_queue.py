@@ -12,6 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from gpulayer.checks import login_user
 from support import authenticated, new_key, wait_until
 from test_jobs import jobs_peer  # noqa: F401  (the fixture: a one-slot peer with a state folder of its own)
 
@@ -22,12 +25,24 @@ def _cpu():
     return Requirements.build(accelerator="cpu")
 
 
+@pytest.fixture
+def as_user(monkeypatch):
+    """as_user(name): submit as `name` from now on (the login name getpass reads first; the one this
+    process read and kept is forgotten). The real one comes back after the test."""
+    def become(name: str) -> None:
+        monkeypatch.setenv("LOGNAME", name)
+        login_user.cache_clear()
+
+    yield become
+    login_user.cache_clear()
+
+
 def _marker(log: Path, name: str) -> list[str]:
     """A job that appends its name to `log` when it starts."""
     return ["python", "-c", f"open({str(log)!r}, 'a').write({name!r} + '\\n')"]
 
 
-def test_the_highest_priority_starts_first_then_submitters_in_turn(jobs_peer, tmp_path, monkeypatch):
+def test_the_highest_priority_starts_first_then_submitters_in_turn(jobs_peer, tmp_path, as_user):
     _, _, _, jobs = jobs_peer()
     release, log = tmp_path / "release", tmp_path / "started"
     blocker = jobs.submit(["python", "-c", f"import os, time\nwhile not os.path.exists({str(release)!r}): "
@@ -36,7 +51,7 @@ def test_the_highest_priority_starts_first_then_submitters_in_turn(jobs_peer, tm
     queued = []
     for user, names, priority in [("alice", ["a1", "a2", "a3"], 0), ("bob", ["b1", "b2", "b3"], 0),
                                   ("carol", ["low"], -1), ("alice", ["urgent"], 5)]:
-        monkeypatch.setenv("LOGNAME", user)  # the user a submitter gives (getpass reads LOGNAME first)
+        as_user(user)
         queued += [jobs.submit(_marker(log, name), None, _cpu(), name=name, priority=priority) for name in names]
     assert {(j.info["user"], j.info["priority"]) for j in queued} == {
         ("alice", 0), ("bob", 0), ("carol", -1), ("alice", 5)}
@@ -283,7 +298,7 @@ def _hold(events: str, name: str, release: str) -> str:
     return name
 
 
-def test_a_user_at_the_quota_waits_while_the_others_work_goes_first(jobs_peer, tmp_path, monkeypatch):
+def test_a_user_at_the_quota_waits_while_the_others_work_goes_first(jobs_peer, tmp_path, as_user):
     """`--max-slots-per-user 1` on a two-slot peer: alice's second job and her task wait although a slot is
     free, bob's job takes it; alice never holds two slots at once (read from the work's own output)."""
     import gpulayer as gl
@@ -297,14 +312,14 @@ def test_a_user_at_the_quota_waits_while_the_others_work_goes_first(jobs_peer, t
 
     gl.configure(key=key.encode(), peers=f"127.0.0.1:{peer.port}", mdns=False, echo_output=False)
     try:
-        monkeypatch.setenv("LOGNAME", "alice")  # the user a submitter gives (getpass reads LOGNAME first)
+        as_user("alice")
         first = job("a1")
         wait_until(lambda: events.exists() and "start a1" in events.read_text(), 60)
         second = job("a2")
         task = gl.submit(_hold, str(events), "a-task", str(release), accelerator="cpu")
         wait_until(lambda: _queued(gl.peers(wait=0)) == 2, 60)
         assert second.refresh().state == "queued" and events.read_text().split("\n")[:-1] == ["start a1"]
-        monkeypatch.setenv("LOGNAME", "bob")
+        as_user("bob")
         other = job("b1")
         wait_until(lambda: "start b1" in events.read_text(), 60)  # the free slot went to bob
         release.touch()
