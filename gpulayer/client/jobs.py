@@ -22,16 +22,17 @@ from typing import IO, Any
 from ..checks import login_user
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, transfer
-from ..jobs.store import ENDED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
+from ..jobs.store import ARRIVING, ENDED, MOVED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
-from ..protocol import handshake, jobs as job_protocol, messages
-from ..transport import blocking, sockets
+from ..protocol import jobs as job_protocol, messages
+from ..transport import blocking
 from .connection import CONNECT_TIMEOUT
 from .engine import Client
 from .inference import with_inferred
 
 PING_EVERY_S = 1.0  # while waiting on a long answer (wait, a followed log), a PING this often keeps it open
 SILENCE_S = 15.0  # nothing heard from the peer this long: the connection is lost
+MAX_HOPS = 8  # a job that moved (pulled by another peer) is followed this many times at most for one request
 
 
 class JobError(GPULayerError):
@@ -55,24 +56,12 @@ class JobLink:
     """One authenticated connection to a peer for job requests, closed after use."""
 
     def __init__(self, client: Client, addresses: list[tuple[str, int]]):
-        errors = []
-        for address in addresses:
-            try:
-                sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
-                self.address = address  # the one that answered
-                break
-            except OSError as exc:
-                errors.append(f"{address[0]}:{address[1]}: {exc.strerror or exc}")
-        else:
-            raise PeerLost(f"the peer is unreachable: {'; '.join(errors) or 'no address'}")
-        sockets.tune(sock)
-        self.conn = blocking.BlockingConnection(sock)
-        self._ids = iter(range(1, 1 << 62))
         try:
-            self.hello = handshake.client_handshake(self.conn, client.key, client.submitter_id)
-        except BaseException:
-            self.conn.close()
-            raise
+            self.conn, self.hello, self.address = blocking.handshaken(addresses, client.key, client.submitter_id,
+                                                                      CONNECT_TIMEOUT)
+        except blocking.Unreachable as exc:
+            raise PeerLost(f"the peer is unreachable: {exc}") from None
+        self._ids = iter(range(1, 1 << 62))
 
     def __enter__(self) -> JobLink:
         return self
@@ -156,7 +145,10 @@ class Jobs:
         problem = check_job_id(job_id)
         if problem is not None:
             raise JobError("bad-request", problem)
-        wanted = holder_of(job_id)
+        return self.located(holder_of(job_id), job_id, fresh)
+
+    def located(self, wanted: str, job_id: str, fresh: bool = False) -> Holder:
+        """The peer whose jobs are `wanted`-*, which holds `job_id` (its own, or one it pulled)."""
         if fresh:
             self._holders.pop(wanted, None)
         if wanted not in self._holders:
@@ -201,7 +193,9 @@ class Jobs:
                 rows.append({"id": "?", "peer": holder.name, "state": "unknown", "reason": info})
                 continue
             rows += [{**row, "peer": holder.name} for row in info.get("jobs") or [] if isinstance(row, dict)]
-        return sorted(rows, key=lambda r: r.get("submitted") or 0.0)
+        settled = {r.get("id") for r in rows if r.get("state") != ARRIVING}  # an arriving job is listed by its owner
+        return sorted([r for r in rows if r.get("state") != ARRIVING or r.get("id") not in settled],
+                      key=lambda r: r.get("submitted") or 0.0)
 
     # ---- submitting -------------------------------------------------------------------------
 
@@ -224,7 +218,7 @@ class Jobs:
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
                        retries=retries, function=function, priority=priority, user=login_user(), preemptible=preemptible,
-                       grace=grace)
+                       grace=grace, pinned=req.peer is not None)
         if nodes > 1:
             return self._submit_gang(spec, manifest, req, nodes)
         self.client.start()
@@ -348,11 +342,16 @@ class Job:
 
     def _ask(self, kind: str, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
              **fields: Any) -> messages.Message:
-        with self._link() as link:
-            reply = link.ask(job_protocol.request(kind, 0, self.id, **fields), on_data)
-        if isinstance(reply.get("job"), dict):
-            self.info = reply["job"]
-        return reply
+        for _ in range(MAX_HOPS):
+            with self._link() as link:
+                reply = link.ask(job_protocol.request(kind, 0, self.id, **fields), on_data)
+            job = reply.get("job")
+            if isinstance(job, dict):
+                self.info = job
+            if not isinstance(job, dict) or job.get("state") != MOVED or not isinstance(job.get("moved"), str):
+                return reply
+            self._holder = self._jobs.located(job["moved"], self.id)  # pulled by that peer: asked there
+        raise JobError("no-job", f"job {self.id} moved more than {MAX_HOPS} times while it was asked for")
 
     def refresh(self) -> Job:
         """Ask its peer for its state now."""

@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, STOPPED, LOST = "queued", "running", "succeeded", "failed", "stopped", "lost"
 PREEMPTED = "preempted"  # being stopped for a job of higher priority; queued again once it stopped
-STATES = (QUEUED, RUNNING, PREEMPTED, SUCCEEDED, FAILED, STOPPED, LOST)
+# a queued job pulled by another peer (docs/adr/0019-pulling-queued-jobs.md): on its owner it is "moving" (offered,
+# out of the queue) then "moved" (a forwarding record naming the puller); on the puller "arriving" until the owner
+# recorded it moved, then queued
+MOVING, MOVED, ARRIVING = "moving", "moved", "arriving"
+STATES = (QUEUED, RUNNING, PREEMPTED, SUCCEEDED, FAILED, STOPPED, LOST, MOVING, MOVED, ARRIVING)
 PREEMPT_GRACE_S = 30.0  # the default of --grace: from SIGTERM to SIGKILL when a job is preempted
 ENDED = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
 
@@ -90,6 +94,7 @@ class JobSpec:
     limit: int = 0  # at most this many of its array run (or wait for a slot) at once; 0: no limit
     preemptible: bool = False  # it may be stopped for a job of higher priority, and queued again
     grace: float = PREEMPT_GRACE_S  # seconds from SIGTERM to SIGKILL when it is preempted
+    pinned: bool = False  # submitted for one peer (--peer): no other peer pulls it
     gang: dict[str, Any] = field(default_factory=dict)  # a gang's (peer/gangs.py): {"rank", "size"} for a rank,
     # {"size", "ranks": [{"job", "peer", "at", "addr"}]} for the gang's own record on rank 0's peer
 
@@ -117,6 +122,7 @@ class JobRow:
     pid_started: float | None = None
     folder_bytes: int = 0
     restarts: int = 0  # how often it was preempted and queued again (GPULAYER_RESTARTS)
+    moved: str = ""  # the holder it moved to (moving, moved) or came from (a pulled job)
 
     def public(self) -> dict[str, Any]:
         """What a JOB_INFO reply carries for this job (no pid)."""
@@ -126,7 +132,7 @@ class JobRow:
                 "index": self.spec.index, "preemptible": self.spec.preemptible, "restarts": self.restarts,
                 "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes,
-                "gang": self.spec.gang}
+                "moved": self.moved, "gang": self.spec.gang}
 
 
 class StateDirInUse(Exception):
@@ -157,9 +163,10 @@ class JobStore:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(_SCHEMA)
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}
-        if "restarts" not in columns:  # a state folder of the jobs of issue 27
-            with self.db:
-                self.db.execute("ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0")
+        for column, kind in (("restarts", "INTEGER NOT NULL DEFAULT 0"), ("moved", "TEXT NOT NULL DEFAULT ''")):
+            if column not in columns:  # a state folder of an earlier release
+                with self.db:
+                    self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
         self.holder = self._holder()
 
     def _holder(self) -> str:
@@ -221,6 +228,20 @@ class JobStore:
                 self._place(folders, ids)
         return [row for row in map(self.get, ids) if row is not None]
 
+    def add_arriving(self, job_id: str, spec: JobSpec, submitted: float, folder_bytes: int, source: str,
+                     folder: Path | None = None) -> JobRow:
+        """Record a job pulled from the holder `source` under its own id, with `folder` (from `reserve`) moved
+        into place, durably, as arriving: it is this peer's to queue once its owner recorded it moved (the
+        hand-over's second phase)."""
+        with self._transaction():
+            self.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes, moved) VALUES (?, ?, ?, ?, ?, ?)",
+                            (job_id, json.dumps(asdict(spec)), ARRIVING, submitted, folder_bytes, source))
+            if folder is not None:
+                self._place([folder], [job_id])
+        row = self.get(job_id)
+        assert row is not None
+        return row
+
     def _place(self, folders: Sequence[Path], ids: list[str]) -> None:
         """Rename each folder to its job's, durably; on a failure the ones renamed are removed."""
         placed = []
@@ -280,7 +301,7 @@ class JobStore:
         """Remove ended jobs older than `max_age_s`, then the oldest ended ones until the folders of all
         jobs come to at most `max_bytes`; the ids removed."""
         now = time.time() if now is None else now
-        ended = self.rows(ENDED)
+        ended = self.rows([*ENDED, MOVED])  # a moved job's forwarding record goes as an ended job does
         total = sum(r.folder_bytes for r in self.rows())
         removed = []
         for row in ended:  # oldest first
@@ -291,7 +312,8 @@ class JobStore:
         return removed
 
 
-_COLUMNS = "id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes, restarts"
+_COLUMNS = ("id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes, "
+            "restarts, moved")
 
 
 def _row(values: tuple[Any, ...]) -> JobRow:

@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most slots one user (user@host of the submitter) holds at once here, tasks and "
                              "jobs together; the others' work goes first (default: no cap)")
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise (static GPULAYER_PEERS use only)")
+    parser.add_argument("--no-pull", action="store_true",
+                        help="never take over jobs queued on other peers (by default a free slot pulls one)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let running tasks finish on SIGINT/SIGTERM")
     parser.add_argument("--ready-file", default=None, help="write {port, peer_id, name, instance} as JSON here once serving")
@@ -153,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         concurrency=args.concurrency,
         preload=args.preload.split(",") if args.preload is not None else None,
         advertise=not args.no_mdns,
+        pull=not args.no_pull,
         drain_timeout=args.drain_timeout,
         workdir=args.workdir,
         measured_from=args.measured_from,

@@ -29,14 +29,15 @@ from typing import Any, Protocol
 import psutil
 
 from ..jobs import folder, shim, transfer
-from ..jobs.store import (ENDED, FAILED, LOST, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING, STOPPED,
-                          SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of,
+from ..jobs.store import (ENDED, FAILED, LOST, MOVED, MOVING, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING,
+                          STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of,
                           kill_point)
 from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
 from ..transport.channel import AsyncChannel
 from .gangs import Gangs, JobSteps
+from .pull import Owner
 from .scheduler import Scheduler
 from .slots import JobHolder, Slot
 from .worker_processes import job_pythonpath, worker_env
@@ -117,6 +118,8 @@ class Jobs:
         self._parked: dict[str, list[str]] = {}  # array -> its jobs held back by its limit, in order
         self._uploads: dict[tuple[object, int], Upload] = {}
         self._ended: dict[str, list[asyncio.Future[None]]] = {}
+        self.owner = Owner(self)  # the owner's side of peers pulling its queued jobs (pull.py)
+        self.pulling: dict[str, folder.Manifest] = {}  # jobs this peer is pulling: their blobs are in use
         self.gangs = Gangs(self, JobSteps(self._info, self._enqueue, self._end, self._append_log), key)  # gang jobs
         for stray in self.store.sweep():  # a receipt or a recording cut by a crash: never recorded
             log.info("removed %s from the jobs' folder: no recorded job's", stray)
@@ -149,6 +152,8 @@ class Jobs:
         for row in self.store.rows([PREEMPTED]):  # it was being preempted: it asked for that, so queue it again
             _stop_leftover(row)
             self.store.update(row.id, state=QUEUED, restarts=row.restarts + 1, pid=None)
+        for row in self.store.rows([MOVING]):  # offered to a peer that had not committed: it stays here
+            self.store.update(row.id, state=QUEUED, moved="")
         for row in self.store.rows([QUEUED]):
             if row.spec.gang:  # its gang's watcher, or the ranks' bond to it, did not survive
                 self._end(row.id, LOST, "its peer stopped or died before its gang started (a gang starts whole "
@@ -174,6 +179,7 @@ class Jobs:
         """A connection went: its unfinished uploads are dropped (nothing of them is recorded)."""
         for key in [k for k in self._uploads if k[0] is conn]:
             self._uploads.pop(key).receiver.abort()
+        self.owner.forget(conn)
         self.gangs.forget(conn)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -191,10 +197,16 @@ class Jobs:
         if kind == messages.JOB_LIST:
             rows = self.store.rows() if msg.get("all") else self._recent()
             return conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "holder": self.holder,
-                                       "jobs": [r.public() for r in rows]})
+                                       "jobs": [r.public() for r in rows if r.state != MOVED]})
+        if kind == messages.JOB_PULL:
+            return self.owner.pull(conn, msg)
+        if kind == messages.JOB_TAKE:
+            return self.owner.take(conn, msg)
         row = self._row(conn, msg)
         if row is None:
             return
+        if row.state == MOVED:  # a forwarding record: the answer names the peer that holds the job now
+            return self._info(conn, msg)
         if kind == messages.JOB_STOP:
             members = self._members(row)
             for member in members:
@@ -230,7 +242,8 @@ class Jobs:
     def summary(self) -> list[dict[str, Any]]:
         """For STATUS (the dashboard): the jobs not ended and the last ended ones, each with its log's last lines."""
         rows = self.store.rows()
-        shown = [r for r in rows if r.state not in ENDED] + [r for r in rows if r.state in ENDED][-STATUS_ENDED:]
+        shown = [r for r in rows if r.state not in ENDED and r.state != MOVED] + [
+            r for r in rows if r.state in ENDED][-STATUS_ENDED:]
         return [{**r.public(), "tail": self._tail(r.id)} for r in shown]
 
     def _tail(self, job_id: str) -> str:
@@ -244,7 +257,7 @@ class Jobs:
 
     def _row_ended(self, job_id: str) -> bool:
         row = self.store.get(job_id)
-        return row is None or row.state in ENDED
+        return row is None or row.state in ENDED or row.state == MOVED
 
     def _members(self, row: JobRow) -> list[JobRow]:
         """The jobs a request for `row` acts on: the whole array when `row` names one (its first job),
@@ -402,6 +415,8 @@ class Jobs:
         self.queued[row.id] = task
         if not self.scheduler.enqueue(task):
             self._preempt_for(row, task)
+        if row.id in self.queued:  # it waits: a peer that pulls may take it
+            self.owner.queued(row, task)
 
     def _preempt_for(self, row: JobRow, task: JobHolder) -> None:
         """`row` waits: stop one running preemptible job of lower priority whose slots it could start on
@@ -490,7 +505,7 @@ class Jobs:
             self.store.update(job_id, state=QUEUED, restarts=row.restarts + 1, pid=None)
             self.scheduler.job_ended(run.task, PREEMPTED)
             self._limited.pop(job_id, None)  # its array's place is taken again when it is queued again
-            return self._requeue(job_id)
+            return self.requeue(job_id)
         if run.stopping == LOST and not ran:  # the peer stops before the job started: it stays queued
             self.scheduler.job_ended(run.task, LOST)
             return
@@ -499,7 +514,8 @@ class Jobs:
         self._end(job_id, state, reason, code)
         self.scheduler.job_ended(run.task, "ok" if state == SUCCEEDED else state)
 
-    def _requeue(self, job_id: str) -> None:
+    def requeue(self, job_id: str) -> None:
+        """Queue a recorded job (again): preempted, handed back, or pulled from another peer."""
         row = self.store.get(job_id)
         if row is not None:
             self._enqueue(row)
@@ -515,7 +531,7 @@ class Jobs:
         if self.gangs.stop(row, grace):
             return
         task = self.queued.pop(row.id, None)
-        if self._unpark(row) or (task is not None and self.scheduler.withdraw(task)):
+        if self._unpark(row) or (task is not None and self.scheduler.withdraw(task)) or self.owner.cancel(row.id):
             return self._end(row.id, STOPPED, "stopped before it started", None)
         run = self.runs.get(row.id)
         if run is None or run.stopping not in ("", PREEMPTED):  # a stop ends a preempted job: not queued again
@@ -527,13 +543,17 @@ class Jobs:
     def _end(self, job_id: str, state: str, reason: str, code: int | None) -> None:
         self.store.update(job_id, state=state, reason=reason, ended=time.time(), exit_code=code, pid=None)
         log.info("job %s %s%s", job_id, state, f": {reason}" if reason else "")
-        for waiter in self._ended.pop(job_id, []):
-            if not waiter.done():
-                waiter.set_result(None)
+        self.gone(job_id)
         array = self._limited.pop(job_id, None)
         if array is not None:  # a place of its array's limit is free: the next of its jobs held back goes
             self._release_parked(array)
         self._retain()
+
+    def gone(self, job_id: str) -> None:
+        """The job ended here, or moved: whoever waits on it is answered."""
+        for waiter in self._ended.pop(job_id, []):
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _unpark(self, row: JobRow) -> bool:
         """Take a job that its array's limit holds back out of the waiting line; False if it is not there."""
@@ -564,7 +584,7 @@ class Jobs:
 
     def _blobs_in_use(self) -> set[str]:
         """The digests of the jobs kept and of the uploads under way."""
-        used = {d for u in self._uploads.values() for d in u.manifest.blobs()}
+        used = {d for m in [*(u.manifest for u in self._uploads.values()), *self.pulling.values()] for d in m.blobs()}
         for row in self.store.rows():
             try:
                 shipped = json.loads((self.store.folder(row.id) / MANIFEST_FILE).read_text())

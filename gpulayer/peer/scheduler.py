@@ -96,6 +96,7 @@ class Scheduler:
         self._pythonpath = job_pythonpath(python)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: deque[Action | ActorAction] = deque()  # actions decided, not yet performed
+        self.on_acted: Callable[[], None] | None = None  # told after the actions of each event (peer/pull.py)
         self._performers: dict[type[Any], Callable[[Any], None]] = {
             Started: self._started, Run: self._run, RunAlone: self._run_alone, StartJob: self._start_job,
             Answer: self._answer,
@@ -273,6 +274,8 @@ class Scheduler:
             except Exception:  # a bug of ours costs this action, never the actions decided after it
                 log.exception("failed to perform %s", type(action).__name__)
             self._pending.popleft()
+        if self.on_acted is not None:
+            self.on_acted()
 
     def _started(self, action: Started) -> None:
         self.activity.started(action.holder, action.name, action.holder.address, action.device)

@@ -38,7 +38,7 @@ from .local import LocalLinks
 from .quiet import QuietLog
 from .reprobe import Reprobe
 from .worker_processes import Worker
-from . import admission, gossip, held
+from . import admission, gossip, held, pull
 from .scheduler import Scheduler, default_preload, plan_slots
 from .slots import Submission, TaskHolder
 
@@ -73,6 +73,7 @@ class PeerConfig:
     job_retention_gb: float = RETENTION_GB
     max_slots_per_user: int | None = None  # the slots one user@host may hold at once (tasks and jobs); None: no cap
     seeds: list[tuple[str, int]] = field(default_factory=list)  # peers to gossip with at first (gossip.py)
+    pull: bool = True  # take over jobs queued on other peers when a slot is free (pull.py, ADR 0019)
 
 
 class Connection:
@@ -182,6 +183,7 @@ class Peer:
         self._stopped: asyncio.Event | None = None
         self._server: socket.socket | None = None
         self._advertiser: mdns.Advertiser | None = None
+        self._browser: mdns.Browser | None = None  # the peers that pulling asks, heard over mDNS
         self._loop: asyncio.AbstractEventLoop | None = None
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
@@ -191,6 +193,7 @@ class Peer:
                              config.job_retention_days, config.job_retention_gb, config.key)
         except (OSError, StateDirInUse) as exc:
             raise ConfigError(f"the state folder: {exc}") from None
+        self.puller: pull.Puller | None = None  # once started, with --pull (the default)
         self._pre_auth, self._post_auth = self._handlers()
 
     def _memory_refusal(self, total: int) -> str | None:
@@ -224,12 +227,38 @@ class Peer:
         self.gossip.addresses = [(a, self.port) for a in discovery.advertised_addresses(self.config.interfaces)]
         self.scheduler.spawn(gossip.rounds(self.gossip, self.port))
         self.sampler.start()
+        if self.config.pull:
+            await self._start_pulling()
         if self.config.advertise:
             self._advertiser = await self._loop.run_in_executor(
                 None, mdns.Advertiser, self.advert, self.port, self.config.interfaces, self.jobs.dir)
         log.info("peer %s (%s) listening on %s with %d slot(s): %s", self.name, self.peer_id,
                  discovery.host_port((host or "*", self.port)),
                  len(self.slots), ", ".join(s.device for s in self.slots))
+
+    async def _start_pulling(self) -> None:
+        """Pull queued jobs from the peers that mDNS (when it is on) and gossip name (pull.py)."""
+        assert self._loop is not None
+        directory = discovery.Directory(self.advert.cluster)
+        if self.config.advertise:
+            self._browser = await self._loop.run_in_executor(None, mdns.Browser, directory,
+                                                             self.config.interfaces)
+
+        def owners() -> list[list[discovery.Address]]:
+            heard = [r.addresses for r in directory.records() if r.advert.peer_id != self.peer_id
+                     and messages.JOB_PULL in r.advert.features]
+            known = heard + [m.addresses for m in self.gossip.members.values()]
+            return [list(a) for a in dict.fromkeys(tuple(a) for a in known if a)]
+
+        self.puller = pull.Puller(self.jobs, self.config.key, self.peer_id, lambda: self.advert, owners)
+        loop, puller = self._loop, self.puller
+
+        def heard(_record: discovery.PeerRecord) -> None:  # on the browser's thread
+            loop.call_soon_threadsafe(puller.heard)
+
+        directory.on_new = heard
+        self.scheduler.on_acted = self.puller.changed
+        self.scheduler.spawn(self.puller.run())
 
     async def wait_stopped(self) -> None:
         assert self._stopped is not None
@@ -255,6 +284,11 @@ class Peer:
         if self._advertiser is not None:
             await self._loop.run_in_executor(None, self._advertiser.close)
             self._advertiser = None
+        if self.puller is not None:
+            self.puller.stop()
+        if self._browser is not None:
+            await self._loop.run_in_executor(None, self._browser.close)
+            self._browser = None
         self._loop.remove_reader(self._server.fileno())
         self._server.close()
         if self._local is not None:

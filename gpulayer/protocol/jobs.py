@@ -10,11 +10,13 @@ channel, after the handshake.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from ..checks import MAX_PRIORITY, check_timeout, check_user
 from ..taskenv import check_env
+from ..jobs import folder
 from ..jobs.store import PREEMPT_GRACE_S, JobSpec, check_job_id
 from . import messages
 
@@ -29,6 +31,9 @@ GANG_OPS = ("claim", "reserve", "start")  # a JOB_GANG's steps (peer/gangs.py)
 RENDEZVOUS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "MLX_RANK", "MLX_HOSTFILE", "GPULAYER_RANK_ADDR"})  # what a JOB_GANG's start may set
 DEFAULT_GRACE_S = 10.0
+MAX_PULL_WAIT_S = 600.0  # the longest a JOB_PULL may be held for a job to offer
+TAKE_STEPS = ("need", "commit", "refuse")  # a JOB_TAKE: the blobs the puller lacks, then its word
+HOLDER = re.compile(r"[0-9a-f]{12}")
 
 
 def submit(request_id: int, spec: JobSpec, files: list[list[Any]],
@@ -38,7 +43,7 @@ def submit(request_id: int, spec: JobSpec, files: list[list[Any]],
     fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
               "timeout": spec.timeout, "retries": spec.retries, "function": spec.function,
               "priority": spec.priority, "user": spec.user, "preemptible": spec.preemptible, "grace": spec.grace,
-              **({"gang": spec.gang} if spec.gang else {})}
+              "pinned": spec.pinned, **({"gang": spec.gang} if spec.gang else {})}
     return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files,
             **({"array": list(array)} if array is not None else {})}
 
@@ -82,8 +87,9 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
         check_user(user)
     except ValueError as exc:
         return f"a job's {exc}"
-    if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool):
-        return "a JOB_SUBMIT's 'req' is a map and 'function' a boolean"
+    if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool) \
+            or not isinstance(fields.get("pinned", False), bool):
+        return "a JOB_SUBMIT's 'req' is a map, 'function' and 'pinned' booleans"
     gang = fields.get("gang", {})
     problem = check_gang(gang)
     if problem is not None:
@@ -95,7 +101,8 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
         return str(exc)
     return JobSpec(command=command, name=name, env=env, req=fields.get("req", {}), timeout=timeout,
                    retries=retries, submitter=submitter, function=fields.get("function", False),
-                   priority=priority, user=user, preemptible=preemptible, grace=float(grace), gang=gang)
+                   priority=priority, user=user, preemptible=preemptible, grace=float(grace), gang=gang,
+                   pinned=fields.get("pinned", False))
 
 
 def _text(value: Any, most: int) -> bool:
@@ -144,6 +151,15 @@ def check_request(msg: Mapping[str, Any]) -> str | None:
         return f"a {kind.upper()} needs an integer 'id'"
     if kind == messages.JOB_LIST:
         return None if isinstance(msg.get("all", False), bool) else "a JOB_LIST's 'all' is a boolean"
+    if kind in (messages.JOB_PULL, messages.JOB_TAKE) and not (isinstance(msg.get("holder"), str)
+                                                                and HOLDER.fullmatch(msg["holder"])):
+        return f"a {kind.upper()} names the pulling peer's 'holder' (12 hex digits)"
+    if kind == messages.JOB_PULL:
+        advert = msg.get("advert")
+        if not (isinstance(advert, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in advert.items())
+                and _number(msg.get("wait"), 0, MAX_PULL_WAIT_S)):
+            return f"a JOB_PULL needs 'advert' (the puller's TXT map) and 'wait' (seconds up to {MAX_PULL_WAIT_S:g})"
+        return None
     problem = check_job_id(msg.get("job"))
     if problem is not None:
         return problem
@@ -154,6 +170,9 @@ def check_request(msg: Mapping[str, Any]) -> str | None:
         return "a JOB_WAIT's 'timeout' is seconds, or nil"
     if kind == messages.JOB_STOP and not _number(msg.get("grace", DEFAULT_GRACE_S), 0, MAX_GRACE_S):
         return f"a JOB_STOP's 'grace' is seconds from 0 to {MAX_GRACE_S:g}"
+    if kind == messages.JOB_TAKE and (msg.get("step") not in TAKE_STEPS or not (
+            isinstance(msg.get("need", []), list) and all(folder.is_digest(d) for d in msg.get("need", [])))):
+        return f"a JOB_TAKE's 'step' is one of {', '.join(TAKE_STEPS)}, its 'need' a list of digests"
     if kind == messages.JOB_GANG:
         env = msg.get("env", {})
         if msg.get("op") not in GANG_OPS or not isinstance(env, dict) or not set(env) <= RENDEZVOUS \

@@ -36,14 +36,17 @@ JOB_SUBMIT, JOB_LIST, JOB_LOGS, JOB_WAIT, JOB_STOP, JOB_FETCH, JOB_RM = (
     "job_submit", "job_list", "job_logs", "job_wait", "job_stop", "job_fetch", "job_rm")
 JOB_NEED, JOB_INFO, JOB_LOG = "job_need", "job_info", "job_log"
 JOB_GANG = "job_gang"  # a gang's watcher to a rank's peer: claim, reserve, start (peer/gangs.py, ADR 0020)
-JOB_REQUESTS = frozenset({JOB_SUBMIT, BLOB, JOB_LIST, JOB_LOGS, JOB_WAIT, JOB_STOP, JOB_FETCH, JOB_RM, JOB_GANG})
+# a peer pulls a queued job from its owner (peer/pull.py, ADR 0019): JOB_PULL -> JOB_OFFER, then JOB_TAKE steps
+JOB_PULL, JOB_OFFER, JOB_TAKE = "job_pull", "job_offer", "job_take"
+JOB_REQUESTS = frozenset({JOB_SUBMIT, BLOB, JOB_LIST, JOB_LOGS, JOB_WAIT, JOB_STOP, JOB_FETCH, JOB_RM, JOB_GANG,
+                          JOB_PULL, JOB_TAKE})
 MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RESULT, ERROR,
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
                            LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END, WAIT, BLOB, FILE, INVITE, PAKE, PAKE_CONFIRM,
-                           PEERS, *JOB_REQUESTS, JOB_NEED, JOB_INFO, JOB_LOG})
+                           PEERS, *JOB_REQUESTS, JOB_NEED, JOB_INFO, JOB_LOG, JOB_OFFER})
 # Messages added within one protocol version, that a peer answers only when its advert names them ("ft"):
 # an older peer of the same version refuses an unknown type and closes the connection.
-FEATURES = frozenset({PEERS, JOB_GANG})
+FEATURES = frozenset({PEERS, JOB_GANG, JOB_PULL})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ProtocolError
 from ..protocol.framing import BULK_PIECE, PRE_AUTH_MAX_FRAME, connection_reader, encode, join_small, max_message_bytes
+from ..protocol import handshake
 from ..protocol.messages import Buffers, Message, Outgoing
 from . import shm, sockets
 
@@ -140,3 +141,31 @@ def connections(addresses: list[tuple[str, int]], timeout: float,
             yield label, conn
         finally:
             conn.close()
+
+
+class Unreachable(ConnectionError):
+    """No address of a peer accepted a connection; the message says why for each."""
+
+
+def handshaken(addresses: list[tuple[str, int]], key: bytes, client_id: str,
+               timeout: float) -> tuple[BlockingConnection, Message, tuple[str, int]]:
+    """A connection to the first of `addresses` that accepts one, past the submitter's half of the handshake,
+    the peer's HELLO, and that address. Raises Unreachable, or what the handshake raises (the connection
+    closed)."""
+    errors = []
+    for host, port in addresses:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            address = (host, port)
+            break
+        except OSError as exc:
+            errors.append(f"{host}:{port}: {exc.strerror or exc}")
+    else:
+        raise Unreachable("; ".join(errors) or "no address")
+    sockets.tune(sock)
+    conn = BlockingConnection(sock)
+    try:
+        return conn, handshake.client_handshake(conn, key, client_id), address
+    except BaseException:
+        conn.close()
+        raise

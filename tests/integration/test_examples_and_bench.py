@@ -89,6 +89,22 @@ def test_bench_without_peers_says_so_and_fails(key):
     assert named.returncode == 1 and "no peer named 'nobody'" in named.stderr and "examples-peer" in named.stderr
 
 
+def quick_bench(name: str, tmp_path: Path) -> dict:
+    """`bench/<name>.py --quick` with its JSON and plot in `tmp_path`: its figures (its plot a PNG); nothing of
+    bench/results is written."""
+    results = REPO / "bench" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    report, png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+    out = subprocess.run([sys.executable, f"bench/{name}.py", "--quick", "--json", str(report), "--plot", str(png)],
+                         cwd=REPO, capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before  # a test run never writes there
+    data = json.loads(report.read_text())
+    assert data["settings"]["quick"] and data["machine"]["host"]
+    return data
+
+
 @pytest.mark.timeout(600)
 def test_data_plane_bench_quick_writes_its_figures_elsewhere_than_bench_results(tmp_path):
     pytest.importorskip("matplotlib")
@@ -96,14 +112,7 @@ def test_data_plane_bench_quick_writes_its_figures_elsewhere_than_bench_results(
     sys.path.insert(0, str(REPO / "tests" / "lan"))
     from lanlab import why_unavailable
 
-    results = REPO / "bench" / "results"
-    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
-    report, png = tmp_path / "data_plane.json", tmp_path / "data_plane.png"
-    out = subprocess.run([sys.executable, "bench/data_plane.py", "--quick", "--json", str(report), "--plot", str(png)],
-                         cwd=REPO, capture_output=True, text=True, timeout=540)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    data = json.loads(report.read_text())
-    assert data["settings"]["quick"] and data["machine"]["host"]
+    data = quick_bench("data_plane", tmp_path)
     for way in ("raw", "gpulayer_shm", "gpulayer_tcp", "ray"):
         assert 0 < data["same_host"][way]["min"] <= data["same_host"][way]["median"]
     reason = why_unavailable()
@@ -118,5 +127,19 @@ def test_data_plane_bench_quick_writes_its_figures_elsewhere_than_bench_results(
     if "skipped" not in data["small_tasks"]:
         assert all(data["small_tasks"]["p50_ms"][tree]["median"] > 0 for tree in ("now", "before"))
     assert set(data["summary"]["targets"]) >= {"same_host: gpulayer_shm >= ray"}
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before  # a test run never writes there
+
+
+@pytest.mark.timeout(600)
+def test_queue_bench_quick_measures_pulled_jobs_preemption_and_idle_bytes(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO / "tests" / "lan"))
+    from lanlab import why_unavailable
+
+    data = quick_bench("queue", tmp_path)
+    makespan = data["makespan"]
+    assert sum(makespan["ran_on"].values()) == makespan["jobs"]
+    assert makespan["pulled"] > 0 and len(makespan["ran_on"]) > 1  # jobs queued on one peer ran on others
+    assert makespan["makespan_s"] >= makespan["ideal_s"] > 0
+    assert data["preemption"]["sigterm_to_start_ms"]["n"] == data["settings"]["rounds"]
+    reason = why_unavailable()
+    assert data["idle"] == {"skipped": reason} if reason else data["idle"]["pull_bytes_per_min_per_peer"] > 0

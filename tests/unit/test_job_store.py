@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpulayer.protocol import jobs as job_protocol, messages
-from gpulayer.jobs.store import ENDED, QUEUED, SUCCEEDED, JobSpec, JobStore, check_job_id, holder_of
+from gpulayer.jobs.store import (ARRIVING, ENDED, MOVED, QUEUED, SUCCEEDED, JobSpec, JobStore, check_job_id,
+                                 holder_of)
 
 
 def test_ids_name_their_holder_and_are_never_reused(tmp_path):
@@ -64,6 +65,30 @@ def test_retention_removes_the_oldest_ended_jobs_first(tmp_path):
     assert all(r.state not in ENDED for r in store.rows([QUEUED]))
 
 
+def test_a_pulled_job_keeps_its_id_and_the_moved_record_goes_with_retention(tmp_path):
+    owner, puller = JobStore(tmp_path / "owner"), JobStore(tmp_path / "puller")
+    row = owner.add(JobSpec(["x"], priority=2, user="ann"), 7)
+    arrived = puller.add_arriving(row.id, row.spec, row.submitted, 7, owner.holder)
+    assert (arrived.id, arrived.state, arrived.moved, arrived.spec) == (row.id, ARRIVING, owner.holder, row.spec)
+    assert puller.add(JobSpec(["y"]), 0).id == f"{puller.holder}-2"  # its own ids go on from its own count
+    owner.update(row.id, state=MOVED, moved=puller.holder, ended=time.time() - 40 * 86400)
+    assert owner.get(row.id).public()["moved"] == puller.holder
+    assert owner.retain(max_age_s=30 * 86400, max_bytes=1 << 30) == [row.id]
+
+
+def test_a_state_folder_of_an_earlier_release_gets_the_moved_column(tmp_path):
+    import sqlite3
+
+    old = JobStore(tmp_path / "state")
+    row = old.add(JobSpec(["x"]), 0)
+    old.db.execute("ALTER TABLE jobs DROP COLUMN moved")
+    old.close()
+    assert "moved" not in {c[1] for c in sqlite3.connect(tmp_path / "state" / "jobs.sqlite3").execute(
+        "PRAGMA table_info(jobs)")}
+    again = JobStore(tmp_path / "state")
+    assert again.get(row.id).moved == "" and again.get(row.id).state == QUEUED
+
+
 @pytest.mark.parametrize("value", ["", "abc-1", "0123456789ab-0", "0123456789AB-1", "0123456789ab-1/..", 7, None])
 def test_malformed_job_ids_are_refused(value):
     assert "a job id is" in check_job_id(value)
@@ -74,6 +99,13 @@ def test_malformed_job_ids_are_refused(value):
     ({"t": messages.JOB_STOP, "id": 1, "job": "0123456789ab-1", "grace": float("nan")}, "grace"),
     ({"t": messages.JOB_FETCH, "id": 1, "job": "0123456789ab-1", "paths": "etc"}, "paths"),
     ({"t": messages.JOB_WAIT, "id": True, "job": "0123456789ab-1"}, "integer 'id'"),
+    ({"t": messages.JOB_PULL, "id": 1, "holder": "../etc", "advert": {}, "wait": 0}, "holder"),
+    ({"t": messages.JOB_PULL, "id": 1, "holder": "0123456789ab", "advert": {"a": 1}, "wait": 0}, "advert"),
+    ({"t": messages.JOB_PULL, "id": 1, "holder": "0123456789ab", "advert": {}, "wait": 1e9}, "wait"),
+    ({"t": messages.JOB_TAKE, "id": 1, "holder": "0123456789ab", "job": "0123456789ab-1", "step": "run"}, "step"),
+    ({"t": messages.JOB_TAKE, "id": 1, "holder": "0123456789ab", "job": "0123456789ab-1", "step": "need",
+      "need": ["../x"]}, "digests"),
+    ({"t": messages.JOB_TAKE, "id": 1, "holder": "0123456789ab", "job": "x", "step": "commit"}, "a job id is"),
 ])
 def test_malformed_requests_are_refused_with_the_reason(msg, says):
     assert says in job_protocol.check_request(msg)

@@ -1,0 +1,203 @@
+"""Peers pull waiting work (issue 28, item 2; ADR 0019): real peers in subprocesses, real TCP, real zeroconf on
+loopback. Jobs queued on one peer are taken over by peers that start later, each exactly once (read from the
+jobs' own output), pinned jobs stay; a kill -9 of the owner in the middle of a hand-over runs the job once in
+the end; forged hand-over requests are refused and change nothing."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from support import authenticated, new_key, wait_until
+
+
+def _cpu(peer: str | None = None):
+    from gpulayer.matching import Requirements
+
+    return Requirements.build(accelerator="cpu", peer=peer)
+
+
+def _writes(out: Path) -> list[str]:
+    """A job that appends "<its id> <the peer it ran on>" to `out` (one short write: O_APPEND keeps lines whole)."""
+    return ["sh", "-c", f'echo "$GPULAYER_JOB_ID $GPULAYER_PEER_NAME" >> {out}']
+
+
+def _blocker(release: Path) -> list[str]:
+    return ["sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done"]
+
+
+def _ran(out: Path) -> list[tuple[str, str]]:
+    return [tuple(line.split()) for line in out.read_text().splitlines()] if out.exists() else []  # type: ignore[misc]
+
+
+def _state_in(state_dir: Path, job_id: str) -> str | None:
+    """The job's state in a peer's own SQLite store (read only), None when it holds no such row."""
+    db = sqlite3.connect(f"file:{state_dir / 'jobs.sqlite3'}?mode=ro", uri=True, timeout=5)
+    try:
+        row = db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    finally:
+        db.close()
+    return row[0] if row else None
+
+
+@pytest.fixture
+def cluster_of_jobs(peer_factory, tmp_path):
+    """start(name, *args) -> peer: one-slot peers of one fresh cluster, each with a state folder of its own;
+    `jobs` is that cluster's jobs API."""
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import Jobs
+
+    key = new_key()
+    client = Client(key=key.encode(), echo_output=False)
+
+    def start(name: str, *args: str, wait: bool = True):
+        return peer_factory(name, "--concurrency", "1", "--state-dir", str(tmp_path / f"{name}-state"), *args,
+                            key=key, wait=wait)
+
+    start.jobs = Jobs(client)
+    start.key = key
+    yield start
+    client.close()
+
+
+def test_peers_that_join_pull_the_queued_jobs_each_runs_once_and_pinned_ones_stay(cluster_of_jobs, tmp_path):
+    cluster_of_jobs("owner")
+    jobs = cluster_of_jobs.jobs
+    release, out = tmp_path / "release", tmp_path / "out"
+    blocker = jobs.submit(_blocker(release), None, _cpu(peer="owner"))
+    wait_until(lambda: blocker.refresh().state == "running", 60)
+    pinned = [jobs.submit(_writes(out), None, _cpu(peer="owner"), name="pinned") for _ in range(5)]
+    loose = [jobs.submit(_writes(out), None, _cpu(), name="loose") for _ in range(200)]
+    assert {j.peer for j in pinned + loose} == {"owner"} and not out.exists()  # all queued behind the blocker
+    owner_holder = blocker.id.split("-")[0]
+    joiners = [cluster_of_jobs(f"joiner{n}", wait=False) for n in range(4)]
+    for peer in joiners:
+        peer.wait_ready()
+    # all four run jobs pulled from the owner while its only slot is still held
+    wait_until(lambda: {peer for _, peer in _ran(out)} == {p.name for p in joiners}, 120)
+    release.touch()
+    every = pinned + loose
+    wait_until(lambda: len(_ran(out)) >= len(every), 180)
+    assert blocker.wait(60) == "succeeded"
+
+    def settled() -> dict | None:
+        rows = {r["id"]: r for r in jobs.rows()}
+        done = set(rows) >= {j.id for j in every} and all(r["state"] == "succeeded" for r in rows.values())
+        return rows if done else None
+
+    rows = wait_until(settled, 60, interval=0.5)
+    ran = _ran(out)
+    assert sorted(job_id for job_id, _ in ran) == sorted(j.id for j in every)  # each exactly once
+    where = dict(ran)
+    assert {where[j.id] for j in pinned} == {"owner"}
+    pulled = [j for j in loose if where[j.id] != "owner"]
+    assert len(pulled) >= 4
+    assert all(rows[j.id]["peer"] == where[j.id] for j in every)  # `gpulayer jobs` shows where it ran
+    assert not {r["state"] for r in rows.values()} & {"queued", "moving", "arriving", "moved"}
+    moved = jobs.job(pulled[0].id)  # found through the owner's forwarding record
+    assert (moved.state, moved.peer) == ("succeeded", where[pulled[0].id])
+    assert moved.info["moved"] == owner_holder  # the puller's record names the peer it came from
+
+
+def test_a_kill_9_of_the_owner_during_a_hand_over_runs_the_job_once(cluster_of_jobs, tmp_path):
+    owner = cluster_of_jobs("owner")
+    jobs = cluster_of_jobs.jobs
+    release, out, project = tmp_path / "release", tmp_path / "out", tmp_path / "project"
+    project.mkdir()
+    with open(project / "big.bin", "wb") as f:  # blobs that take a while to cross: the hand-over's window
+        for n in range(48):
+            f.write(bytes([n]) * (1 << 20))
+    blocker = jobs.submit(_blocker(release), None, _cpu(peer="owner"))
+    wait_until(lambda: blocker.refresh().state == "running", 60)
+    job = jobs.submit(_writes(out), project, _cpu())
+    state_dir = tmp_path / "owner-state"
+    assert _state_in(state_dir, job.id) == "queued"
+    puller = cluster_of_jobs("puller")
+    seen = wait_until(lambda: (state := _state_in(state_dir, job.id)) != "queued" and state, 60, interval=0.002)
+    owner.kill()
+    assert seen == "moving"  # the owner had offered it, the puller had not committed
+    release.touch()
+    owner.start()  # on the same state folder: the hand-over is undone there, or the puller's commit is answered
+    assert jobs.job(job.id).wait(120) == "succeeded"
+    wait_until(lambda: {_state_in(state_dir, job.id), _state_in(tmp_path / "puller-state", job.id)}
+               <= {"succeeded", "moved", None}, 60)
+    assert [job_id for job_id, _ in _ran(out)] == [job.id]  # once, on one of the two
+    assert puller.alive() and owner.alive()
+
+
+def test_a_forged_or_stray_hand_over_is_refused_and_changes_nothing(cluster_of_jobs, tmp_path):
+    import socket
+
+    from gpulayer.errors import AuthError
+    from gpulayer.protocol import framing, handshake, messages
+    from gpulayer.resources.model import Advert
+    from gpulayer.transport import blocking
+
+    owner = cluster_of_jobs("owner", "--no-pull")
+    jobs = cluster_of_jobs.jobs
+    release, out = tmp_path / "release", tmp_path / "out"
+    running = jobs.submit(_blocker(release), None, _cpu())
+    wait_until(lambda: running.refresh().state == "running", 60)
+    queued = jobs.submit(_writes(out), None, _cpu())
+    holder = "0123456789ab"
+
+    def take(conn, job_id: str, step: str = "commit", **fields) -> dict:
+        conn.send({"t": messages.JOB_TAKE, "id": 7, "job": job_id, "holder": holder, "step": step, **fields})
+        return conn.recv(time.monotonic() + 10)[0]
+
+    # no key: the request is not read, the connection is closed
+    with socket.create_connection(("127.0.0.1", owner.port), timeout=10) as sock:
+        raw = blocking.BlockingConnection(sock)
+        raw.recv(time.monotonic() + 10)  # the HELLO
+        sock.sendall(b"".join(bytes(p) for p in framing.encode(
+            {"t": messages.JOB_TAKE, "id": 1, "job": queued.id, "holder": holder, "step": "commit"})))
+        reply = raw.recv(time.monotonic() + 10)[0]
+        assert reply["t"] == messages.ERROR and reply["code"] == "auth"
+    # the wrong key: the handshake fails
+    with socket.create_connection(("127.0.0.1", owner.port), timeout=10) as sock:
+        with pytest.raises(AuthError):
+            handshake.client_handshake(blocking.BlockingConnection(sock), new_key().encode(), "intruder")
+    # with the key: a job that is not being handed over, queued or running, is not taken; nor its blobs
+    conn = authenticated(owner)
+    try:
+        for job_id, step in [(queued.id, "commit"), (queued.id, "need"), (running.id, "commit"),
+                             (f"{holder}-1", "commit")]:
+            reply = take(conn, job_id, step, **({"need": []} if step == "need" else {}))
+            assert (reply["t"], reply["code"]) == (messages.ERROR, "no-handover"), reply
+        conn.send({"t": messages.JOB_PULL, "id": 8, "holder": holder, "advert": {"bad": "advert"}, "wait": 0})
+        reply = conn.recv(time.monotonic() + 10)[0]
+        assert (reply["t"], reply["code"]) == (messages.ERROR, "bad-request")
+        # a puller of this cluster is offered the queued job (not the running one); another connection that
+        # names the same puller cannot commit it; once the puller's connection goes, the job is queued again
+        advert = Advert.from_txt(owner_advert(owner)).to_txt()
+        conn.send({"t": messages.JOB_PULL, "id": 9, "holder": holder, "advert": advert, "wait": 0})
+        offer = conn.recv(time.monotonic() + 10)[0]
+        assert offer["t"] == messages.JOB_OFFER and offer["job"]["id"] == queued.id
+        assert queued.refresh().state == "moving"
+        other = authenticated(owner)
+        try:
+            reply = take(other, queued.id)
+            assert (reply["t"], reply["code"]) == (messages.ERROR, "no-handover")
+        finally:
+            other.close()
+    finally:
+        conn.close()
+    wait_until(lambda: queued.refresh().state == "queued", 30)
+    assert running.refresh().state == "running"
+    release.touch()
+    assert queued.wait(60) == "succeeded" and running.wait(60) == "succeeded"
+    assert _ran(out) == [(queued.id, "owner")]
+
+
+def owner_advert(peer) -> dict:
+    """The peer's advert as its HELLO gives it (a puller sends its own; here one that fits)."""
+    from gpulayer.protocol import handshake
+    from gpulayer.transport import blocking
+    import socket
+
+    with socket.create_connection(("127.0.0.1", peer.port), timeout=10) as sock:
+        conn = blocking.BlockingConnection(sock)
+        return handshake.client_handshake(conn, peer.key.encode(), "reader")["advert"]
