@@ -345,6 +345,10 @@ class Puller:
         self._taking = 0
         self._pool = ThreadPoolExecutor(MAX_OWNERS, thread_name_prefix="gpulayer-pull")
 
+    def verified(self) -> set[str]:
+        """The peers this one holds a connection to, by the id their handshake proved."""
+        return {peer for peer, watch in self._watching.items() if watch.link is not None}
+
     def room(self) -> int:
         """Slots free for a pulled job: none while anything waits here, less the jobs being taken."""
         state = self.jobs.scheduler.state

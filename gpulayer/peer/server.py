@@ -245,13 +245,16 @@ class Peer:
                                                              self.config.interfaces)
 
         def owners() -> list[list[discovery.Address]]:
+            """Gossip's members, and the peers mDNS names that no handshake verified yet: an advert naming
+            a verified peer at other addresses (a twin) is a hint no peer follows."""
+            verified = self.gossip.members.keys() | puller.verified()
             heard = [r.addresses for r in directory.records() if r.advert.peer_id != self.peer_id
-                     and messages.JOB_PULL in r.advert.features]
+                     and r.advert.peer_id not in verified and messages.JOB_PULL in r.advert.features]
             known = heard + [m.addresses for m in self.gossip.members.values()]
             return [list(a) for a in dict.fromkeys(tuple(a) for a in known if a)]
 
-        self.puller = pull.Puller(self.jobs, self.config.key, self.peer_id, lambda: self.advert, owners)
-        loop, puller = self._loop, self.puller
+        self.puller = puller = pull.Puller(self.jobs, self.config.key, self.peer_id, lambda: self.advert, owners)
+        loop = self._loop
 
         def heard(_record: discovery.PeerRecord) -> None:  # on the browser's thread
             loop.call_soon_threadsafe(puller.heard)

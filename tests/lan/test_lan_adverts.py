@@ -93,7 +93,8 @@ def test_a_twin_advert_and_forged_goodbyes_leave_verified_and_static_peers_liste
     p1, p2 = lan.peers
     cluster = rogue.adverts[p1.name]["txt"]["cl"]
     trap = fake_peer(rogue, cluster)
-    agent = lan.submitter("twin-victim", peers=p2.address)  # p2 is also a static GPULAYER_PEERS record
+    victim = lan.net.add_host("twin-victim")
+    agent = lan.submitter("twin-victim", host=victim, peers=p2.address)  # p2 is also a static GPULAYER_PEERS record
     assert agent.call("wait_names", present=lan.names, timeout=10)["ok"]
     assert agent.call("run", fn="where", peer=p1.name)["value"] == p1.name  # a handshake verified p1
     before = by_name(agent.call("names")["records"])
@@ -132,7 +133,9 @@ def test_a_twin_advert_and_forged_goodbyes_leave_verified_and_static_peers_liste
         assert agent.call("run", fn="where", peer=peer.name)["value"] == peer.name
     out = agent.call("map", fn="where", items=list(range(20)), reply_timeout=120)
     assert out["ok"] and set(out["results"]) == set(lan.names), out
-    assert not no_task_reached(rogue, trap)  # nobody even connected to the twins' address
+    # the submitter never even connected to the twins' address (idle peers may try the canary's, a peer
+    # they never verified, to pull its queued jobs: a handshake it cannot pass, ADR 0019)
+    assert not [c for c in no_task_reached(rogue, trap) if c["from"] == victim.ip]
     reliability.record("advert_twin_and_goodbyes", twins=len(twins), forged_goodbyes=len(lan.peers),
                        goodbyes_checked=len(checked), verified_kept=True, static_kept=True,
                        faults_injected={"twin_adverts": len(twins), "goodbyes": 2 * len(lan.peers)},
