@@ -93,7 +93,7 @@ def test_answers_to_a_legacy_unicast_query_carry_ttls_of_ten_seconds_at_most(net
 def test_a_peer_announces_itself_at_least_a_second_apart_the_gaps_doubling(net):
     listener, host = net.add_host("listener"), net.add_host("announcer")
     capture = listener.popen([sys.executable, str(HERE / "lan_mdns_capture.py"), "--seconds", "60", "--source",
-                              host.ip, "--count", str(ANNOUNCEMENTS)], lan_env(None), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              host.ip, "--count", str(ANNOUNCEMENTS), "--responses"], lan_env(None), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert json.loads(capture.stdout.readline())["ready"]
     host.start_peer("announcer", new_key(), 1).wait_ready()
     packets = json.loads(capture.stdout.readline())["packets"]
