@@ -68,6 +68,10 @@ class InviteError(GPULayerError):
     """An invite could not be made, or its code was refused or found nowhere."""
 
 
+class NoOpenInvite(InviteError):
+    """No peer tried has the invite's channel open (none refused the code)."""
+
+
 def new_code(channel: int) -> str:
     """A code for `channel`: the number and two random words."""
     return f"{channel}-{secrets.choice(WORDS)}-{secrets.choice(WORDS)}"
@@ -289,7 +293,7 @@ def receive_key(code: str, addresses: list[tuple[str, int]], timeout: float = 10
             if found is not None:
                 return found
             tried.append(f"{label} (no invite on channel {channel})")
-    raise InviteError(f"no peer has an open invite on channel {channel}: tried "
+    raise NoOpenInvite(f"no peer has an open invite on channel {channel}: tried "
                       f"{'; '.join(tried) or 'nothing: no peer was found (give --seed HOST:PORT)'}")
 
 

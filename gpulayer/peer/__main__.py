@@ -16,7 +16,8 @@ from ..jobs.store import RETENTION_DAYS, RETENTION_GB
 if TYPE_CHECKING:
     from .server import PeerConfig
 
-INVITE_BROWSE_SECONDS = 1.5  # how long `--invite` listens for peers over mDNS (without --seed)
+INVITE_BROWSE_SECONDS = 1.5  # how long `--invite` listens for peers over mDNS (without --seed), the first time
+INVITE_BROWSES = 3  # listens, each twice as long as the last, until a peer heard has the invite open
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,8 +105,14 @@ def key_from_invite(args: argparse.Namespace) -> None:
         raise GPULayerError(f"{path} exists already: this machine has a cluster key (remove the file to join "
                             "another cluster, or give --key-file)")
     interfaces = configured_interfaces(args.interfaces.split(",") if args.interfaces else None)
-    addresses = args.seed or every_peer(INVITE_BROWSE_SECONDS, interfaces)
-    key, name = invite.receive_key(args.invite, addresses)
+    for browse in range(INVITE_BROWSES):  # a peer slow to answer over mDNS is heard in a later, longer one
+        try:
+            key, name = invite.receive_key(args.invite, args.seed or every_peer(INVITE_BROWSE_SECONDS * 2 ** browse,
+                                                                                 interfaces))
+            break
+        except invite.NoOpenInvite:
+            if args.seed or browse == INVITE_BROWSES - 1:
+                raise
     security.write_private_file(path, key.decode() + "\n")
     print(f"got the cluster key from peer {name}; wrote it to {path} (mode 0600), cluster id "
           f"{security.cluster_id(key)}", flush=True)
