@@ -15,6 +15,7 @@ another host, another network namespace, another uid, GPULAYER_SHM=0, macOS) goe
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from functools import partial
 from pathlib import Path
@@ -72,9 +73,16 @@ class Receiver(transfer.FileReceiver):
             self.link = None
         if shm.enabled():
             reply = conn.ask_local()
-            if reply is not None:
-                self.link = shm.open_link(reply.get("addr"), reply.get("token"))
+            link = shm.open_link(reply.get("addr"), reply.get("token")) if reply is not None else None
+            if link is not None:
+                self.use(link)
         return self.link is not None
+
+    def use(self, link: socket.socket) -> None:
+        """Take descriptors from `link`, without waiting: a descriptor comes before the message that names it
+        (and Python before 3.12 drops recv_fds's MSG_DONTWAIT)."""
+        link.setblocking(False)
+        self.link = link
 
     def feed(self, msg: messages.Message, buffers: list[Any]) -> bool:
         if msg.get("t") != messages.FILE or "fd" not in msg:

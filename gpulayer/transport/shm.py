@@ -388,7 +388,8 @@ def adopt(fd: int, size: Any, sealed: bool = True) -> Handle:
     It must be a memfd of this uid, sealed against shrinking and growing, of exactly `size` bytes
     (what its message said). Anything else (a file such as /etc/passwd, an unsealed memfd that
     could be truncated under us) is closed and refused with ShmError. Without `sealed` (a job's file
-    that a fetch brings, read once and never mapped), any regular file of this uid and that size.
+    that a fetch brings, whose first `size` bytes are copied once, never mapped), a regular file of this
+    uid and at least that size: one that its job appends to still gives the bytes listed, as over TCP.
     """
     try:
         info = os.fstat(fd)
@@ -403,7 +404,8 @@ def adopt(fd: int, size: Any, sealed: bool = True) -> Handle:
         problem = "is not a memfd sealed against shrinking and growing"
     elif info.st_uid != os.getuid():
         problem = f"belongs to uid {info.st_uid}, not {os.getuid()}"
-    elif isinstance(size, bool) or not isinstance(size, int) or info.st_size != size or size < 1:
+    elif isinstance(size, bool) or not isinstance(size, int) or size < 1 or info.st_size < size \
+            or (sealed and info.st_size != size):
         problem = f"has {info.st_size} bytes where its message said {size!r}"
     if problem:
         os.close(fd)
