@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -254,8 +255,6 @@ def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
 def test_a_submit_of_many_files_is_answered_at_once(jobs_peer):
     """The peer's answer to a manifest of 30,000 files (each a blob of its own) takes time linear in it:
     on main it rebuilt the digest -> size map per needed blob, on its event loop, about a minute here."""
-    import time
-
     from gpulayer.protocol import handshake, jobs as job_protocol, messages
     from gpulayer.transport import blocking
     from gpulayer.jobs.store import JobSpec
