@@ -53,9 +53,9 @@ def cluster_of_jobs(peer_factory, tmp_path):
     key = new_key()
     client = Client(key=key.encode(), echo_output=False)
 
-    def start(name: str, *args: str, wait: bool = True):
+    def start(name: str, *args: str, wait: bool = True, env: dict | None = None):
         return peer_factory(name, "--concurrency", "1", "--state-dir", str(tmp_path / f"{name}-state"), *args,
-                            key=key, wait=wait)
+                            key=key, env=env, wait=wait)
 
     start.jobs = Jobs(client)
     start.key = key
@@ -201,3 +201,54 @@ def owner_advert(peer) -> dict:
     with socket.create_connection(("127.0.0.1", peer.port), timeout=10) as sock:
         conn = blocking.BlockingConnection(sock)
         return handshake.client_handshake(conn, peer.key.encode(), "reader")["advert"]
+
+
+def test_a_moved_job_is_found_on_its_puller_while_its_owner_is_down(cluster_of_jobs, tmp_path):
+    """The id names the owner, killed (kill -9) after the job moved: another process re-attaches by id and
+    follows the log to the end, found on the puller by asking the peers it knows over the secure channel."""
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import Jobs
+
+    owner = cluster_of_jobs("owner")
+    jobs = cluster_of_jobs.jobs
+    hold, release = tmp_path / "hold", tmp_path / "release"
+    blocker = jobs.submit(_blocker(hold), None, _cpu(peer="owner"))
+    wait_until(lambda: blocker.refresh().state == "running", 60)
+    job = jobs.submit(["sh", "-c", f"echo first; while [ ! -e {release} ]; do sleep 0.05; done; echo last"],
+                      None, _cpu())
+    cluster_of_jobs("puller")
+    wait_until(lambda: (job.refresh().state, job.peer) == ("running", "puller"), 60)
+    owner.kill()
+    hold.touch()
+    client = Client(key=cluster_of_jobs.key.encode(), echo_output=False, discovery_timeout=3.0)
+    try:
+        again = Jobs(client).job(job.id)  # a fresh process's view: nothing cached
+        assert (again.state, again.peer) == ("running", "puller")
+        release.touch()
+        assert again.logs(follow=True).split() == ["first", "last"]
+        assert again.wait(60) == "succeeded"
+    finally:
+        client.close()
+
+
+def test_an_arriving_job_whose_owner_never_comes_back_is_lost_on_the_puller_and_never_runs(cluster_of_jobs,
+                                                                                            tmp_path):
+    """The owner dies (kill -9) right after it recorded the job moved, before the puller heard: past the
+    bound the puller records the job lost, naming the owner, deletes its folder and never runs it."""
+    owner = cluster_of_jobs("owner", env={"GPULAYER_TEST_KILL_AT": "job-moved"})
+    jobs = cluster_of_jobs.jobs
+    release, out = tmp_path / "release", tmp_path / "out"
+    blocker = jobs.submit(_blocker(release), None, _cpu(peer="owner"))
+    wait_until(lambda: blocker.refresh().state == "running", 60)
+    job = jobs.submit(_writes(out), None, _cpu())
+    puller = cluster_of_jobs("puller", env={"GPULAYER_PULL_ARRIVING_S": "2"})
+    wait_until(lambda: not owner.alive(), 60)
+    release.touch()
+    puller_state = tmp_path / "puller-state"
+    assert _state_in(tmp_path / "owner-state", job.id) == "moved"
+    wait_until(lambda: _state_in(puller_state, job.id) == "lost", 60)
+    lost = jobs.job(job.id)  # the owner is down: found on the puller
+    assert lost.peer == "puller" and lost.state == "lost"
+    assert f"{job.id.split('-')[0]}-*" in lost.reason and "may have run there" in lost.reason
+    assert not [p for p in puller_state.rglob(job.id)]  # its folder is deleted
+    assert puller.alive() and not out.exists()
