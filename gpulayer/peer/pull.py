@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
 import socket
 import time
@@ -36,9 +35,9 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..checks import check_timeout
+from ..checks import seconds_from_env
 from ..discovery import Address
-from ..errors import ConfigError, GPULayerError
+from ..errors import GPULayerError
 from ..jobs import folder, transfer
 from ..jobs.store import ARRIVING, LOST, MOVED, MOVING, QUEUED, JobRow, JobSpec, check_job_id, kill_point
 from ..matching import Requirements, match
@@ -68,14 +67,7 @@ ARRIVING_S = 86400.0  # an arriving job whose owner is unheard this long is reco
 def arriving_bound_from_env() -> float:
     """Seconds a puller keeps an arriving job while its owner is unheard (GPULAYER_PULL_ARRIVING_S, default a
     day); ConfigError for a value that is not a positive number."""
-    value = os.environ.get(ARRIVING_ENV, str(ARRIVING_S))
-    try:
-        bound = check_timeout(float(value))
-    except ValueError:
-        bound = None
-    if bound is None:
-        raise ConfigError(f"{ARRIVING_ENV} must be a positive number of seconds, not {value!r}")
-    return bound
+    return seconds_from_env(ARRIVING_ENV, ARRIVING_S)
 
 T = TypeVar("T")
 
