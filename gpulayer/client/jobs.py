@@ -154,10 +154,30 @@ class Jobs:
         if wanted not in self._holders:
             answered = self._find(wanted)
             if wanted not in self._holders:
+                puller = self._pulled_by(job_id) if wanted == holder_of(job_id) else None
+                if puller is not None:
+                    return puller
                 raise JobError("no-job", f"no peer of this cluster holds job {job_id} ({answered} peer(s) "
                                          "answered; a job of another cluster, or of a peer that is down, is not "
                                          "found)")
         return self._holders[wanted]
+
+    def _pulled_by(self, job_id: str) -> Holder | None:
+        """Its owner is down: the peer that pulled `job_id` from it (ADR 0019), asked by id over the
+        authenticated channel, among the peers that answered; one that runs it before one it is arriving at."""
+        def ask(holder: Holder) -> tuple[Holder, str] | None:
+            try:
+                with JobLink(self.client, holder.addresses) as link:
+                    job = link.ask(job_protocol.request(messages.JOB_WAIT, 0, job_id, timeout=0), timeout=10.0)["job"]
+            except (OSError, GPULayerError, TimeoutError):
+                return None
+            state = job.get("state") if isinstance(job, dict) else None
+            return (holder, state) if isinstance(state, str) and state != MOVED else None
+
+        with ThreadPoolExecutor(8, thread_name_prefix="gpulayer-jobs") as pool:
+            found = [f for f in pool.map(ask, list(self._holders.values())) if f is not None]
+        found.sort(key=lambda f: f[1] == ARRIVING)
+        return found[0][0] if found else None
 
     def _find(self, wanted: str) -> int:
         """Ask the peers as they are discovered until the holder `wanted` answers, or the discovery
