@@ -220,7 +220,7 @@ class Jobs:
             with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
                 return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
                                    function=function, priority=priority, array=array, preemptible=preemptible,
-                                   grace=grace, nodes=nodes)
+                                   grace=grace, nodes=nodes, keep_link=keep_link)
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
                        retries=retries, function=function, priority=priority, user=login_user(), preemptible=preemptible,
