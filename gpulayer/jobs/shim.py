@@ -10,7 +10,8 @@ it before a stop); then it writes {"code": N} or {"signal": N} to STATUS and exi
 started COMMAND, it writes {} and never starts it.
 
 It runs with the peer's interpreter, isolated and without site (its start costs no site-packages;
-psutil, with site, is imported when a tree is signalled; no gpulayer import), so
+psutil, with site, is imported when a tree is signalled; no gpulayer import, nor json or subprocess:
+COMMAND starts with os.posix_spawnp), so
 that a peer killed with -9 leaves a supervisor that the restarted peer can still stop by its pid.
 """
 
@@ -18,10 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import signal
-import subprocess
 import sys
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -96,7 +95,12 @@ class Supervisor:
         if self.ending:  # stopped while it started: the command never runs
             return _write_status(status_file, {})
         try:
-            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+            # as subprocess.Popen would (its import costs the job's start): stdin from /dev/null, the log
+            # as stdout and stderr, SIGPIPE and SIGXFSZ back to their defaults (Python ignores them); the
+            # peer started this process with no other descriptor open, and `out` is not inherited
+            child = os.posix_spawnp(command[0], command, os.environ, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+                                    file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                                                  (os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, out, 2)])
         except OSError as exc:
             os.write(out, f"gpulayer: cannot run {command[0]!r}: {exc.strerror or exc}\n".encode())
             return _write_status(status_file, {"code": 127})
@@ -112,8 +116,7 @@ class Supervisor:
                 if exc.errno != errno.EINTR:
                     raise
                 continue
-            if pid == child.pid:
-                child.returncode = 0  # reaped here: Popen must not wait for it again
+            if pid == child:
                 status = {"signal": os.WTERMSIG(code)} if os.WIFSIGNALED(code) else {"code": os.WEXITSTATUS(code)}
                 if has_children():
                     self.end()  # what it left behind goes too
@@ -124,7 +127,7 @@ class Supervisor:
 def _write_status(path: str, status: dict[str, int]) -> int:
     partial = f"{path}.partial"
     with open(partial, "w") as f:
-        json.dump(status, f)
+        f.write("{%s}" % ", ".join(f'"{name}": {int(value)}' for name, value in status.items()))  # JSON
     os.replace(partial, path)
     return 0
 

@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -176,6 +177,32 @@ def test_exit_codes_timeouts_and_signals_give_the_state(jobs_peer, command, time
     assert job.exit_code == code and reason in job.reason
 
 
+def test_a_submit_followed_at_once_is_followed_over_the_submits_connection(jobs_peer):
+    """keep_link (`gpulayer submit -f`): the follow opens no connection of its own (one handshake less
+    before the job's first line), and its end brings the job's state."""
+    peer, _, _, jobs = jobs_peer()
+
+    def to_peer() -> set[int]:
+        return {c.laddr.port for c in psutil.Process().net_connections("tcp")
+                if c.raddr and c.raddr.port == peer.port and c.status == psutil.CONN_ESTABLISHED}
+
+    job = jobs.submit(["sh", "-c", "echo one; exit 4"], None, _cpu(), keep_link=True)
+    kept, after_submit = job.kept.conn.sock.getsockname()[1], to_peer()
+    pieces: list[tuple[bytes, set[int]]] = []
+
+    class Out:
+        def write(self, data: bytes) -> None:
+            pieces.append((data, to_peer()))
+
+        def flush(self) -> None:
+            pass
+
+    job.logs(follow=True, out=Out())
+    assert b"".join(data for data, _ in pieces) == b"one\n" and kept in after_submit
+    assert all(during == after_submit for _, during in pieces)
+    assert job.kept is None and (job.state, job.exit_code) == ("failed", 4)
+
+
 def test_retries_run_a_failed_job_again(jobs_peer):
     _, _, _, jobs = jobs_peer()
     job = jobs.submit(["sh", "-c", "echo attempt; exit 1"], None, _cpu(), retries=2)
@@ -249,6 +276,26 @@ def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
     assert jobs.rows(include_old=True) == []
     wait_until(lambda: not [p for p in (state / "blobs").rglob("*") if p.is_file()], 10)
     assert not list((state / "jobs").iterdir())
+
+
+def test_a_submit_of_many_files_is_answered_at_once(jobs_peer):
+    """The peer's answer to a manifest of 30,000 files (each a blob of its own) takes time linear in it:
+    on main it rebuilt the digest -> size map per needed blob, on its event loop, about a minute here."""
+    from gpulayer.protocol import handshake, jobs as job_protocol, messages
+    from gpulayer.transport import blocking
+    from gpulayer.jobs.store import JobSpec
+
+    peer, state, key, jobs = jobs_peer()
+    files = [[f"f{i:05d}", 1, False, hashlib.sha256(str(i).encode()).hexdigest()] for i in range(30_000)]
+    conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
+    try:
+        handshake.client_handshake(conn, key.encode(), "many-files")
+        conn.send(job_protocol.submit(1, JobSpec(["true"]), files))
+        need, _ = conn.recv(deadline=time.monotonic() + 20)
+        assert need["t"] == messages.JOB_NEED and need["need"] == [f[3] for f in files]
+    finally:
+        conn.close()
+    assert jobs.rows(include_old=True) == []
 
 
 def test_the_trainer_example_as_a_job_with_its_logs_fetched(jobs_peer, tmp_path):
