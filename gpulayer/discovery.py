@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .security import cache_home
 from .resources.model import TXT_VALUE_MAX, Advert
 
 log = logging.getLogger("gpulayer.discovery")
@@ -330,8 +331,7 @@ class Directory:
 def default_cache_path() -> Path | None:
     if os.environ.get(CACHE_ENV, "1") == "0":
         return None
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "gpulayer" / "peers.json"
+    return cache_home() / "peers.json"
 
 
 def static_peers(value: str | None = None) -> list[tuple[str, int]]:

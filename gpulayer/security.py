@@ -34,6 +34,11 @@ def default_key_path() -> Path:
     return Path(base) / "gpulayer" / "key"
 
 
+def cache_home() -> Path:
+    """GPUlayer's cache folder: $XDG_CACHE_HOME/gpulayer, or ~/.cache/gpulayer."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpulayer"
+
+
 def key_bits(key: bytes) -> float:
     """A conservative count of the secret bits in a key, which is text.
 

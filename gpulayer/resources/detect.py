@@ -10,8 +10,10 @@ hw.memsize 34359738368 (32.0 GB), an "H100 80GB" has 81559 MiB in nvidia-smi (79
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import platform
 import shutil
 import socket
@@ -22,7 +24,9 @@ from pathlib import Path
 import psutil
 
 from gpulayer.accelerators import CPU, CUDA, DISTRIBUTED, GPU_KINDS, MEMORY_KIND, MPS, UNIFIED, UNSUPPORTED
+from gpulayer.errors import ConfigError
 from gpulayer.resources.model import Device, Framework, Resources
+from gpulayer.security import cache_home, write_private_file
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,59 @@ def _probe(python: str, *args: str) -> dict:
         return {"error": f"probe printed no JSON: {done['stdout'][-500:]!r}"}
 
 
+PROBE_CACHE_ENV = "GPULAYER_PROBE_CACHE"
+# the variables that change what the probe sees (the interpreter's search path, the libraries torch loads,
+# the devices CUDA shows): a probe is only reused under the same values
+PROBE_ENV_PREFIXES = ("PYTHON", "LD_", "DYLD_", "CUDA_", "NVIDIA_", "PYTORCH_", "MLX_", "METAL_", "HIP_", "ROCR_")
+
+
+def _stamp(path: str) -> list | None:
+    """What changes when something is installed into `path` or the file is replaced: its mtime, size, inode."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_mtime_ns, st.st_size, st.st_ino]
+
+
+def _probe_cache_path(python: str) -> Path | None:
+    """The cache file of the full probe of `python` under this boot, environment and probe.py; None when
+    GPULAYER_PROBE_CACHE is 0."""
+    value = os.environ.get(PROBE_CACHE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{PROBE_CACHE_ENV}={value!r}: must be 1 (reuse an unchanged probe) or 0")
+    if value == "0":
+        return None
+    where = os.path.abspath(python)  # not its real path: a venv's python is a link to the one it was made from
+    key = json.dumps([where, _stamp(where), psutil.boot_time(), hashlib.sha256(PROBE.read_bytes()).hexdigest(),
+                      sorted((k, v) for k, v in os.environ.items() if k.startswith(PROBE_ENV_PREFIXES))])
+    return cache_home() / "probes" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _full_probe(python: str) -> dict:
+    """The full probe of `python` (frameworks imported and tried on each device: seconds), reused from
+    the cache while nothing it depends on changed: the interpreter, this boot, the variables of
+    PROBE_ENV_PREFIXES, probe.py, and each folder of the interpreter's sys.path (a pip install
+    changes its site-packages). A probe that failed is never kept."""
+    path = _probe_cache_path(python)
+    try:
+        cached = json.loads(path.read_text()) if path else None
+    except (OSError, ValueError):
+        cached = None
+    if (isinstance(cached, dict) and isinstance(cached.get("stamps"), list) and isinstance(cached.get("probe"), dict)
+            and all(isinstance(p, str) and _stamp(p) == stamp for p, stamp in cached["stamps"])):
+        return cached["probe"]
+    probe = _probe(python)
+    if path and not probe.get("error"):
+        stamps = [[p, _stamp(p)] for p in probe.get("paths") or [] if isinstance(p, str)]
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_private_file(path, json.dumps({"stamps": stamps, "probe": probe}))
+        except OSError as exc:
+            log.debug("could not keep the probe in %s: %s", path, exc)
+    return probe
+
+
 def collect_facts(python: str | None = None) -> dict:
     """Gather raw facts about this machine and the job interpreter `python`; never raises.
 
@@ -99,7 +156,8 @@ def collect_facts(python: str | None = None) -> dict:
       nvidia_smi     None without nvidia-smi on PATH, else {"stdout", "error"} of
                      `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits`
       probe_python   the job interpreter that was probed (default sys.executable)
-      probe          probe.py's JSON (see gpulayer.resources.probe), or {"error": "..."}
+      probe          probe.py's JSON (see gpulayer.resources.probe), or {"error": "..."}; an earlier
+                     probe of the same interpreter while nothing it depends on changed (_full_probe)
     """
     python = python or sys.executable
     system = platform.system()
@@ -115,7 +173,7 @@ def collect_facts(python: str | None = None) -> dict:
         "sysctl": {key: _sysctl(key) for key in ("hw.memsize", "hw.model")} if system == "Darwin" else {},
         "nvidia_smi": _run(NVIDIA_SMI, NVIDIA_SMI_TIMEOUT_S) if shutil.which("nvidia-smi") else None,
         "probe_python": python,
-        "probe": _probe(python),
+        "probe": _full_probe(python),
     }
     for where, error in _errors(facts):  # detection goes on without what failed
         log.warning("resource detection (job python %s): %s: %s", python, where, error)
