@@ -317,6 +317,8 @@ class Jobs:
             manifest = folder.Manifest.from_wire(msg.get("files"))
         except (ValueError, folder.FolderError) as exc:
             return conn.channel.write(messages.error("bad-request", str(exc), request_id))
+        if self._recorded_before(conn, request_id, spec):
+            return
         reasons = match(req, self.advert())
         if reasons:
             return conn.channel.write(messages.error("no-match", "; ".join(reasons), request_id))
@@ -326,9 +328,18 @@ class Jobs:
         receiver = transfer.BlobReceiver(self.blobs, {d: manifest.blobs()[d] for d in need},
                                          transfer.DiskThread() if need else None)
         self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, array)
-        conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
+        conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need, "holder": self.holder})
         if not need:
             self.scheduler.spawn(self._record(conn, request_id))
+
+    def _recorded_before(self, conn: JobConnection, request_id: int, spec: JobSpec) -> bool:
+        """Whether the submission's token names jobs recorded already (its submitter lost the answer and sent
+        it again): if so, the answer is the (first) job, as it was then, and nothing new is recorded."""
+        rows = self.store.submitted(spec.token)
+        if rows:
+            log.info("job %s: its submit came again; answered with the job recorded", rows[0].id)
+            conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
+        return bool(rows)
 
     def _blob(self, conn: JobConnection, msg: messages.Message, buffers: list[Any]) -> None:
         """A piece of a blob the JOB_NEED asked for: checked here, hashed and written on the upload's disk
@@ -373,7 +384,8 @@ class Jobs:
             await self._loop().run_in_executor(None, _build, upload.manifest, self.blobs, incoming)
         except (OSError, folder.FolderError) as exc:
             problem = f"the job's folder cannot be built: {exc}"
-        if self._uploads.pop((conn, request_id), None) is not upload or problem is not None:
+        if self._uploads.pop((conn, request_id), None) is not upload or problem is not None \
+                or self._recorded_before(conn, request_id, upload.spec):
             for path in incoming:
                 shutil.rmtree(path, ignore_errors=True)
             if problem is not None:
