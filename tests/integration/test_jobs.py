@@ -151,16 +151,44 @@ def test_a_peer_killed_with_a_running_and_a_queued_job(jobs_peer, tmp_path):
     assert "second done" in jobs.job(queued.id).logs()
 
 
-def test_stop_ends_the_whole_tree_children_that_left_with_setsid_included(jobs_peer):
-    _, _, _, jobs = jobs_peer()
+def cgroups_or_skip() -> None:
+    """Skip where this process's cgroup v2 folder cannot be written (no cgroup v2, not root nor delegated)."""
+    from gpulayer.jobs.cgroup import own_cgroup
+
+    own = own_cgroup()
+    if own is None or not os.access(own, os.W_OK):
+        pytest.skip(f"no writable cgroup v2 folder for this process ({own}): jobs run without cgroups here")
+
+
+@pytest.mark.parametrize("cgroups", ["1", "0"])
+def test_stop_ends_the_whole_tree_children_that_left_with_setsid_or_a_double_fork_included(jobs_peer, cgroups):
+    """A child, a child that left the session with setsid, and a daemon (a double fork: re-parented, in a
+    session of its own), two of them deaf to SIGTERM: a stop ends them all, in a cgroup or (GPULAYER_JOB_CGROUPS=0)
+    as a process group with a subreaper."""
+    if cgroups == "1":
+        cgroups_or_skip()
+    _, _, _, jobs = jobs_peer(env={"GPULAYER_JOB_CGROUPS": cgroups})
     marker = str(secrets.randbelow(10 ** 6) + 10 ** 7)  # seconds no other process sleeps
     script = (f"sleep {marker} & setsid sh -c 'trap \"\" TERM; sleep {marker}; :' & "
-              f"trap '' TERM; sleep {marker}; :")
+              f"(setsid sh -c 'sleep {marker}' &) ; trap '' TERM; sleep {marker}; :")
     job = jobs.submit(["sh", "-c", script], None, _cpu())
-    wait_until(lambda: len([p for p in processes_with(marker) if p.name() == "sleep"]) == 3, 60)
+    wait_until(lambda: len([p for p in processes_with(marker) if p.name() == "sleep"]) == 4, 60)
     pids = [p.pid for p in processes_with(marker)]
     assert job.stop(grace=0.5) == "stopped"
-    assert all(process_gone(pid) for pid in pids) and not processes_with(marker)
+    wait_until(lambda: all(process_gone(pid) for pid in pids), 10)
+    assert not processes_with(marker)
+
+
+def test_what_outlives_a_killed_supervisor_is_killed_with_the_jobs_cgroup(jobs_peer):
+    """A job whose daemon (double fork, setsid, deaf to SIGTERM) then kills its supervisor with SIGKILL: no
+    process group or subreaper is left to stop it, but the job's cgroup is, and it goes when the job ends."""
+    cgroups_or_skip()
+    _, _, _, jobs = jobs_peer()
+    marker = str(secrets.randbelow(10 ** 6) + 10 ** 7)
+    script = f"(setsid sh -c 'trap \"\" TERM; sleep {marker}; :' &) ; kill -9 $PPID; sleep {marker}"
+    job = jobs.submit(["sh", "-c", script], None, _cpu())
+    assert job.wait(60) == "failed" and "without a status" in job.reason
+    wait_until(lambda: not processes_with(marker), 10)
 
 
 @pytest.mark.parametrize("command, timeout, state, code, reason", [
