@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -281,6 +282,26 @@ def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
     assert jobs.rows(include_old=True) == []
     wait_until(lambda: not [p for p in (state / "blobs").rglob("*") if p.is_file()], 10)
     assert not list((state / "jobs").iterdir())
+
+
+def test_a_submit_of_many_files_is_answered_at_once(jobs_peer):
+    """The peer's answer to a manifest of 30,000 files (each a blob of its own) takes time linear in it:
+    on main it rebuilt the digest -> size map per needed blob, on its event loop, about a minute here."""
+    from gpulayer.protocol import handshake, jobs as job_protocol, messages
+    from gpulayer.transport import blocking
+    from gpulayer.jobs.store import JobSpec
+
+    peer, state, key, jobs = jobs_peer()
+    files = [[f"f{i:05d}", 1, False, hashlib.sha256(str(i).encode()).hexdigest()] for i in range(30_000)]
+    conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
+    try:
+        handshake.client_handshake(conn, key.encode(), "many-files")
+        conn.send(job_protocol.submit(1, JobSpec(["true"]), files))
+        need, _ = conn.recv(deadline=time.monotonic() + 20)
+        assert need["t"] == messages.JOB_NEED and need["need"] == [f[3] for f in files]
+    finally:
+        conn.close()
+    assert jobs.rows(include_old=True) == []
 
 
 def test_the_trainer_example_as_a_job_with_its_logs_fetched(jobs_peer, tmp_path):
