@@ -197,7 +197,7 @@ def _jobs() -> JobsApi:
 def submit_job(command: list[str] | str, working_dir: str | None = ".", *, excludes: Iterable[str] = (),
                name: str = "", limit_mb: int | None = None, priority: int = 0,
                array: tuple[int, int, int] | None = None, preemptible: bool = False, grace: float | None = None,
-               **options: Any) -> Job:
+               keep_link: bool = False, **options: Any) -> Job:
     """Run `command` (a list of arguments, or one string split as a shell would) as a job on a matching
     peer, in a copy of `working_dir` (honouring .gitignore and `excludes`); returns its `Job` once a peer
     has recorded it. The job goes on when this process ends (docs/jobs.md).
@@ -210,7 +210,8 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     job may be stopped for one of higher priority (SIGTERM, SIGKILL after `grace` s, default 30) and is
     then queued again (GPULAYER_RESTARTS counts it). With `nodes=N` (N > 1), a gang: N ranks on N distinct
     matching peers, started together with the rendezvous variables of docs/gangs.md; the `Job` returned is
-    the gang's (its `ranks`, one merged log; docs/jobs.md, "Gangs").
+    the gang's (its `ranks`, one merged log; docs/jobs.md, "Gangs"). With `keep_link`, the `Job`'s first
+    request (`logs(follow=True)`, say) goes over the submit's connection; `job.close()` closes it unused.
     """
     import shlex
 
@@ -224,7 +225,8 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     return _jobs().submit(argv, working_dir, parsed.requirements, excludes=tuple(excludes), name=name,
                           env=parsed.env, timeout=parsed.timeout, retries=parsed.retries, priority=priority,
                           array=array, preemptible=preemptible, grace=PREEMPT_GRACE_S if grace is None else grace,
-                          limit_bytes=(limit_mb << 20) if limit_mb is not None else None, nodes=parsed.nodes or 1)
+                          limit_bytes=(limit_mb << 20) if limit_mb is not None else None, nodes=parsed.nodes or 1,
+                          keep_link=keep_link)
 
 
 def job(job_id: str) -> Job:

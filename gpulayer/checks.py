@@ -8,7 +8,10 @@ from __future__ import annotations
 import functools
 import getpass
 import math
+import os
 from typing import Any
+
+from .errors import ConfigError
 
 MAX_CONCURRENCY = 64  # the most calls one actor may run at once (threads in its worker)
 MAX_PRIORITY = 1_000_000  # a task's or a job's priority is a whole number from -MAX_PRIORITY to MAX_PRIORITY
@@ -21,6 +24,19 @@ def check_timeout(timeout: Any) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
     return float(timeout)
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """The positive, finite number of seconds in the environment variable `name` (`default` when unset);
+    ConfigError for any other value."""
+    value = os.environ.get(name, str(default))
+    try:
+        seconds = check_timeout(float(value))
+    except ValueError:
+        seconds = None
+    if seconds is None:
+        raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}")
+    return seconds
 
 
 def check_priority(value: Any) -> int:

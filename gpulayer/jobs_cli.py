@@ -48,13 +48,15 @@ def _framework(text: str) -> tuple[str, str]:
 def _follow(job: Any) -> int:
     """Stream the job's output until it ends; its exit status. Ctrl-C detaches (the job goes on)."""
     from .client.jobs import exit_status
+    from .jobs.store import ENDED
 
     try:
         job.logs(follow=True, out=sys.stdout.buffer)
     except KeyboardInterrupt:
         print(f"\ngpulayer: detached; job {job.id} goes on (gpulayer logs -f {job.id})", file=sys.stderr)
         return 130
-    job.refresh()
+    if job.state not in ENDED:  # a followed log's end brings the job's state with it
+        job.refresh()
     if job.state != "succeeded":
         print(f"gpulayer: job {job.id} {job.state}{': ' + job.reason if job.reason else ''}", file=sys.stderr)
     return exit_status(job)
@@ -75,7 +77,7 @@ def _submit(args: argparse.Namespace) -> int:
         options["frameworks"] = dict(_framework(spec) for spec in args.frameworks)
     job = submit_job(command, args.working_dir, excludes=args.exclude, name=args.name, priority=args.priority,
                      array=args.array, preemptible=args.preemptible, grace=args.grace,
-                     **options)
+                     keep_link=args.follow, **options)  # the follow goes over the submit's connection
     print(job.id, flush=True)
     what = f"array {job.id} of {args.array[1] - args.array[0] + 1} jobs" if args.array else f"job {job.id}"
     peers = ", ".join(rank.peer for rank in job.ranks) or job.peer

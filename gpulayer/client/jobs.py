@@ -69,6 +69,9 @@ class JobLink:
         return self
 
     def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
         self.conn.close()
 
     def send(self, msg: messages.Message, buffers: messages.Buffers = ()) -> int:
@@ -156,10 +159,30 @@ class Jobs:
         if wanted not in self._holders:
             answered = self._find(wanted)
             if wanted not in self._holders:
+                puller = self._pulled_by(job_id) if wanted == holder_of(job_id) else None
+                if puller is not None:
+                    return puller
                 raise JobError("no-job", f"no peer of this cluster holds job {job_id} ({answered} peer(s) "
                                          "answered; a job of another cluster, or of a peer that is down, is not "
                                          "found)")
         return self._holders[wanted]
+
+    def _pulled_by(self, job_id: str) -> Holder | None:
+        """Its owner is down: the peer that pulled `job_id` from it (ADR 0019), asked by id over the
+        authenticated channel, among the peers that answered; one that runs it before one it is arriving at."""
+        def ask(holder: Holder) -> tuple[Holder, str] | None:
+            try:
+                with JobLink(self.client, holder.addresses) as link:
+                    job = link.ask(job_protocol.request(messages.JOB_WAIT, 0, job_id, timeout=0), timeout=10.0)["job"]
+            except (OSError, GPULayerError, TimeoutError):
+                return None
+            state = job.get("state") if isinstance(job, dict) else None
+            return (holder, state) if isinstance(state, str) and state != MOVED else None
+
+        with ThreadPoolExecutor(8, thread_name_prefix="gpulayer-jobs") as pool:
+            found = [f for f in pool.map(ask, list(self._holders.values())) if f is not None]
+        found.sort(key=lambda f: f[1] == ARRIVING)
+        return found[0][0] if found else None
 
     def _find(self, wanted: str) -> int:
         """Ask the peers as they are discovered until the holder `wanted` answers, or the discovery
@@ -205,18 +228,21 @@ class Jobs:
                excludes: tuple[str, ...] = (), name: str = "", env: dict[str, str] | None = None,
                timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
                function: bool = False, priority: int = 0, array: tuple[int, int, int] | None = None,
-               preemptible: bool = False, grace: float = PREEMPT_GRACE_S, nodes: int = 1) -> Job:
+               preemptible: bool = False, grace: float = PREEMPT_GRACE_S, nodes: int = 1,
+               keep_link: bool = False) -> Job:
         """Ship `working_dir` (none: an empty folder) and record the job on the best matching peer;
         returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent.
         With `array` (first, last, limit): one job per index on that peer, the first one returned (its id
-        names the array). With `nodes` > 1: a gang of that many ranks on distinct peers (docs/gangs.md)."""
+        names the array). With `nodes` > 1: a gang of that many ranks on distinct peers (docs/gangs.md).
+        With `keep_link` (not for a gang), the job's first request goes over the submit's connection
+        (`gpulayer submit -f`: one handshake for the submit and the follow; Job.close() when unused)."""
         if nodes > 1 and (array is not None or preemptible or retries or function):
             raise ConfigError("a gang job (nodes > 1) takes no array, preemptible, retries or function (not yet)")
         if working_dir is None:
             with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
                 return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
                                    function=function, priority=priority, array=array, preemptible=preemptible,
-                                   grace=grace, nodes=nodes)
+                                   grace=grace, nodes=nodes, keep_link=keep_link)
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
                        retries=retries, function=function, priority=priority, user=login_user(), preemptible=preemptible,
@@ -228,30 +254,40 @@ class Jobs:
         failures: dict[str, list[str]] = {}
         for record in self.client.placement.ranked(req):
             try:
-                holder, info = self._record_on(record, replace(spec, token=secrets.token_hex(16)), manifest, array)
+                holder, info, link = self._record_on(record, replace(spec, token=secrets.token_hex(16)), manifest,
+                                                     array)
             except (PeerLost, JobError) as exc:
                 if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
                     raise
                 failures[f"{record.advert.name} ({record.address})"] = [str(exc)]
                 continue
-            return Job(self, holder, info["job"])
+            job = Job(self, holder, info["job"])
+            if keep_link:
+                job.kept = link
+            else:
+                link.close()
+            return job
         raise NoMatchingPeer(req, {**self.client.placement.reasons(req), **failures})
 
     def _record_on(self, record: Any, spec: JobSpec, manifest: folder.Manifest,
-                   array: tuple[int, int, int] | None) -> tuple[Holder, messages.Message]:
-        """The job recorded on the peer of `record`: its holder and JOB_INFO. When the connection breaks after
-        the submit went, the same peer (found again by its holder once its JOB_NEED named it: it may have
+                   array: tuple[int, int, int] | None) -> tuple[Holder, messages.Message, JobLink]:
+        """The job recorded on the peer of `record`: its holder, JOB_INFO and the open link. When the connection
+        breaks after the submit went, the same peer (found again by its holder once its JOB_NEED named it: it may have
         restarted elsewhere) is sent the same submit (the same token) again, with backoff, for SUBMIT_RETRY_S:
         it records the job at most once. PeerLost if it was never reached; JobError "unacknowledged" past that."""
         heard: dict[str, Any] = {}
         addresses, deadline, pause = record.addresses, 0.0, 0.1
         while True:
             try:
-                with JobLink(self.client, addresses) as link:
+                link = JobLink(self.client, addresses)
+                try:
                     info = _submit_over(link, spec, manifest, array, heard)
+                except BaseException:
+                    link.close()
+                    raise
                 holder = Holder(holder_of(info["job"]["id"]), record.advert.name, addresses)
                 self._holders[holder.holder] = holder
-                return holder, info
+                return holder, info, link
             except PeerLost as exc:
                 if not deadline and not heard.get("sent"):
                     raise  # never reached: nothing of the job is there
@@ -342,6 +378,7 @@ class Job:
         self._holder = holder
         self.info = info
         self.id: str = info["id"]
+        self.kept: JobLink | None = None  # the submit's connection, for the first request (Jobs.submit's keep_link)
 
     def __repr__(self) -> str:
         return f"Job({self.id!r}, state={self.state!r}, peer={self.peer!r})"
@@ -370,7 +407,11 @@ class Job:
 
     def _link(self) -> JobLink:
         """A connection to the job's peer; where it is not reachable where it was, the peers are asked
-        again which of them holds the job (a restarted peer listens on another port)."""
+        again which of them holds the job (a restarted peer listens on another port). The submit's
+        connection, where it was kept, serves the first request."""
+        if self.kept is not None:
+            link, self.kept = self.kept, None
+            return link
         try:
             return self._jobs.link(self._holder)
         except PeerLost:
@@ -389,6 +430,12 @@ class Job:
                 return reply
             self._holder = self._jobs.located(job["moved"], self.id)  # pulled by that peer: asked there
         raise JobError("no-job", f"job {self.id} moved more than {MAX_HOPS} times while it was asked for")
+
+    def close(self) -> None:
+        """Close the submit's connection if it was kept and not used."""
+        if self.kept is not None:
+            self.kept.close()
+            self.kept = None
 
     def refresh(self) -> Job:
         """Ask its peer for its state now."""

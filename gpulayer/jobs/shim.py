@@ -1,8 +1,9 @@
 """A job's supervisor: `python -I -S shim.py [--cgroup DIR] LOG STATUS GRACE_FILE -- COMMAND...`, started by
 the peer in a session of its own, in the job's folder, with the job's environment.
 
-With --cgroup (jobs/cgroup.py), COMMAND joins the job's cgroup DIR between fork and exec, so its whole
-tree is in it whatever it does, and the tree is signalled through it (SIGKILL with cgroup.kill).
+With --cgroup (jobs/cgroup.py), it starts COMMAND from inside the job's cgroup DIR (and goes back to the
+peer's cgroup right after), so COMMAND's whole tree is in it whatever it does, and the tree is signalled
+through it (SIGKILL with cgroup.kill).
 
 It runs COMMAND with stdout and stderr both on the log (in the order written), and stays the parent
 of the job's whole process tree: on Linux it is a child subreaper, so a descendant whose parent
@@ -13,7 +14,8 @@ it before a stop); then it writes {"code": N} or {"signal": N} to STATUS and exi
 started COMMAND, it writes {} and never starts it.
 
 It runs with the peer's interpreter, isolated and without site (its start costs no site-packages;
-psutil, with site, is imported when a tree is signalled; no gpulayer import), so
+psutil, with site, is imported when a tree is signalled; no gpulayer import, nor json or subprocess:
+COMMAND starts with os.posix_spawnp), so
 that a peer killed with -9 leaves a supervisor that the restarted peer can still stop by its pid.
 """
 
@@ -21,10 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import signal
-import subprocess
 import sys
 import types
 from typing import Any
@@ -93,16 +93,16 @@ class Supervisor:
             return signal_tree(sig)
         if sig == signal.SIGKILL:
             return self.cgroups.kill(self.cgroup)
-        for pid in self.cgroups.procs(self.cgroup):
+        for pid in set(self.cgroups.procs(self.cgroup)) - {os.getpid()}:  # here while it starts the command
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass  # gone meanwhile
 
-    def join_cgroup(self) -> None:
-        """In the command's process, before its exec: into the job's cgroup."""
-        if self.cgroup is not None:
-            with open(self.cgroup / "cgroup.procs", "w") as f:
+    def join_cgroup(self, cgroup: Any) -> None:
+        """This process into the cgroup folder `cgroup` (none: nothing happens)."""
+        if cgroup is not None:
+            with open(cgroup / "cgroup.procs", "w") as f:
                 f.write("0")
 
     def grace(self) -> float:
@@ -129,12 +129,18 @@ class Supervisor:
         if self.ending:  # stopped while it started: the command never runs
             return _write_status(status_file, {})
         try:
-            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                     preexec_fn=self.join_cgroup if self.cgroup else None)
-        except (OSError, subprocess.SubprocessError) as exc:
-            problem = getattr(exc, "strerror", None) or exc
-            os.write(out, f"gpulayer: cannot run {command[0]!r}: {problem}\n".encode())
+            # as subprocess.Popen would (its import costs the job's start): stdin from /dev/null, the log
+            # as stdout and stderr, SIGPIPE and SIGXFSZ back to their defaults (Python ignores them); the
+            # peer started this process with no other descriptor open, and `out` is not inherited
+            self.join_cgroup(self.cgroup)  # the command starts in the job's cgroup, and all it starts stays there
+            child = os.posix_spawnp(command[0], command, os.environ, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+                                    file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                                                  (os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, out, 2)])
+        except OSError as exc:
+            os.write(out, f"gpulayer: cannot run {command[0]!r}: {exc.strerror or exc}\n".encode())
             return _write_status(status_file, {"code": 127})
+        finally:  # back to the peer's cgroup: a kill of the job's cgroup spares its supervisor
+            self.join_cgroup(self.cgroup and self.cgroup.parent.parent)
         if self.ending:  # stopped while the command was being started: it goes too
             self.signal_tree(signal.SIGTERM)
         status: dict[str, int] = {}
@@ -147,8 +153,7 @@ class Supervisor:
                 if exc.errno != errno.EINTR:
                     raise
                 continue
-            if pid == child.pid:
-                child.returncode = 0  # reaped here: Popen must not wait for it again
+            if pid == child:
                 status = {"signal": os.WTERMSIG(code)} if os.WIFSIGNALED(code) else {"code": os.WEXITSTATUS(code)}
                 if has_children():
                     self.end()  # what it left behind goes too
@@ -159,7 +164,7 @@ class Supervisor:
 def _write_status(path: str, status: dict[str, int]) -> int:
     partial = f"{path}.partial"
     with open(partial, "w") as f:
-        json.dump(status, f)
+        f.write("{%s}" % ", ".join(f'"{name}": {int(value)}' for name, value in status.items()))  # JSON
     os.replace(partial, path)
     return 0
 

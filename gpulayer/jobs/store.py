@@ -236,8 +236,10 @@ class JobStore:
         into place, durably, as arriving: it is this peer's to queue once its owner recorded it moved (the
         hand-over's second phase)."""
         with self._transaction():
-            self.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes, moved) VALUES (?, ?, ?, ?, ?, ?)",
-                            (job_id, json.dumps(asdict(spec)), ARRIVING, submitted, folder_bytes, source))
+            self.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes, moved, reason) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            (job_id, json.dumps(asdict(spec)), ARRIVING, submitted, folder_bytes, source,
+                             f"arriving from the peer of jobs {source}-*, waiting for it to confirm the hand-over"))
             if folder is not None:
                 self._place([folder], [job_id])
         row = self.get(job_id)

@@ -16,13 +16,11 @@ scheduler state's, in the order decided: it sends, and arms and cancels the time
 from __future__ import annotations
 
 import itertools
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Union
 
-from ..errors import ConfigError
-from ..checks import check_timeout
+from ..checks import check_timeout, seconds_from_env
 from ..protocol import messages
 from .scheduler_state import ToWorker
 from .slots import Slot
@@ -39,14 +37,7 @@ DEFAULT_GRACE = 10.0
 
 def grace_from_env() -> float:
     """Seconds an actor outlives its creator's last connection (GPULAYER_ACTOR_GRACE, default 10)."""
-    value = os.environ.get(GRACE_ENV, str(DEFAULT_GRACE))
-    try:
-        grace = check_timeout(float(value))
-    except ValueError:
-        grace = None
-    if grace is None:
-        raise ConfigError(f"{GRACE_ENV} must be a positive number of seconds, not {value!r}")
-    return grace
+    return seconds_from_env(GRACE_ENV, DEFAULT_GRACE)
 
 
 class CallOwner(Protocol):

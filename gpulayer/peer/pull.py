@@ -35,10 +35,11 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..checks import seconds_from_env
 from ..discovery import Address
 from ..errors import GPULayerError
 from ..jobs import folder, transfer
-from ..jobs.store import ARRIVING, MOVED, MOVING, QUEUED, JobRow, JobSpec, check_job_id
+from ..jobs.store import ARRIVING, LOST, MOVED, MOVING, QUEUED, JobRow, JobSpec, check_job_id, kill_point
 from ..matching import Requirements, match
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert, features_of
@@ -59,6 +60,14 @@ PING_S = 10.0  # while a JOB_PULL waits, a PING this often: the owner drops a co
 ANSWER_TIMEOUT_S = 30.0  # an owner's answer to a JOB_TAKE step (the blobs may take longer: see `idle`)
 MAX_OWNERS = 64  # connections (and threads) a puller holds to owners at most
 LOOKAHEAD = 256  # how deep an owner looks in its queue for a job that fits a puller
+ARRIVING_ENV = "GPULAYER_PULL_ARRIVING_S"
+ARRIVING_S = 86400.0  # an arriving job whose owner is unheard this long is recorded lost on the puller
+
+
+def arriving_bound_from_env() -> float:
+    """Seconds a puller keeps an arriving job while its owner is unheard (GPULAYER_PULL_ARRIVING_S, default a
+    day); ConfigError for a value that is not a positive number."""
+    return seconds_from_env(ARRIVING_ENV, ARRIVING_S)
 
 T = TypeVar("T")
 
@@ -199,6 +208,7 @@ class Owner:
         del self.moving[job_id]
         self.jobs.store.update(job_id, state=MOVED, ended=time.time(),
                                reason=f"pulled by the peer of jobs {msg['holder']}-*")
+        kill_point("job-moved")
         shutil.rmtree(self.jobs.store.folder(job_id), ignore_errors=True)
         log.info("job %s moved to the peer of jobs %s-*", job_id, msg["holder"])
         self.jobs.gone(job_id)
@@ -343,6 +353,9 @@ class Puller:
         self._heard = asyncio.Event()  # a new peer was heard of: look at once
         self._room = asyncio.Event()
         self._taking = 0
+        self.arriving_bound = arriving_bound_from_env()
+        self._unheard: dict[str, float] = {}  # an arriving job -> since when (monotonic) its owner is unheard
+        self._committing: set[str] = set()
         self._pool = ThreadPoolExecutor(MAX_OWNERS, thread_name_prefix="gpulayer-pull")
 
     def verified(self) -> set[str]:
@@ -373,6 +386,7 @@ class Puller:
                     if not watch.ignored and (watch.task is None or watch.task.done()):
                         watch.task = asyncio.get_running_loop().create_task(self._watch(addresses, watch))
                 self.changed()
+                self._expire_arriving()
                 self._heard.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._heard.wait(), SCAN_S)
@@ -506,18 +520,21 @@ class Puller:
     async def _commit(self, link: OwnerLink, job_id: str) -> None:
         """Ask the owner to record the job moved; queue it here once it has, drop it when it says no. With
         no answer (the connection went), it stays arriving until the next connection to the owner."""
+        self._committing.add(job_id)
         try:
             reply = await self._call(link.ask, self._step(job_id, "commit"))
         except Refused as exc:
             log.info("job %s stays with its owner: %s", job_id, exc)
             self.jobs.store.remove(job_id)
             return
+        finally:
+            self._committing.discard(job_id)
         job = reply.get("job")
         if not isinstance(job, dict) or job.get("state") != MOVED or job.get("moved") != self.jobs.holder:
             log.warning("job %s: the owner's commit answer is not 'moved here': dropped", job_id)
             self.jobs.store.remove(job_id)
             return
-        self.jobs.store.update(job_id, state=QUEUED)
+        self.jobs.store.update(job_id, state=QUEUED, reason="")
         log.info("job %s pulled from the peer of jobs %s-*", job_id, link.hello["peer"])
         self.jobs.requeue(job_id)
 
@@ -526,3 +543,22 @@ class Puller:
         for row in self.jobs.store.rows([ARRIVING]):
             if row.moved == owner:
                 await self._commit(link, row.id)
+
+    def _expire_arriving(self) -> None:
+        """An arriving job whose owner was not heard for `arriving_bound` s (since this peer started, or its
+        last connection to the owner) is recorded lost here and its folder deleted: the owner may have
+        recorded it moved, or not (and run it itself). Never queued here after that: only arriving jobs
+        are ever committed."""
+        heard = {w.holder for w in self.watches.values() if w.link is not None and w.holder}
+        now = time.monotonic()
+        for row in self.jobs.store.rows([ARRIVING]):
+            if row.moved in heard or row.id in self._committing:
+                self._unheard.pop(row.id, None)
+            elif now - self._unheard.setdefault(row.id, now) >= self.arriving_bound:
+                del self._unheard[row.id]
+                reason = (f"its owner, the peer of jobs {row.moved}-*, was not heard for {self.arriving_bound:g} s "
+                          "after it offered the job here: it may have run there (this peer never ran it)")
+                self.jobs.store.update(row.id, state=LOST, ended=time.time(), reason=reason)
+                shutil.rmtree(self.jobs.store.folder(row.id), ignore_errors=True)
+                log.warning("job %s lost: %s", row.id, reason)
+                self.jobs.gone(row.id)

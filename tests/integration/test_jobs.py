@@ -209,6 +209,32 @@ def test_exit_codes_timeouts_and_signals_give_the_state(jobs_peer, command, time
     assert job.exit_code == code and reason in job.reason
 
 
+def test_a_submit_followed_at_once_is_followed_over_the_submits_connection(jobs_peer):
+    """keep_link (`gpulayer submit -f`): the follow opens no connection of its own (one handshake less
+    before the job's first line), and its end brings the job's state."""
+    peer, _, _, jobs = jobs_peer()
+
+    def to_peer() -> set[int]:
+        return {c.laddr.port for c in psutil.Process().net_connections("tcp")
+                if c.raddr and c.raddr.port == peer.port and c.status == psutil.CONN_ESTABLISHED}
+
+    job = jobs.submit(["sh", "-c", "echo one; exit 4"], None, _cpu(), keep_link=True)
+    kept, after_submit = job.kept.conn.sock.getsockname()[1], to_peer()
+    pieces: list[tuple[bytes, set[int]]] = []
+
+    class Out:
+        def write(self, data: bytes) -> None:
+            pieces.append((data, to_peer()))
+
+        def flush(self) -> None:
+            pass
+
+    job.logs(follow=True, out=Out())
+    assert b"".join(data for data, _ in pieces) == b"one\n" and kept in after_submit
+    assert all(during == after_submit for _, during in pieces)
+    assert job.kept is None and (job.state, job.exit_code) == ("failed", 4)
+
+
 def test_retries_run_a_failed_job_again(jobs_peer):
     _, _, _, jobs = jobs_peer()
     job = jobs.submit(["sh", "-c", "echo attempt; exit 1"], None, _cpu(), retries=2)

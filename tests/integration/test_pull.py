@@ -53,9 +53,9 @@ def cluster_of_jobs(peer_factory, tmp_path):
     key = new_key()
     client = Client(key=key.encode(), echo_output=False)
 
-    def start(name: str, *args: str, wait: bool = True):
+    def start(name: str, *args: str, wait: bool = True, env: dict | None = None):
         return peer_factory(name, "--concurrency", "1", "--state-dir", str(tmp_path / f"{name}-state"), *args,
-                            key=key, wait=wait)
+                            key=key, env=env, wait=wait)
 
     start.jobs = Jobs(client)
     start.key = key
@@ -201,3 +201,139 @@ def owner_advert(peer) -> dict:
     with socket.create_connection(("127.0.0.1", peer.port), timeout=10) as sock:
         conn = blocking.BlockingConnection(sock)
         return handshake.client_handshake(conn, peer.key.encode(), "reader")["advert"]
+
+
+def test_a_moved_job_is_found_on_its_puller_while_its_owner_is_down(cluster_of_jobs, tmp_path):
+    """The id names the owner, killed (kill -9) after the job moved: another process re-attaches by id and
+    follows the log to the end, found on the puller by asking the peers it knows over the secure channel."""
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import Jobs
+
+    owner = cluster_of_jobs("owner")
+    jobs = cluster_of_jobs.jobs
+    hold, release = tmp_path / "hold", tmp_path / "release"
+    blocker = jobs.submit(_blocker(hold), None, _cpu(peer="owner"))
+    wait_until(lambda: blocker.refresh().state == "running", 60)
+    job = jobs.submit(["sh", "-c", f"echo first; while [ ! -e {release} ]; do sleep 0.05; done; echo last"],
+                      None, _cpu())
+    cluster_of_jobs("puller")
+    wait_until(lambda: (job.refresh().state, job.peer) == ("running", "puller"), 60)
+    owner.kill()
+    hold.touch()
+    client = Client(key=cluster_of_jobs.key.encode(), echo_output=False, discovery_timeout=3.0)
+    try:
+        again = Jobs(client).job(job.id)  # a fresh process's view: nothing cached
+        assert (again.state, again.peer) == ("running", "puller")
+        release.touch()
+        assert again.logs(follow=True).split() == ["first", "last"]
+        assert again.wait(60) == "succeeded"
+    finally:
+        client.close()
+
+
+def test_an_arriving_job_whose_owner_never_comes_back_is_lost_on_the_puller_and_never_runs(cluster_of_jobs,
+                                                                                            tmp_path):
+    """The owner dies (kill -9) right after it recorded the job moved, before the puller heard: past the
+    bound the puller records the job lost, naming the owner, deletes its folder and never runs it."""
+    owner = cluster_of_jobs("owner", env={"GPULAYER_TEST_KILL_AT": "job-moved"})
+    jobs = cluster_of_jobs.jobs
+    release, out = tmp_path / "release", tmp_path / "out"
+    blocker = jobs.submit(_blocker(release), None, _cpu(peer="owner"))
+    wait_until(lambda: blocker.refresh().state == "running", 60)
+    job = jobs.submit(_writes(out), None, _cpu())
+    puller = cluster_of_jobs("puller", env={"GPULAYER_PULL_ARRIVING_S": "2"})
+    wait_until(lambda: not owner.alive(), 60)
+    release.touch()
+    puller_state = tmp_path / "puller-state"
+    assert _state_in(tmp_path / "owner-state", job.id) == "moved"
+    wait_until(lambda: _state_in(puller_state, job.id) == "lost", 60)
+    lost = jobs.job(job.id)  # the owner is down: found on the puller
+    assert lost.peer == "puller" and lost.state == "lost"
+    assert f"{job.id.split('-')[0]}-*" in lost.reason and "may have run there" in lost.reason
+    assert not [p for p in puller_state.rglob(job.id)]  # its folder is deleted
+    assert puller.alive() and not out.exists()
+
+
+def _hand_over_faults(actions: list[str]):
+    """The proxy's hook: the next of `actions` hits each JOB_TAKE "commit" that follows a "need" on its
+    connection (a hand-over's own commit, not one asked again for an arriving job): "cut" resets the
+    connection before the commit passes, "answer" lets it pass and resets before the owner's answer. Records are told apart by size (ids of one length): a
+    JOB_PULL carries an advert (over 200 bytes), a "need" is a few bytes longer than a "commit"."""
+    import socket
+    import struct
+
+    sizes: dict[str, int] = {}
+
+    def reset(pipe) -> None:
+        pipe.state["gone"] = True
+        for sock in pipe.sources.values():
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        for sock in pipe.sources.values():
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def hook(pipe, direction: str, record: bytes) -> None:
+        state = pipe.state
+        if state.get("gone"):
+            return
+        if direction == "c2p" and len(record) >= 200:
+            state["pulls"] = True  # a puller's connection (gossip's carries one shorter record)
+        elif direction == "c2p" and state.get("pulls"):
+            need = sizes.setdefault("need", len(record)) <= len(record)  # the first take step is a "need"
+            if need:
+                state["after_need"] = True
+            elif state.pop("after_need", False) and actions:
+                state["action"] = action = actions.pop(0)
+                if action == "cut":
+                    return reset(pipe)
+                state["drop_answer"] = True
+        elif direction == "p2c" and state.pop("drop_answer", False):
+            return reset(pipe)
+        pipe.send(direction, record)
+
+    return hook
+
+
+def test_hand_overs_cut_or_with_their_answer_lost_run_each_job_once(cluster_of_jobs, tmp_path):
+    """The puller reaches the owner through a relay (mDNS off, the relay as its gossip seed), which cuts a
+    hand-over before the commit, then drops the owner's answer to the next commit: every job runs exactly
+    once, none is lost, and the relay did act on each. (Gossip gives the puller the owner's own address a
+    few seconds later: the faults hit the first hand-overs, which come at once.)"""
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import Jobs
+    import socket
+
+    from test_secure_channel import Pipe, Proxy
+
+    class FromElsewhere(Proxy):
+        """Connects to the owner from 127.0.0.2: the puller's port that the owner's gossip learns from the
+        relayed PEERS (at 127.0.0.2) does not answer, so the owner's address never reaches the puller."""
+
+        def serve(self, sock: socket.socket) -> None:
+            upstream = socket.create_connection(self.target, timeout=5, source_address=("127.0.0.2", 0))
+            upstream.settimeout(None)
+            self.pipes.append(Pipe(sock, upstream, self.hook))
+
+    owner = cluster_of_jobs("owner", "--no-mdns")
+    client = Client(key=cluster_of_jobs.key.encode(), peers=owner.address, mdns=False, echo_output=False)
+    jobs = Jobs(client)
+    release, out = tmp_path / "release", tmp_path / "out"
+    blocker = jobs.submit(_blocker(release), None, _cpu(peer="owner"))
+    wait_until(lambda: blocker.refresh().state == "running", 60)
+    every = [jobs.submit(_writes(out), None, _cpu()) for _ in range(6)]
+    actions = ["cut", "answer"]
+    proxy = FromElsewhere(("127.0.0.1", owner.port), _hand_over_faults(actions))
+    try:
+        cluster_of_jobs("puller", "--no-mdns", "--seed", proxy.address)
+        wait_until(lambda: len(_ran(out)) >= len(every), 90)  # all pulled while the owner's slot is held
+        assert not actions  # each fault hit a hand-over
+        release.touch()
+        assert blocker.wait(60) == "succeeded"
+        assert all(j.wait(60) == "succeeded" for j in every)
+    finally:
+        release.touch()
+        proxy.close()
+        client.close()
+    ran = _ran(out)
+    assert sorted(job_id for job_id, _ in ran) == sorted(j.id for j in every)  # each exactly once
+    assert "puller" in {peer for _, peer in ran}
+    assert {a for p in proxy.pipes for a in [p.state.get("action")] if a} == {"cut", "answer"}
