@@ -16,6 +16,9 @@ Two network namespaces on a bridge (tests/lan/lanlab.py; root only), a "peer" pr
    (the namespace's eth0 counters, TCP and the handshake included) against the folder's size.
 3. Fetch of a 1 GiB artifact from the job's folder: GPUlayer's FILE stream against the raw socket,
    each written to a file on the submitter's side.
+4. The same fetch on one host (`one_host_fetch`, no namespaces): the local way (the file's descriptor
+   on a local link, copied in the kernel) against the FILE stream over loopback TCP and a raw
+   copy_file_range of the file.
 
 The files (the folder, the artifact, the peer's store, what is fetched) live in memory, on tmpfs
 (/dev/shm; `--dir` chooses another place): on the shared test VM, writes to its disk stalled for
@@ -527,6 +530,77 @@ def submit_latency(workdir: Path, rounds: int) -> dict:
     return out
 
 
+def one_host_fetch(workdir: Path, mib: int, rounds: int) -> dict:
+    """A fetch of a `mib` MiB artifact on one host: the local way (its descriptor on a local link, copied in
+    the kernel: jobs/local_fetch.py), the FILE stream over the secure channel on loopback TCP, and a raw
+    kernel copy of the same file (copy_file_range), side by side; seconds per way, rounds alternated.
+    Both ends in this process (the peer's on a thread), with the transfer functions of the two sides."""
+    import threading
+    from functools import partial
+
+    from gpulayer.jobs import local_fetch
+    from gpulayer.jobs.folder import copy_fd
+    from gpulayer.transport import shm
+
+    if not shm.SUPPORTED:
+        return {"skipped": "no memfd or SCM_RIGHTS here"}
+    root = workdir / "one-host-job"
+    make_artifact(root / "artifact.bin", mib)
+    size = (root / "artifact.bin").stat().st_size
+
+    def gpulayer(local: bool) -> float:
+        server, client = socket.create_server(("127.0.0.1", 0)), None
+        peer_link, submitter_link = shm.link_pair()
+        try:
+            client = socket.create_connection(server.getsockname())
+            sock, _ = server.accept()
+            keys = secrets.token_bytes(32), secrets.token_bytes(32)
+            peer, submitter = blocking.BlockingConnection(sock), blocking.BlockingConnection(client)
+            peer.secure(*keys)
+            submitter.secure(keys[1], keys[0])
+            receiver = local_fetch.Receiver(workdir / "one-host-fetched")
+            if local:
+                receiver.use(submitter_link)
+            handover = partial(local_fetch.pass_file, peer_link) if local else None
+            started = time.perf_counter()
+            sender = threading.Thread(target=lambda: [peer.send(*m) for m in transfer.file_messages(
+                root, transfer.listing(root, ["artifact.bin"]), 1, handover=handover)])
+            sender.start()
+            while not receiver.feed(*submitter.recv(time.monotonic() + TIMEOUT)):
+                pass
+            receiver.finish()
+            seconds = time.perf_counter() - started
+            sender.join()
+            receiver.abort()
+            return seconds
+        finally:
+            for end in (server, client, peer_link, submitter_link):
+                if end is not None:
+                    end.close()
+            shutil.rmtree(workdir / "one-host-fetched", ignore_errors=True)
+
+    def raw() -> float:
+        started = time.perf_counter()
+        src = os.open(root / "artifact.bin", os.O_RDONLY)
+        dst = os.open(workdir / "raw-copy.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            copy_fd(src, dst, size)
+        finally:
+            os.close(src)
+            os.close(dst)
+        seconds = time.perf_counter() - started
+        os.unlink(workdir / "raw-copy.bin")
+        return seconds
+
+    ways = {"local": partial(gpulayer, True), "tcp": partial(gpulayer, False), "raw_copy": raw}
+    seconds: dict[str, list[float]] = {way: [] for way in ways}
+    for round_ in range(rounds):
+        for way in rotated(list(ways), round_):
+            seconds[way].append(ways[way]())
+    shutil.rmtree(root)
+    return {"artifact_bytes": size, "gb_per_s": {way: gb_per_s(size, s) for way, s in seconds.items()}}
+
+
 def gb_per_s(nbytes: int, seconds: list[float]) -> dict:
     return spread([nbytes / s / 1e9 for s in seconds])
 
@@ -666,6 +740,7 @@ def main(argv=None) -> int:
         result["namespaces"] = ({"skipped": reason} if reason else
                                 across_namespaces(Path(tmp), args.quick, rounds, args.max_minutes))
         result["submit"] = submit_latency(Path(tmp), rounds)
+        result["one_host_fetch"] = one_host_fetch(Path(tmp), 256 if args.quick else 1024, rounds)
     result["machine"]["load_after"] = os.getloadavg()
     result["summary"] = {"skipped": reason} if reason else summarize(result["namespaces"])
     result["summary"].update(summarize_submit(result["submit"]))

@@ -19,7 +19,7 @@ LAYERS: list[dict[str, set[str]]] = [
     {"leaves": {"errors", "accelerators", "serialization", "remote_exceptions", "held", "taskenv", "checks",
                 "distributed", "records", "security", "progress", "peer_table", "jobs", "jobs.folder"}},
     {"protocol": {"protocol"}},
-    {"transport": {"transport", "lending", "invite", "jobs.transfer"}},
+    {"transport": {"transport", "lending", "invite", "jobs.transfer", "jobs.local_fetch"}},
     {"offers and needs": {"resources", "matching", "task_options", "discovery", "mdns"}},
     {"worker": {"worker"}, "peer": {"peer"}, "client": {"client"}, "trainer": {"torch"}},
     {"backends": {"backends"}},

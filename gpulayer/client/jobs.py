@@ -8,6 +8,7 @@ of them holds it (a job id names its holder). The Client is used for discovery a
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -22,15 +23,16 @@ from typing import IO, Any
 
 from ..checks import login_user
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
-from ..jobs import call, folder, transfer
+from ..jobs import call, folder, local_fetch, transfer
 from ..jobs.store import ARRIVING, ENDED, MOVED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
 from ..protocol import jobs as job_protocol, messages
-from ..transport import blocking
+from ..transport import blocking, shm
 from .connection import CONNECT_TIMEOUT
 from .engine import Client
 from .inference import with_inferred
 
+log = logging.getLogger("gpulayer.client")
 PING_EVERY_S = 1.0  # while waiting on a long answer (wait, a followed log), a PING this often keeps it open
 SILENCE_S = 15.0  # nothing heard from the peer this long: the connection is lost
 SUBMIT_RETRY_S = 10.0  # a submit whose answer was lost is sent again to the same peer this long (it may restart)
@@ -104,8 +106,15 @@ class JobLink:
                 if on_data is not None:
                     on_data(msg, buffers)
                 continue
-            if msg["t"] in (messages.JOB_NEED, messages.JOB_INFO):
+            if msg["t"] in (messages.JOB_NEED, messages.JOB_INFO, messages.LOCAL):
                 return msg
+
+    def ask_local(self) -> messages.Message | None:
+        """The peer's LOCAL answer (a local link's address and token, ADR 0009), or None if none came in time."""
+        try:
+            return self.answer(self.send({"t": messages.LOCAL}), timeout=shm.LINK_TIMEOUT)
+        except TimeoutError:
+            return None
 
     def ask(self, msg: messages.Message, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
             timeout: float | None = None) -> messages.Message:
@@ -419,10 +428,12 @@ class Job:
             return self._jobs.link(self._holder)
 
     def _ask(self, kind: str, on_data: Callable[[messages.Message, list[Any]], object] | None = None,
-             **fields: Any) -> messages.Message:
+             local: Callable[[JobLink], bool] | None = None, **fields: Any) -> messages.Message:
+        """Ask the job's peer (following it where it moved); `local(link)` True adds "local": true."""
         for _ in range(MAX_HOPS):
             with self._link() as link:
-                reply = link.ask(job_protocol.request(kind, 0, self.id, **fields), on_data)
+                extra = {"local": True} if local is not None and local(link) else {}
+                reply = link.ask(job_protocol.request(kind, 0, self.id, **fields, **extra), on_data)
             job = reply.get("job")
             if isinstance(job, dict):
                 self.info = job
@@ -502,11 +513,13 @@ class Job:
             if not 0 <= (rank or 0) < len(ranks):
                 raise JobError("bad-request", f"job {self.id} has {len(ranks)} rank(s): no rank {rank}")
             return ranks[rank or 0].fetch(paths, to, force)
-        receiver = transfer.FileReceiver(to, force)
+        receiver = local_fetch.Receiver(to, force)
         try:
-            self._ask(messages.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), paths=paths)
+            self._ask(messages.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), receiver.attach, paths=paths)
         finally:
             receiver.abort()
+        log.debug("fetched %d file(s) of job %s, %d by descriptor on a local link", len(receiver.files or []),
+                  self.id, receiver.passed)
         return [Path(to, f[0]) for f in receiver.files or []]
 
     def result(self, timeout: float | None = None) -> Any:

@@ -532,7 +532,7 @@ class BlobStore:
         return freed
 
 
-def _copy_fd(src: int, dst: int, size: int) -> None:
+def copy_fd(src: int, dst: int, size: int) -> None:
     """Copy `size` bytes between descriptors, in the kernel where it can (copy_file_range, reflinks)."""
     left = size
     if hasattr(os, "copy_file_range"):
@@ -556,7 +556,7 @@ def _copy_fd(src: int, dst: int, size: int) -> None:
                 out = out[os.write(dst, out):]
             left -= n
     if left:
-        raise FolderError(f"a stored blob ended {left} bytes short")
+        raise FolderError(f"the copy ended {left} bytes short of {size} (the file shrank)")
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -623,7 +623,7 @@ def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:
         except FileExistsError:
             raise FolderError(f"{entry.path} comes twice in the manifest") from None
         try:
-            _copy_fd(src, dst, entry.size)
+            copy_fd(src, dst, entry.size)
         finally:
             os.close(dst)
     finally:

@@ -77,14 +77,15 @@ def _read_into(fd: int, view: memoryview, path: PathLike) -> None:
         got += n
 
 
-def _chunks(path: PathLike, size: int, buf: bytearray) -> Iterator[tuple[int, memoryview]]:
-    """(offset, piece) of a file of `size` bytes, read into `buf` (reused: each piece is valid until the next);
-    FolderError if it is not that size any more."""
+def _chunks(path: PathLike, size: int, buf: bytearray, fresh: bool = False) -> Iterator[tuple[int, memoryview]]:
+    """(offset, piece) of a file of `size` bytes, read into `buf` (reused: each piece is valid until the next),
+    or with `fresh` each into a new buffer of at most its size; FolderError if it is not that size any more."""
     view = memoryview(buf)
     fd = _open_sized(path, size)
     try:
         for offset in range(0, size, len(buf)):
-            piece = view[:min(len(buf), size - offset)]
+            n = min(len(buf), size - offset)
+            piece = memoryview(bytearray(n)) if fresh else view[:n]
             _read_into(fd, piece, path)
             yield offset, piece
     finally:
@@ -408,15 +409,20 @@ def listing(root: PathLike, relpaths: list[str]) -> list[list[Any]]:
 
 
 def file_messages(root: PathLike, files: list[list[Any]], request_id: int, chunk: int = CHUNK,
-                  reuse: bool = True) -> Iterator[tuple[messages.Message, list[memoryview]]]:
+                  reuse: bool = True, handover: Callable[[Path, int], bool] | None = None,
+                  ) -> Iterator[tuple[messages.Message, list[memoryview]]]:
     """The FILE messages of `files` (what `listing` gave), header first. With `reuse`, one read buffer
     serves every chunk (send each before the next); without, each chunk has its own (the event loop
-    queues them unsent)."""
+    queues them unsent). A file that `handover(path, size)` passed on by descriptor (local_fetch.py)
+    is one FILE message with no chunk."""
     yield messages.file_header(request_id, files), []
     largest = max((size for _, size, _ in files), default=0)
     buf = bytearray(min(chunk, largest) or 1)
     for index, (rel, size, _) in enumerate(files):  # an empty file has no chunk
-        for offset, piece in _chunks(resolve_inside(root, rel), size, buf if reuse else bytearray(chunk)):
+        if size and handover is not None and handover(resolve_inside(root, rel), size):
+            yield messages.file_passed(request_id, index), []
+            continue
+        for offset, piece in _chunks(resolve_inside(root, rel), size, buf, fresh=not reuse):
             yield messages.file_chunk(request_id, index, offset), [piece]
 
 
@@ -480,8 +486,12 @@ class FileReceiver:
             if self._offset == size:
                 self._sink.run(self._complete)
                 self._next, self._offset = index + 1, 0
+        return self._skip_empty()
+
+    def _skip_empty(self) -> bool:
+        """Write the empty files that come next (an empty file has no chunk); True when all came."""
         while self.files is not None and not self.done and self.files[self._next][1] == 0:
-            self._sink.run(partial(self._empty, self._next))  # an empty file has no chunk
+            self._sink.run(partial(self._empty, self._next))
             self._next += 1
         return self.done
 

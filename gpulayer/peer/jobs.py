@@ -17,18 +17,20 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
 
-from ..jobs import folder, shim, transfer
+from ..jobs import folder, local_fetch, shim, transfer
 from ..jobs.cgroup import Cgroups
 from ..jobs.store import (ENDED, FAILED, LOST, MOVED, MOVING, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING,
                           STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of,
@@ -76,6 +78,7 @@ class JobConnection(Protocol):
     channel: AsyncChannel
     submitter_id: str
     address: str
+    link: socket.socket | None  # its local link (transport/shm.py), if it has one
 
 
 @dataclass
@@ -668,7 +671,8 @@ class Jobs:
         except (OSError, ValueError, folder.FolderError) as exc:
             return conn.channel.write(messages.error("bad-path", str(exc), msg["id"]))
         try:
-            for piece, buffers in transfer.file_messages(work, files, msg["id"], reuse=False):
+            handover = partial(local_fetch.pass_file, conn.link) if msg.get("local") and conn.link else None
+            for piece, buffers in transfer.file_messages(work, files, msg["id"], reuse=False, handover=handover):
                 conn.channel.write(piece, buffers)
                 await conn.channel.drain(DATA_CHUNK)
                 if conn.channel.closed:

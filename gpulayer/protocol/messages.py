@@ -525,6 +525,12 @@ def file_chunk(request_id: int, index: int, offset: int) -> Message:
     return {"t": FILE, "id": request_id, "n": index, "off": offset}
 
 
+def file_passed(request_id: int, index: int) -> Message:
+    """The header's file number `index`, whole, as the descriptor sent just before on the local link
+    (a submitter that asked with "local": jobs/local_fetch.py)."""
+    return {"t": FILE, "id": request_id, "n": index, "fd": True}
+
+
 def check_file(msg: Mapping[str, Any], buffers: int) -> str | None:
     """What is wrong with a FILE's shape (`buffers`: how many came with it), or None; the receiver checks
     the paths against its folder."""
@@ -534,6 +540,8 @@ def check_file(msg: Mapping[str, Any], buffers: int) -> str | None:
                 isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and _count(f[1])
                 and isinstance(f[2], bool) for f in files):
             return "a FILE header lists [path, size, executable] entries, with no buffer"
+        return None
+    if msg.get("fd") is True and not buffers and _count(msg.get("n")):
         return None
     if buffers != 1 or not _count(msg.get("n")) or not _count(msg.get("off")):
         return "a FILE chunk needs 'n' and 'off' (whole numbers) and one buffer"

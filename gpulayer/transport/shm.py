@@ -382,26 +382,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=POOL._after_fork)
 
 
-def adopt(fd: int, size: Any) -> Handle:
+def adopt(fd: int, size: Any, sealed: bool = True) -> Handle:
     """A descriptor received on a local link as a Handle, after checking that it is a segment.
 
     It must be a memfd of this uid, sealed against shrinking and growing, of exactly `size` bytes
     (what its message said). Anything else (a file such as /etc/passwd, an unsealed memfd that
-    could be truncated under us) is closed and refused with ShmError.
+    could be truncated under us) is closed and refused with ShmError. Without `sealed` (a job's file
+    that a fetch brings, whose first `size` bytes are copied once, never mapped), a regular file of this
+    uid and at least that size: one that its job appends to still gives the bytes listed, as over TCP.
     """
     try:
         info = os.fstat(fd)
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if sealed else 0
     except OSError:
         os.close(fd)
         raise ShmError("a descriptor on the local link is not a sealed memfd segment") from None
     problem = None
-    if not stat.S_ISREG(info.st_mode) or seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != \
-            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file" if not sealed else "is not a memfd sealed against shrinking and growing"
+    elif sealed and seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
         problem = "is not a memfd sealed against shrinking and growing"
     elif info.st_uid != os.getuid():
         problem = f"belongs to uid {info.st_uid}, not {os.getuid()}"
-    elif isinstance(size, bool) or not isinstance(size, int) or info.st_size != size or size < 1:
+    elif isinstance(size, bool) or not isinstance(size, int) or size < 1 or info.st_size < size \
+            or (sealed and info.st_size != size):
         problem = f"has {info.st_size} bytes where its message said {size!r}"
     if problem:
         os.close(fd)
@@ -508,8 +512,8 @@ def send_handles(link: socket.socket, handles: list[Handle]) -> None:
         socket.send_fds(link, [_BATCH.pack(0x46, len(batch))], [h.fd for h in batch])
 
 
-def receive_handles(link: socket.socket, places: list[tuple[int, int]]) -> list[Handle]:
-    """The descriptors of a message (sent before it) as checked Handles; ShmError if they are not there."""
+def receive_handles(link: socket.socket, places: list[tuple[int, int]], sealed: bool = True) -> list[Handle]:
+    """The descriptors of a message (sent before it) as checked Handles (`adopt`); ShmError if they are not there."""
     handles: list[Handle] = []
     try:
         while len(handles) < len(places):
@@ -526,7 +530,7 @@ def receive_handles(link: socket.socket, places: list[tuple[int, int]]) -> list[
                 raise ShmError("the local link carried something other than the message's descriptors")
             for i, fd in enumerate(fds):
                 try:
-                    handles.append(adopt(fd, places[len(handles)][1]))
+                    handles.append(adopt(fd, places[len(handles)][1], sealed))
                 except ShmError:
                     for other in fds[i + 1:]:
                         os.close(other)
