@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import tempfile
 import threading
@@ -34,6 +35,7 @@ from .inference import with_inferred
 log = logging.getLogger("gpulayer.client")
 PING_EVERY_S = 1.0  # while waiting on a long answer (wait, a followed log), a PING this often keeps it open
 SILENCE_S = 15.0  # nothing heard from the peer this long: the connection is lost
+SUBMIT_RETRY_S = 10.0  # a submit whose answer was lost is sent again to the same peer this long (it may restart)
 MAX_HOPS = 8  # a job that moved (pulled by another peer) is followed this many times at most for one request
 
 
@@ -261,19 +263,13 @@ class Jobs:
         failures: dict[str, list[str]] = {}
         for record in self.client.placement.ranked(req):
             try:
-                link = JobLink(self.client, record.addresses)
-                try:
-                    info = _submit_over(link, spec, manifest, array)
-                except BaseException:
-                    link.close()
-                    raise
+                holder, info, link = self._record_on(record, replace(spec, token=secrets.token_hex(16)), manifest,
+                                                     array)
             except (PeerLost, JobError) as exc:
                 if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
                     raise
                 failures[f"{record.advert.name} ({record.address})"] = [str(exc)]
                 continue
-            holder = Holder(holder_of(info["job"]["id"]), record.advert.name, record.addresses)
-            self._holders[holder.holder] = holder
             job = Job(self, holder, info["job"])
             if keep_link:
                 job.kept = link
@@ -281,6 +277,41 @@ class Jobs:
                 link.close()
             return job
         raise NoMatchingPeer(req, {**self.client.placement.reasons(req), **failures})
+
+    def _record_on(self, record: Any, spec: JobSpec, manifest: folder.Manifest,
+                   array: tuple[int, int, int] | None) -> tuple[Holder, messages.Message, JobLink]:
+        """The job recorded on the peer of `record`: its holder, JOB_INFO and the open link. When the connection
+        breaks after the submit went, the same peer (found again by its holder once its JOB_NEED named it: it may have
+        restarted elsewhere) is sent the same submit (the same token) again, with backoff, for SUBMIT_RETRY_S:
+        it records the job at most once. PeerLost if it was never reached; JobError "unacknowledged" past that."""
+        heard: dict[str, Any] = {}
+        addresses, deadline, pause = record.addresses, 0.0, 0.1
+        while True:
+            try:
+                link = JobLink(self.client, addresses)
+                try:
+                    info = _submit_over(link, spec, manifest, array, heard)
+                except BaseException:
+                    link.close()
+                    raise
+                holder = Holder(holder_of(info["job"]["id"]), record.advert.name, addresses)
+                self._holders[holder.holder] = holder
+                return holder, info, link
+            except PeerLost as exc:
+                if not deadline and not heard.get("sent"):
+                    raise  # never reached: nothing of the job is there
+                deadline = deadline or time.monotonic() + SUBMIT_RETRY_S
+                if time.monotonic() + pause > deadline:
+                    raise JobError("unacknowledged", (
+                        f"peer {record.advert.name} ({record.address}) did not acknowledge the job ({exc}); it may "
+                        "have been recorded there: `gpulayer jobs` shows it")) from None
+            time.sleep(pause)  # the peer may be restarting
+            pause = min(2 * pause, 1.0)
+            holder_id = heard.get("holder")
+            if isinstance(holder_id, str) and job_protocol.HOLDER.fullmatch(holder_id):
+                self._holders.pop(holder_id, None)
+                self._find(holder_id)  # not found (yet): the addresses tried last
+                addresses = self._holders[holder_id].addresses if holder_id in self._holders else addresses
 
     def _submit_gang(self, spec: JobSpec, manifest: folder.Manifest, req: Requirements, nodes: int) -> Job:
         """Record one rank on each of `nodes` distinct matching peers (in peer-id order: rank 0 on the
@@ -332,11 +363,18 @@ class Jobs:
         return JobLink(self.client, holder.addresses)
 
 
-def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest,
-                 array: tuple[int, int, int] | None) -> messages.Message:
-    """JOB_SUBMIT, then the blobs the peer lacks; the peer's JOB_INFO once it recorded the job."""
+def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest, array: tuple[int, int, int] | None,
+                 heard: dict[str, Any] | None = None) -> messages.Message:
+    """JOB_SUBMIT, then the blobs the peer lacks; the peer's JOB_INFO once it recorded the job (at once when
+    it recorded this submission's token before). `heard` gets "sent" and the JOB_NEED's "holder"."""
     request_id = link.send(job_protocol.submit(0, spec, manifest.to_wire(), array))
-    need = link.answer(request_id, timeout=60.0).get("need") or []
+    heard = {} if heard is None else heard
+    heard["sent"] = True
+    answer = link.answer(request_id, timeout=60.0)
+    if answer["t"] == messages.JOB_INFO:
+        return answer
+    heard["holder"] = answer.get("holder")
+    need = answer.get("need") or []
     transfer.push_blobs(link.conn, manifest, need, request_id)
     return link.answer(request_id, timeout=None if need else 60.0)
 

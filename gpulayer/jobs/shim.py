@@ -1,5 +1,9 @@
-"""A job's supervisor: `python -I -S shim.py LOG STATUS GRACE_FILE -- COMMAND...`, started by the peer in a
-session of its own, in the job's folder, with the job's environment.
+"""A job's supervisor: `python -I -S shim.py [--cgroup DIR] LOG STATUS GRACE_FILE -- COMMAND...`, started by
+the peer in a session of its own, in the job's folder, with the job's environment.
+
+With --cgroup (jobs/cgroup.py), it starts COMMAND from inside the job's cgroup DIR (and goes back to the
+peer's cgroup right after), so COMMAND's whole tree is in it whatever it does, and the tree is signalled
+through it (SIGKILL with cgroup.kill).
 
 It runs COMMAND with stdout and stderr both on the log (in the order written), and stays the parent
 of the job's whole process tree: on Linux it is a child subreaper, so a descendant whose parent
@@ -22,6 +26,8 @@ import errno
 import os
 import signal
 import sys
+import types
+from typing import Any
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 DEFAULT_GRACE_S = 10.0
@@ -66,10 +72,38 @@ def has_children() -> bool:
     return True
 
 
+def load_cgroup() -> types.ModuleType:
+    """jobs/cgroup.py (standard library only), imported from this file's folder (-I leaves it off sys.path)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cgroup
+
+    return cgroup
+
+
 class Supervisor:
-    def __init__(self, grace_file: str):
+    def __init__(self, grace_file: str, cgroup: str | None = None):
         self.grace_file = grace_file
         self.ending = False
+        self.cgroups = load_cgroup() if cgroup else None
+        self.cgroup: Any = self.cgroups.Path(cgroup) if self.cgroups else None  # pathlib: imported only with it
+
+    def signal_tree(self, sig: int) -> None:
+        """`sig` to the job's tree: every process of its cgroup, or every descendant of this process."""
+        if self.cgroup is None or self.cgroups is None:
+            return signal_tree(sig)
+        if sig == signal.SIGKILL:
+            return self.cgroups.kill(self.cgroup)
+        for pid in set(self.cgroups.procs(self.cgroup)) - {os.getpid()}:  # here while it starts the command
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass  # gone meanwhile
+
+    def join_cgroup(self, cgroup: Any) -> None:
+        """This process into the cgroup folder `cgroup` (none: nothing happens)."""
+        if cgroup is not None:
+            with open(cgroup / "cgroup.procs", "w") as f:
+                f.write("0")
 
     def grace(self) -> float:
         try:
@@ -83,13 +117,13 @@ class Supervisor:
         if self.ending:
             return
         self.ending = True
-        signal_tree(signal.SIGTERM)
+        self.signal_tree(signal.SIGTERM)
         signal.setitimer(signal.ITIMER_REAL, self.grace())
 
     def run(self, log: str, status_file: str, command: list[str]) -> int:
         signal.signal(signal.SIGTERM, self.end)
         signal.signal(signal.SIGINT, self.end)
-        signal.signal(signal.SIGALRM, lambda *_: signal_tree(signal.SIGKILL))
+        signal.signal(signal.SIGALRM, lambda *_: self.signal_tree(signal.SIGKILL))
         become_subreaper()
         out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         if self.ending:  # stopped while it started: the command never runs
@@ -98,14 +132,17 @@ class Supervisor:
             # as subprocess.Popen would (its import costs the job's start): stdin from /dev/null, the log
             # as stdout and stderr, SIGPIPE and SIGXFSZ back to their defaults (Python ignores them); the
             # peer started this process with no other descriptor open, and `out` is not inherited
+            self.join_cgroup(self.cgroup)  # the command starts in the job's cgroup, and all it starts stays there
             child = os.posix_spawnp(command[0], command, os.environ, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
                                     file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                                                   (os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, out, 2)])
         except OSError as exc:
             os.write(out, f"gpulayer: cannot run {command[0]!r}: {exc.strerror or exc}\n".encode())
             return _write_status(status_file, {"code": 127})
+        finally:  # back to the peer's cgroup: a kill of the job's cgroup spares its supervisor
+            self.join_cgroup(self.cgroup and self.cgroup.parent.parent)
         if self.ending:  # stopped while the command was being started: it goes too
-            signal_tree(signal.SIGTERM)
+            self.signal_tree(signal.SIGTERM)
         status: dict[str, int] = {}
         while True:
             try:
@@ -133,11 +170,12 @@ def _write_status(path: str, status: dict[str, int]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    log, status_file, grace_file, sep, *command = argv
+    cgroup = argv[1] if argv[:1] == ["--cgroup"] else None
+    log, status_file, grace_file, sep, *command = argv[2:] if cgroup else argv
     if sep != "--" or not command:
-        print("usage: shim.py LOG STATUS GRACE_FILE -- COMMAND...", file=sys.stderr)
+        print("usage: shim.py [--cgroup DIR] LOG STATUS GRACE_FILE -- COMMAND...", file=sys.stderr)
         return 2
-    return Supervisor(grace_file).run(log, status_file, command)
+    return Supervisor(grace_file, cgroup).run(log, status_file, command)
 
 
 if __name__ == "__main__":

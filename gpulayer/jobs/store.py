@@ -97,6 +97,7 @@ class JobSpec:
     pinned: bool = False  # submitted for one peer (--peer): no other peer pulls it
     gang: dict[str, Any] = field(default_factory=dict)  # a gang's (peer/gangs.py): {"rank", "size"} for a rank,
     # {"size", "ranks": [{"job", "peer", "at", "addr"}]} for the gang's own record on rank 0's peer
+    token: str = ""  # the submission's random token (32 hex digits): a submit sent again records nothing new
 
     @property
     def share(self) -> str:
@@ -167,6 +168,7 @@ class JobStore:
             if column not in columns:  # a state folder of an earlier release
                 with self.db:
                     self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
+        self.db.execute("CREATE INDEX IF NOT EXISTS jobs_token ON jobs (json_extract(spec, '$.token'))")
         self.holder = self._holder()
 
     def _holder(self) -> str:
@@ -219,7 +221,7 @@ class JobStore:
         with self._transaction():
             for spec in specs:
                 cursor = self.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes) "
-                                         "VALUES ('', '', ?, ?, ?)", (QUEUED, now, folder_bytes))
+                                         "VALUES ('', '{}', ?, ?, ?)", (QUEUED, now, folder_bytes))
                 ids.append(f"{self.holder}-{cursor.lastrowid}")
                 spec = replace(spec, array=ids[0]) if array else spec
                 self.db.execute("UPDATE jobs SET id = ?, spec = ? WHERE n = ?",
@@ -267,6 +269,13 @@ class JobStore:
     def get(self, job_id: str) -> JobRow | None:
         found = self.db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _row(found) if found else None
+
+    def submitted(self, token: str) -> list[JobRow]:
+        """The jobs recorded for the submission `token` (an array's all), oldest first; [] for no token."""
+        if not token:
+            return []
+        query = f"SELECT {_COLUMNS} FROM jobs WHERE json_extract(spec, '$.token') = ? ORDER BY n"
+        return [_row(r) for r in self.db.execute(query, (token,))]
 
     def rows(self, states: Iterable[str] = STATES) -> list[JobRow]:
         """The jobs in `states`, oldest first."""

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import psutil
 
 from ..jobs import folder, local_fetch, shim, transfer
+from ..jobs.cgroup import Cgroups
 from ..jobs.store import (ENDED, FAILED, LOST, MOVED, MOVING, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING,
                           STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of,
                           kill_point)
@@ -126,6 +127,11 @@ class Jobs:
         self.gangs = Gangs(self, JobSteps(self._info, self._enqueue, self._end, self._append_log), key)  # gang jobs
         for stray in self.store.sweep():  # a receipt or a recording cut by a crash: never recorded
             log.info("removed %s from the jobs' folder: no recorded job's", stray)
+        self.cgroups = Cgroups.find(self.holder)
+        if isinstance(self.cgroups, str):
+            log.info("jobs run without a cgroup each (%s): a process group and a child subreaper", self.cgroups)
+        else:
+            log.info("jobs run in a cgroup each, under %s", self.cgroups.base)
 
     @property
     def holder(self) -> str:
@@ -155,6 +161,9 @@ class Jobs:
         for row in self.store.rows([PREEMPTED]):  # it was being preempted: it asked for that, so queue it again
             _stop_leftover(row)
             self.store.update(row.id, state=QUEUED, restarts=row.restarts + 1, pid=None)
+        if not isinstance(self.cgroups, str):
+            for job_id in self.cgroups.sweep():  # what the jobs of its earlier life left running
+                log.info("job %s: killed what was left in its cgroup, and removed it", job_id)
         for row in self.store.rows([MOVING]):  # offered to a peer that had not committed: it stays here
             self.store.update(row.id, state=QUEUED, moved="")
         for row in self.store.rows([QUEUED]):
@@ -175,6 +184,8 @@ class Jobs:
         await asyncio.gather(*(r.runner for r in runs if r.runner is not None), return_exceptions=True)
         if self._pythonpath:
             shutil.rmtree(self._pythonpath, ignore_errors=True)
+        if not isinstance(self.cgroups, str):
+            self.cgroups.close()
         self.store.close()
         os.close(self._lock)
 
@@ -320,6 +331,8 @@ class Jobs:
             manifest = folder.Manifest.from_wire(msg.get("files"))
         except (ValueError, folder.FolderError) as exc:
             return conn.channel.write(messages.error("bad-request", str(exc), request_id))
+        if self._recorded_before(conn, request_id, spec):
+            return
         reasons = match(req, self.advert())
         if reasons:
             return conn.channel.write(messages.error("no-match", "; ".join(reasons), request_id))
@@ -330,9 +343,18 @@ class Jobs:
         receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need},
                                          transfer.DiskThread() if need else None)
         self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, array)
-        conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need})
+        conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need, "holder": self.holder})
         if not need:
             self.scheduler.spawn(self._record(conn, request_id))
+
+    def _recorded_before(self, conn: JobConnection, request_id: int, spec: JobSpec) -> bool:
+        """Whether the submission's token names jobs recorded already (its submitter lost the answer and sent
+        it again): if so, the answer is the (first) job, as it was then, and nothing new is recorded."""
+        rows = self.store.submitted(spec.token)
+        if rows:
+            log.info("job %s: its submit came again; answered with the job recorded", rows[0].id)
+            conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
+        return bool(rows)
 
     def _blob(self, conn: JobConnection, msg: messages.Message, buffers: list[Any]) -> None:
         """A piece of a blob the JOB_NEED asked for: checked here, hashed and written on the upload's disk
@@ -377,7 +399,8 @@ class Jobs:
             await self._loop().run_in_executor(None, _build, upload.manifest, self.blobs, incoming)
         except (OSError, folder.FolderError) as exc:
             problem = f"the job's folder cannot be built: {exc}"
-        if self._uploads.pop((conn, request_id), None) is not upload or problem is not None:
+        if self._uploads.pop((conn, request_id), None) is not upload or problem is not None \
+                or self._recorded_before(conn, request_id, upload.spec):
             for path in incoming:
                 shutil.rmtree(path, ignore_errors=True)
             if problem is not None:
@@ -483,8 +506,9 @@ class Jobs:
             self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
             ran = True
             try:
+                cgroup = [] if isinstance(self.cgroups, str) else ["--cgroup", str(self.cgroups.make(job_id))]
                 run.proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-I", "-S", shim.__file__, str(home / LOG_FILE), str(home / STATUS_FILE),
+                    sys.executable, "-I", "-S", shim.__file__, *cgroup, str(home / LOG_FILE), str(home / STATUS_FILE),
                     str(home / GRACE_FILE), "--", *row.spec.command, cwd=home / WORK_DIR, env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     start_new_session=True)
@@ -497,6 +521,8 @@ class Jobs:
             if row.spec.timeout:
                 run.timer = self._loop().call_later(row.spec.timeout, self._time_out, job_id)
             await run.proc.wait()
+            if not isinstance(self.cgroups, str):  # what outlived its supervisor (one killed, say) goes too
+                await self._loop().run_in_executor(None, self.cgroups.remove, job_id)
             if run.timer is not None:
                 run.timer.cancel()
             state, reason, code = _outcome(_read_status(home / STATUS_FILE), run.stopping, row.spec.timeout)

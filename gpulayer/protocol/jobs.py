@@ -34,6 +34,7 @@ DEFAULT_GRACE_S = 10.0
 MAX_PULL_WAIT_S = 600.0  # the longest a JOB_PULL may be held for a job to offer
 TAKE_STEPS = ("need", "commit", "refuse")  # a JOB_TAKE: the blobs the puller lacks, then its word
 HOLDER = re.compile(r"[0-9a-f]{12}")
+TOKEN = re.compile(r"[0-9a-f]{32}")  # a submission's token: 128 random bits
 
 
 def submit(request_id: int, spec: JobSpec, files: list[list[Any]],
@@ -43,7 +44,8 @@ def submit(request_id: int, spec: JobSpec, files: list[list[Any]],
     fields = {"command": spec.command, "name": spec.name, "env": spec.env, "req": spec.req,
               "timeout": spec.timeout, "retries": spec.retries, "function": spec.function,
               "priority": spec.priority, "user": spec.user, "preemptible": spec.preemptible, "grace": spec.grace,
-              "pinned": spec.pinned, **({"gang": spec.gang} if spec.gang else {})}
+              "pinned": spec.pinned, **({"gang": spec.gang} if spec.gang else {}),
+              **({"token": spec.token} if spec.token else {})}
     return {"t": messages.JOB_SUBMIT, "id": request_id, "spec": fields, "files": files,
             **({"array": list(array)} if array is not None else {})}
 
@@ -90,6 +92,9 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
     if not isinstance(fields.get("req", {}), dict) or not isinstance(fields.get("function", False), bool) \
             or not isinstance(fields.get("pinned", False), bool):
         return "a JOB_SUBMIT's 'req' is a map, 'function' and 'pinned' booleans"
+    token = fields.get("token", "")
+    if not (token == "" or isinstance(token, str) and TOKEN.fullmatch(token)):
+        return "a job's 'token' is 32 hex digits (128 random bits)"
     gang = fields.get("gang", {})
     problem = check_gang(gang)
     if problem is not None:
@@ -102,7 +107,7 @@ def check_spec(fields: Any, submitter: str) -> JobSpec | str:
     return JobSpec(command=command, name=name, env=env, req=fields.get("req", {}), timeout=timeout,
                    retries=retries, submitter=submitter, function=fields.get("function", False),
                    priority=priority, user=user, preemptible=preemptible, grace=float(grace), gang=gang,
-                   pinned=fields.get("pinned", False))
+                   pinned=fields.get("pinned", False), token=token)
 
 
 def _text(value: Any, most: int) -> bool:
