@@ -33,8 +33,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpulayer.torch as glt
-from trainer_overhead import (L, LOG_KW, adam, cross_entropy, machine_info, make_mlp, make_resnet18, mse, sgd,
-                              spread, synchronize)
+from trainer_overhead import (L, LOG_KW, adam, cross_entropy, machine_info, make_mlp, make_resnet18, model_arguments,
+                              mse, plot_steps, sgd, spread, synchronize)
 
 class Model(NamedTuple):
     description: str
@@ -165,41 +165,20 @@ def measure(name: str, args, kind: str, ways: dict, scratch: str) -> dict:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(report["models"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        res = report["models"][name]["results"]
-        ax.boxplot([res[w]["ms_per_step_all"] for w in res], tick_labels=list(res))
-        ax.set_title(f"{name}, DDP on {report['devices']} x {report['device']}", fontsize=9)
-        ax.set_ylabel("ms per training step (per timed epoch)")
-        ax.set_ylim(bottom=0)
-        ax.grid(axis="y", alpha=0.3)
-    m = report["machine"]
-    fig.suptitle(f"DDP trainer overhead on {m['gpu'] or report['device']} (torch {m['torch']}, "
-                 f"lightning {m['lightning']}), {m['date'][:10]}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    plot_steps([(section["results"], f"{name}, DDP on {report['devices']} x {report['device']}")
+                for name, section in report["models"].items()],
+               report["machine"], report["device"], "DDP trainer overhead", path)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    model_arguments(parser)
     parser.add_argument("--devices", type=int, default=2, help="processes, one device each (CPU: gloo)")
-    parser.add_argument("--quick", action="store_true", help="a few small steps: checks that the script runs")
-    parser.add_argument("--models", default="mlp,resnet18", help="comma-separated: mlp, resnet18")
     parser.add_argument("--steps", type=int, default=60, help="global steps per epoch")
     parser.add_argument("--passes", type=int, default=4, help="fits of each way, in alternating order")
     parser.add_argument("--repeats", type=int, default=8, help="timed epochs per fit")
     parser.add_argument("--warmup", type=int, default=1, help="untimed epochs per fit")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=256, help="the global batch (split over the devices)")
-    parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--json", default=None, help="default: bench/results/trainer_ddp_<device>.json")
     parser.add_argument("--plot", default=None, help="default: the --json path with .png")
     args = parser.parse_args(argv)

@@ -372,47 +372,56 @@ def machine_info(device: torch.device) -> dict:
     }
 
 
-def plot(report: dict, path: str) -> None:
+def plot_steps(panels: list[tuple[dict, str]], machine: dict, device: str, what: str, path: str) -> None:
+    """Box plots of the ms per step of each way, a panel per (results, title), the medians written beside."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sections = [("mlp", report)] + ([("resnet18", report["resnet18"])] if "resnet18" in report else [])
-    fig, axes = plt.subplots(1, len(sections), figsize=(5.5 * len(sections), 4.2), squeeze=False)
-    for ax, (name, section) in zip(axes[0], sections):
-        res = section["results"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (res, title) in zip(axes[0], panels):
         names = list(res)
         ax.boxplot([res[n]["ms_per_step_all"] for n in names], tick_labels=names, showfliers=True)
         for i, n in enumerate(names, 1):
             ax.annotate(f"{res[n]['ms_per_step_median']:.3f}", (i, res[n]["ms_per_step_median"]),
                         textcoords="offset points", xytext=(18, 0), fontsize=8, va="center")
-        ax.set_title(f"{name}: {section['config']['model']}\n{section['config']['precision']}, "
-                     f"batch {section['config']['batch_size']}", fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.set_ylabel("ms per training step (per timed epoch)")
         ax.set_ylim(bottom=0)
         ax.grid(axis="y", alpha=0.3)
-    m = report["machine"]
-    fig.suptitle(f"trainer overhead on {m['gpu'] or report['device']} (torch {m['torch']}, "
-                 f"lightning {m['lightning']}), {m['date'][:10]}", fontsize=10)
+    fig.suptitle(f"{what} on {machine['gpu'] or device} (torch {machine['torch']}, "
+                 f"lightning {machine['lightning']}), {machine['date'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def plot(report: dict, path: str) -> None:
+    sections = [("mlp", report)] + ([("resnet18", report["resnet18"])] if "resnet18" in report else [])
+    plot_steps([(section["results"], f"{name}: {section['config']['model']}\n{section['config']['precision']}, "
+                                     f"batch {section['config']['batch_size']}") for name, section in sections],
+               report["machine"], report["device"], "trainer overhead", path)
+
+
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this script and trainer_ddp.py share: the device and the models' sizes."""
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     parser.add_argument("--quick", action="store_true", help="a few small steps: checks that the script runs")
     parser.add_argument("--models", default="mlp,resnet18", help="comma-separated: mlp, resnet18")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--features", type=int, default=256)
+    parser.add_argument("--log-every", type=int, default=50)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(parser)
     parser.add_argument("--steps", type=int, default=60, help="MLP steps per epoch")
     parser.add_argument("--resnet-steps", type=int, default=30, help="ResNet-18 steps per epoch")
     parser.add_argument("--passes", type=int, default=4, help="passes over all ways, in alternating order")
     parser.add_argument("--repeats", type=int, default=10, help="timed epochs per way and pass")
     parser.add_argument("--warmup", type=int, default=1, help="untimed epochs per way and pass")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--compile", default="cudagraphs",
                         help="the compile= of the glt_compile way: a string, or JSON (true, {\"backend\": ...})")
     parser.add_argument("--clock", choices=["wall", "process"], default="wall",

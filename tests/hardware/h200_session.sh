@@ -8,17 +8,7 @@
 set -u
 stage=${1:?checks or bench}
 out=${OUT:?OUT is where the results go}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, say how it ended
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@"
-    echo "== $name: exit $? after $((SECONDS - t0)) s"
-}
+. tests/hardware/session_common.sh
 
 if [ "$stage" = checks ]; then
     step nvml 60 python3 tests/hardware/record_nvml.py --out "$out/nvml_h200_recorded.json"

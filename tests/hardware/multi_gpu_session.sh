@@ -9,19 +9,9 @@
 set -u
 stage=${1:?checks or bench}
 out=${OUT:?OUT is where the results go}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. tests/hardware/session_common.sh
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 [ "$gpus" -ge 2 ] || { echo "this machine has $gpus CUDA GPU(s); issue 31's runs need 2"; exit 3; }
-
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, say how it ended
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@"
-    echo "== $name: exit $? after $((SECONDS - t0)) s"
-}
 
 if [ "$stage" = checks ]; then
     {
