@@ -3,10 +3,10 @@
 The peer's own cgroup v2 folder is found from /proc/self/cgroup and /proc/self/mountinfo. If the peer
 may make a folder there (root, or a delegated cgroup), its jobs' cgroups are
 `<peer's cgroup>/gpulayer-<holder>/job-<job id>`: `gpulayer-<holder>` holds no process (cgroup v2's
-"no internal processes" rule), and no controller is enabled but memory where it is available (for the
-job's peak). The supervisor puts the command into the job's cgroup between fork and exec
-(jobs/shim.py), so every descendant is in it whatever it does (setsid, a double fork, a daemon), and
-the peer kills what is left in it when the job ends, and removes it. Elsewhere (no cgroup v2, not
+"no internal processes" rule), and no controller is enabled. The supervisor enters the job's cgroup,
+starts the command there and steps back out (jobs/shim.py), so every descendant of the command is in
+it whatever it does (setsid, a double fork, a daemon), and the peer kills what is left in it when the
+job ends, and removes it. Elsewhere (no cgroup v2, not
 writable, macOS, GPULAYER_JOB_CGROUPS=0) `find` says why, and jobs run as before: a process group and a
 child subreaper.
 """
@@ -63,8 +63,6 @@ class Cgroups:
                 return f"{base}/cgroup.procs is not writable"
         except OSError as exc:
             return f"cannot make {base}: {exc.strerror or exc}"
-        if "memory" in _words(base / "cgroup.controllers"):  # for memory.peak: base holds no process
-            _write(base / "cgroup.subtree_control", "+memory")
         return cls(base)
 
     def path(self, job_id: str) -> Path:
@@ -75,11 +73,6 @@ class Cgroups:
         self.remove(job_id)
         self.path(job_id).mkdir()
         return self.path(job_id)
-
-    def peak_memory(self, job_id: str) -> int | None:
-        """The most memory the job's processes held at once (bytes), where the memory controller is on."""
-        words = _words(self.path(job_id) / "memory.peak")
-        return int(words[0]) if words and words[0].isdigit() else None
 
     def remove(self, job_id: str) -> None:
         """Kill what is left in the job's cgroup and remove it (nothing happens if it is not there)."""
@@ -98,7 +91,6 @@ class Cgroups:
         for job_id in gone:
             self.remove(job_id)
         return gone
-
 
     def close(self) -> None:
         """The peer stops, its jobs ended: its folder of cgroups goes (it stays if a job's is left in it)."""

@@ -6,7 +6,8 @@ a one-time token) and asks its JOB_FETCH with `"local": true`. The peer then pas
 file, opened read-only after the same path checks as over TCP, as a descriptor on the link, and
 sends `FILE {"id", "n": index, "fd": true}` in place of its chunks (`pass_file`; files of 1 MiB or
 more, as for buffers in ADR 0009). The submitter
-checks each descriptor (`shm.adopt`: a regular file of its uid, of the size the header said),
+checks each descriptor (`shm.adopt`: a regular file of its uid, at least the size the header said;
+a file the job still writes to is copied as it was when listed, as over TCP),
 copies it in the kernel (copy_file_range, a read loop where that fails) beside its final name and
 renames it into place, as for chunks (`Receiver`). A file the link cannot carry (full, or no link:
 another host, another network namespace, another uid, GPULAYER_SHM=0, macOS) goes as chunks.
