@@ -168,7 +168,9 @@ class JobStore:
             if column not in columns:  # a state folder of an earlier release
                 with self.db:
                     self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
-        self.db.execute("CREATE INDEX IF NOT EXISTS jobs_token ON jobs (json_extract(spec, '$.token'))")
+        # only over valid specs: a row an earlier release left half recorded (spec '') would fail the index
+        self.db.execute("CREATE INDEX IF NOT EXISTS jobs_by_token ON jobs (json_extract(spec, '$.token')) "
+                        "WHERE json_valid(spec)")
         self.holder = self._holder()
 
     def _holder(self) -> str:
@@ -274,7 +276,7 @@ class JobStore:
         """The jobs recorded for the submission `token` (an array's all), oldest first; [] for no token."""
         if not token:
             return []
-        query = f"SELECT {_COLUMNS} FROM jobs WHERE json_extract(spec, '$.token') = ? ORDER BY n"
+        query = f"SELECT {_COLUMNS} FROM jobs WHERE json_valid(spec) AND json_extract(spec, '$.token') = ? ORDER BY n"
         return [_row(r) for r in self.db.execute(query, (token,))]
 
     def rows(self, states: Iterable[str] = STATES) -> list[JobRow]:

@@ -89,6 +89,20 @@ def test_a_state_folder_of_an_earlier_release_gets_the_moved_column(tmp_path):
     assert again.get(row.id).moved == "" and again.get(row.id).state == QUEUED
 
 
+def test_a_state_folder_with_a_half_recorded_row_of_an_earlier_release_opens_and_finds_tokens(tmp_path):
+    """Releases before the token wrote a placeholder spec '' first, in a transaction of its own: a crash could
+    leave it, and an index over every spec's JSON could then not be made (the store would not open)."""
+    first = JobStore(tmp_path / "state")
+    token = "0123456789abcdef0123456789abcdef"
+    row = first.add(JobSpec(["x"], token=token), 0)
+    first.db.execute("INSERT INTO jobs (id, spec, state, submitted, folder_bytes) VALUES ('', '', ?, 0, 0)",
+                     (QUEUED,))
+    first.db.execute("DROP INDEX jobs_by_token")
+    first.close()
+    again = JobStore(tmp_path / "state")
+    assert [r.id for r in again.submitted(token)] == [row.id]
+
+
 @pytest.mark.parametrize("value", ["", "abc-1", "0123456789ab-0", "0123456789AB-1", "0123456789ab-1/..", 7, None])
 def test_malformed_job_ids_are_refused(value):
     assert "a job id is" in check_job_id(value)
