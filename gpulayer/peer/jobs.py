@@ -127,9 +127,10 @@ class Jobs:
         self.gangs = Gangs(self, JobSteps(self._info, self._enqueue, self._end, self._append_log), key)  # gang jobs
         for stray in self.store.sweep():  # a receipt or a recording cut by a crash: never recorded
             log.info("removed %s from the jobs' folder: no recorded job's", stray)
-        self.cgroups = Cgroups.find(self.holder)
-        if isinstance(self.cgroups, str):
-            log.info("jobs run without a cgroup each (%s): a process group and a child subreaper", self.cgroups)
+        found = Cgroups.find(self.holder)
+        self.cgroups = found if isinstance(found, Cgroups) else None  # None: why was logged
+        if self.cgroups is None:
+            log.info("jobs run without a cgroup each (%s): a process group and a child subreaper", found)
         else:
             log.info("jobs run in a cgroup each, under %s", self.cgroups.base)
 
@@ -161,7 +162,7 @@ class Jobs:
         for row in self.store.rows([PREEMPTED]):  # it was being preempted: it asked for that, so queue it again
             _stop_leftover(row)
             self.store.update(row.id, state=QUEUED, restarts=row.restarts + 1, pid=None)
-        if not isinstance(self.cgroups, str):
+        if self.cgroups is not None:
             for job_id in self.cgroups.sweep():  # what the jobs of its earlier life left running
                 log.info("job %s: killed what was left in its cgroup, and removed it", job_id)
         for row in self.store.rows([MOVING]):  # offered to a peer that had not committed: it stays here
@@ -184,7 +185,7 @@ class Jobs:
         await asyncio.gather(*(r.runner for r in runs if r.runner is not None), return_exceptions=True)
         if self._pythonpath:
             shutil.rmtree(self._pythonpath, ignore_errors=True)
-        if not isinstance(self.cgroups, str):
+        if self.cgroups is not None:
             self.cgroups.close()
         self.store.close()
         os.close(self._lock)
@@ -506,7 +507,7 @@ class Jobs:
             self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
             ran = True
             try:
-                cgroup = [] if isinstance(self.cgroups, str) else ["--cgroup", str(self.cgroups.make(job_id))]
+                cgroup = [] if self.cgroups is None else ["--cgroup", str(self.cgroups.make(job_id))]
                 run.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-I", "-S", shim.__file__, *cgroup, str(home / LOG_FILE), str(home / STATUS_FILE),
                     str(home / GRACE_FILE), "--", *row.spec.command, cwd=home / WORK_DIR, env=env,
@@ -521,7 +522,7 @@ class Jobs:
             if row.spec.timeout:
                 run.timer = self._loop().call_later(row.spec.timeout, self._time_out, job_id)
             await run.proc.wait()
-            if not isinstance(self.cgroups, str):  # what outlived its supervisor (one killed, say) goes too
+            if self.cgroups is not None:  # what outlived its supervisor (one killed, say) goes too
                 await self._loop().run_in_executor(None, self.cgroups.remove, job_id)
             if run.timer is not None:
                 run.timer.cancel()
