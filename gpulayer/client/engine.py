@@ -136,12 +136,18 @@ class Client(Listener):
         return self._closed.is_set()
 
     def start(self) -> None:
-        """Start discovery, the static peers' probes and the heartbeat (once)."""
+        """Start the heartbeat and discovery: mDNS and the static peers' probes, soon after when cached
+        peers can be tried first (client/pool.py); once."""
         with self._lock:
             if self._started:
                 return
             self._started = True
         self.pool.start(self._mdns, self.interfaces, self._on_heartbeat)
+
+    def discover(self) -> None:
+        """Start, and discovery now: for what waits on the peers that mDNS and the static ones bring."""
+        self.start()
+        self.pool.discover()
 
     def _on_heartbeat(self) -> None:
         """The engine's part of each heartbeat, before the pool's liveness round: the RELEASEs of dropped
@@ -150,8 +156,9 @@ class Client(Listener):
         self._send_releases()
         self._offer_to([r for r in self.directory.records() if r.up and self.pool.pooled(r.advert.peer_id) is None])
 
-    def _wait_for_match(self, req: Requirements, excluded: Collection[str]) -> None:
-        self.start()
+    def wait_for_match(self, req: Requirements, excluded: Collection[str] = ()) -> None:
+        """Wait, up to the discovery timeout, until some peer is a candidate for `req`."""
+        self.discover()
         if self.static_errors and not self.placement.candidates(req, excluded):
             for address in self.pool.static:
                 self.pool.probe_static(address)
@@ -297,7 +304,7 @@ class Client(Listener):
             if asking:
                 ranked = self.placement.to_ask(task.req, task.excluded)
             if not ranked and (attempt == 0 or failures):
-                self._wait_for_match(task.req, task.excluded)
+                self.wait_for_match(task.req, task.excluded)
                 ranked = self.placement.ranked(task.req, task.excluded, holders)
                 asking = not ranked
             for record in ranked:
@@ -530,7 +537,7 @@ class Client(Listener):
 
     def peers(self, wait: float | None = None, probe: bool = True) -> list[dict[str, Any]]:
         """The known peers of this cluster with their state; `probe` asks each for its load."""
-        self.start()
+        self.discover()
         # listen for mDNS answers; 1.5 s covers the browser's second query: a peer that announced
         # itself under a second ago stays silent to the first one (a record goes out once a second)
         self._closed.wait(min(self.discovery_timeout, 1.5) if wait is None else wait)

@@ -142,7 +142,7 @@ def choose(client: Client, req: Requirements, nodes: int, feature: str | None = 
     """The ids of `nodes` distinct matching peers, the best first, leaving out those whose slots this
     submitter's own actors hold (and those whose adverts do not name `feature`, when given: a part of the
     protocol the gang needs); NoMatchingPeer when fewer are known after discovery's wait."""
-    client.start()
+    client.discover()
     client.directory.wait_for(lambda _: len(client.placement.candidates(req)) >= nodes, client.discovery_timeout)
     held = _held_by_own_actors(client)
     ranked = client.placement.ranked(req)

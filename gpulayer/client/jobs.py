@@ -196,7 +196,7 @@ class Jobs:
     def _find(self, wanted: str) -> int:
         """Ask the peers as they are discovered until the holder `wanted` answers, or the discovery
         time passes (GPULAYER_DISCOVERY_TIMEOUT); how many peers answered."""
-        self.client.start()
+        self.client.discover()
         directory, answered = self.client.directory, 0
         asked: set[str] = set()
         deadline = time.monotonic() + self.client.discovery_timeout
@@ -258,25 +258,30 @@ class Jobs:
                        grace=grace, pinned=req.peer is not None)
         if nodes > 1:
             return self._submit_gang(spec, manifest, req, nodes)
+        placement, failures, failed = self.client.placement, dict[str, list[str]](), set[str]()  # failed: peer ids
         self.client.start()
-        self.client.placement.wait_for_match(req, (), self.client.discovery_timeout)
-        failures: dict[str, list[str]] = {}
-        for record in self.client.placement.ranked(req):
-            try:
-                holder, info, link = self._record_on(record, replace(spec, token=secrets.token_hex(16)), manifest,
-                                                     array)
-            except (PeerLost, JobError) as exc:
-                if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
-                    raise
-                failures[f"{record.advert.name} ({record.address})"] = [str(exc)]
-                continue
-            job = Job(self, holder, info["job"])
-            if keep_link:
-                job.kept = link
-            else:
-                link.close()
-            return job
-        raise NoMatchingPeer(req, {**self.client.placement.reasons(req), **failures})
+        for attempt in range(2):  # the second after discovery, when every known candidate failed (a stale cache)
+            if attempt or not placement.candidates(req):
+                self.client.wait_for_match(req, failed)
+            for record in placement.ranked(req, failed):
+                try:
+                    holder, info, link = self._record_on(record, replace(spec, token=secrets.token_hex(16)),
+                                                         manifest, array)
+                except (PeerLost, JobError) as exc:
+                    if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
+                        raise
+                    failures[f"{record.advert.name} ({record.address})"] = [str(exc)]
+                    failed.add(record.advert.peer_id)
+                    continue
+                job = Job(self, holder, info["job"])
+                if keep_link:
+                    job.kept = link
+                else:
+                    link.close()
+                return job
+            if not failed:
+                break
+        raise NoMatchingPeer(req, {**placement.reasons(req), **failures})
 
     def _record_on(self, record: Any, spec: JobSpec, manifest: folder.Manifest,
                    array: tuple[int, int, int] | None) -> tuple[Holder, messages.Message, JobLink]:

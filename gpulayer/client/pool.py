@@ -36,6 +36,7 @@ log = logging.getLogger("gpulayer.client")
 
 DOWN_BACKOFF = 5.0  # seconds a peer that failed is skipped before it is tried again
 LOST_AFTER = 3  # heartbeats without a word from a connection that owes answers
+DEFER_DISCOVERY_S = 0.25  # discovery waits this long when cached peers can be tried first (`Pool.start`)
 
 
 class Pool:
@@ -61,24 +62,42 @@ class Pool:
         self._received_before = 0  # bytes read on the peers' own connections closed since
         self._browser: mdns.Browser | None = None
         self._browsing = threading.Lock()  # the browser is set, or closed at once when the pool closed first
+        self._mdns, self._discovering = False, False  # what `start` was given; whether `discover` ran
+        self._interfaces: list[str] | None = None
         self._helpers = ThreadPoolExecutor(16, thread_name_prefix="gpulayer-pool")
         # the handshakes at the claims of a peer's id (`_verify`): several peers' at once
         self._handshakes = ThreadPoolExecutor(4 * discovery.MAX_CLAIMS, thread_name_prefix="gpulayer-verify")
         self.gossip = Gossip(self, self.closed, self._helpers.submit)  # lists of verified peers (ADR 0017)
 
     def start(self, mdns: bool, interfaces: list[str] | None, on_beat: Callable[[], None]) -> None:
-        """Browse mDNS (on `interfaces`, None: discovery's default) if `mdns`, probe the static peers, and
-        start the heartbeat, which calls `on_beat` first on each round."""
-        if mdns:
-            threading.Thread(target=self._browse, args=(interfaces,), name="gpulayer-query", daemon=True).start()
-        for address in self.static:
-            self._helpers.submit(self.probe_static, address)
+        """Start the heartbeat, which calls `on_beat` first on each round, and discovery (`discover`): at
+        once, or after DEFER_DISCOVERY_S when the directory already holds peers (the cache's) to try first.
+        Their handshake is then the only CPU spent before a first placement: the browse (zeroconf's import
+        and start, about 25 ms of CPU) and the static probes would hold the GIL and the cores it needs."""
+        self._mdns, self._interfaces = mdns, interfaces
         threading.Thread(target=self._heartbeat, args=(on_beat,), name="gpulayer-heartbeat", daemon=True).start()
         threading.Thread(target=self.gossip.run, name="gpulayer-gossip", daemon=True).start()
+        if not self.directory.records():
+            self.discover()
+        else:
+            threading.Thread(target=lambda: self.closed.wait(DEFER_DISCOVERY_S) or self.discover(),
+                             name="gpulayer-discover", daemon=True).start()
+
+    def discover(self) -> None:
+        """Browse mDNS (on the interfaces given to `start`, None: discovery's default) if asked to, and
+        probe the static peers; once, whoever calls first (a placement that finds no candidate does)."""
+        with self._lock:
+            if self._discovering:
+                return
+            self._discovering = True
+        if self._mdns:
+            threading.Thread(target=self._browse, args=(self._interfaces,), name="gpulayer-query", daemon=True).start()
+        for address in self.static:
+            self._helpers.submit(self.probe_static, address)
 
     def _browse(self, interfaces: list[str] | None) -> None:
-        """Browse mDNS and ask at once, on a thread of its own: zeroconf's import and start (about 25 ms of
-        CPU) overlap with the static peers' and the cache's handshakes instead of coming before them."""
+        """Browse mDNS and ask at once, on a thread of its own: zeroconf's import and start overlap with the
+        static peers' handshakes instead of coming before them."""
         from .. import mdns
 
         try:

@@ -12,6 +12,7 @@ import pytest
 
 import gpulayer as gl
 from gpulayer.client import Client
+from gpulayer.client.jobs import Jobs
 from gpulayer.matching import Requirements
 from support import holds_for, new_key
 
@@ -137,3 +138,23 @@ def test_the_peer_cache_is_used_by_a_fresh_process_and_verified_on_connect(peer_
     peer.stop()  # the cached entry is now stale: it is verified, dropped, and the error is clear
     out = subprocess.run(fresh, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "NoMatchingPeer" in out.stderr
+
+
+def test_a_job_goes_past_a_stale_cached_peer_to_one_that_discovery_finds(peer_factory, tmp_path, monkeypatch):
+    """A cached peer is tried before discovery starts (client/pool.py); when it is gone, the submit waits for
+    discovery (here the static peer's probe) once more instead of failing with the cache's peers alone."""
+    key = new_key()
+    gone, live = peer_factory("gone", "--no-mdns", key=key), peer_factory("live", "--no-mdns", key=key)
+    monkeypatch.setenv("GPULAYER_CACHE", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = Client(key=key.encode(), peers=gone.address, mdns=False, echo_output=False)
+    assert first.submit(lambda: 1, req=ANY).result(30) == 1
+    first.close()  # the cache now names "gone" alone
+    gone.stop()
+    client = Client(key=key.encode(), peers=live.address, mdns=False, echo_output=False)
+    try:
+        job = Jobs(client).submit(["true"], None, ANY)
+        assert job.peer == "live"
+        assert job.wait(60) == "succeeded"
+    finally:
+        client.close()
