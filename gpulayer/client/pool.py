@@ -80,8 +80,11 @@ class Pool:
         if not self.directory.records():
             self.discover()
         else:
-            threading.Thread(target=lambda: self.closed.wait(DEFER_DISCOVERY_S) or self.discover(),
-                             name="gpulayer-discover", daemon=True).start()
+            threading.Thread(target=self._discover_later, name="gpulayer-discover", daemon=True).start()
+
+    def _discover_later(self) -> None:
+        if not self.closed.wait(DEFER_DISCOVERY_S):
+            self.discover()
 
     def discover(self) -> None:
         """Browse mDNS (on the interfaces given to `start`, None: discovery's default) if asked to, and
