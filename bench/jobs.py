@@ -1,6 +1,6 @@
 """Jobs (issue 27): a job's working folder up and its artifact down, side by side with a raw socket.
 
-    python bench/jobs.py [--quick] [--json bench/results/jobs.json] [--plot bench/results/jobs.png]
+    python bench/jobs.py [--quick] [--only SECTION] [--json bench/results/jobs.json] [--plot bench/results/jobs.png]
 
 Two network namespaces on a bridge (tests/lan/lanlab.py; root only), a "peer" process in one and a
 "submitter" process in the other, one TCP connection per measurement:
@@ -75,6 +75,7 @@ TARGETS = {"upload_over_raw": 0.8, "resubmit_bytes_over_folder": 0.01, "fetch_ov
 LENGTH = struct.Struct(">Q")
 CPU = struct.Struct(">d")
 TIMEOUT = 600.0
+SECTIONS = ("namespaces", "submit", "one-host-fetch")  # what --only may choose
 
 
 def make_folder(root: Path, data_files: int, data_mib: int, sources: int, source_kib: int) -> int:
@@ -347,6 +348,57 @@ class Submitter:
         return seconds, max(answers)
 
 
+    def peer_artifact(self, address: tuple[str, int], state_dir: Path) -> str:
+        """A job on the real peer whose command copies the artifact into its folder and then waits (so that
+        the tiny retention keeps it); its id, once the copy is complete."""
+        from types import SimpleNamespace
+
+        from gpulayer.client.jobs import JobLink, _submit_over
+        from gpulayer.jobs.store import JobSpec
+        from gpulayer.protocol import jobs as job_protocol
+
+        empty = self.workdir / "empty"
+        empty.mkdir(exist_ok=True)
+        command = ["sh", "-c", f"cp {shlex.quote(self.artifact)} model.bin && touch ready && exec sleep {TIMEOUT:.0f}"]
+        client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")
+        with JobLink(client, [address]) as link:  # type: ignore[arg-type]
+            job_id = _submit_over(link, JobSpec(command), scan(empty, cache=DigestCache(None)), None)["job"]["id"]
+            deadline = time.monotonic() + 120
+            while not (state_dir / "jobs" / job_id / "work" / "ready").exists():
+                job = link.ask(job_protocol.request(messages.JOB_WAIT, 0, job_id, timeout=0.2))["job"]
+                if job["state"] not in ("queued", "running") or time.monotonic() > deadline:
+                    raise RuntimeError(f"the artifact's job is {job['state']}: {job.get('reason')}")
+        return job_id
+
+    def peer_fetch(self, address: tuple[str, int], job_id: str) -> float:
+        """Seconds of a real fetch of the artifact from the real peer's job: `Job.fetch` (JOB_FETCH, the peer's
+        FILE stream from its event loop, the submitter's receiver)."""
+        from types import SimpleNamespace
+
+        from gpulayer.client.jobs import Job, JobLink
+
+        client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")
+        jobs = SimpleNamespace(link=lambda holder: JobLink(client, holder.addresses))  # type: ignore[arg-type]
+        job = Job(jobs, SimpleNamespace(name="bench-peer", addresses=[address]), {"id": job_id})  # type: ignore[arg-type]
+        dest = self.workdir / "peer-fetched"
+        started = time.perf_counter()
+        job.fetch(["model.bin"], dest)
+        seconds = time.perf_counter() - started
+        assert (dest / "model.bin").stat().st_size == os.stat(self.artifact).st_size
+        shutil.rmtree(dest)
+        return seconds
+
+    def peer_stop(self, address: tuple[str, int], job_id: str) -> None:
+        from types import SimpleNamespace
+
+        from gpulayer.client.jobs import JobLink
+        from gpulayer.protocol import jobs as job_protocol
+
+        client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")
+        with JobLink(client, [address]) as link:  # type: ignore[arg-type]
+            link.ask(job_protocol.request(messages.JOB_STOP, 0, job_id, grace=1.0))
+
+
 def run_submitter(args: argparse.Namespace) -> None:
     workdir = Path(args.workdir)
     folder = Path(args.folder)
@@ -382,13 +434,19 @@ def run_submitter(args: argparse.Namespace) -> None:
         seconds, sent, cable, _ = sub.upload(store)
         resubmit.append({"seconds": seconds, "content_bytes": sent, "cable_bytes": cable})
         sub.drop(store)
-    down: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    down: dict[str, list[float]] = {"raw": [], "gpulayer": [], "peer": []}
     down_cpu: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    peer = (args.host, int(args.peer_port))
+    job_id = sub.peer_artifact(peer, Path(args.peer_state))
     for i in deadline.rounds(args.rounds):
         for way in rotated(list(down), i):
+            if way == "peer":
+                down[way].append(sub.peer_fetch(peer, job_id))
+                continue
             seconds, cpu = sub.raw_fetch() if way == "raw" else sub.fetch()
             down[way].append(seconds)
             down_cpu[way].append(cpu)
+    sub.peer_stop(peer, job_id)
     sub.close()
     print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "peer_upload_longest_answer_s": peer_stall, "resubmit": resubmit, "fetch_s": down,
                       "fetch_cpu_s": down_cpu, "scan_cold_s": cold, "scan_warm_s": warm,
@@ -424,6 +482,7 @@ def across_namespaces(workdir: Path, quick: bool, rounds: int, max_minutes: floa
                                   "--port", (peer_dir / "port").read_text(), "--workdir", str(sub_dir),
                                   "--folder", str(folder), "--artifact", str(artifact), "--rounds", str(rounds),
                                   "--peer-port", str(json.loads(ready.read_text())["port"]),
+                                  "--peer-state", str(workdir / "peer-state"),
                                   "--max-minutes", str(max_minutes)], timeout=60 * max_minutes + 600,
                                  env=os.environ.copy())
         if out.returncode != 0:
@@ -613,6 +672,8 @@ def summarize(m: dict) -> dict:
     peer_ratio = spread([r / g for g, r in zip(m["upload_s"].get("peer", []), m["upload_s"]["raw"])]) \
         if m["upload_s"].get("peer") else None
     down_ratio = spread([r / g for g, r in zip(m["fetch_s"]["gpulayer"], m["fetch_s"]["raw"])])
+    peer_down = spread([r / g for g, r in zip(m["fetch_s"].get("peer", []), m["fetch_s"]["raw"])]) \
+        if m["fetch_s"].get("peer") else None
     cable = spread([r["cable_bytes"] / folder for r in m["resubmit"]])
     s = {
         "folder_mb": folder / 1e6, "folder_files": m["files"], "artifact_mib": artifact / MIB,
@@ -629,6 +690,9 @@ def summarize(m: dict) -> dict:
         "resubmit_seconds": spread([r["seconds"] for r in m["resubmit"]])["median"],
         "fetch_gb_per_s": {w: [v["median"], v["min"], v["max"]] for w, v in down.items()},
         "fetch_over_raw": down_ratio["median"], "fetch_over_raw_range": [down_ratio["min"], down_ratio["max"]],
+        # a real fetch from a real peer's job (its event loop sends; the receiver of `Job.fetch`)
+        "fetch_peer_over_raw": peer_down and peer_down["median"],
+        "fetch_peer_over_raw_range": peer_down and [peer_down["min"], peer_down["max"]],
         "scan_cold_s": m["scan_cold_s"], "scan_warm_s": m["scan_warm_s"],
         # CPU seconds both processes spent per GB moved: what a CPU-starved machine's wall time follows
         "upload_cpu_s_per_gb": {w: spread([c / folder * 1e9 for c in v])["median"] for w, v in m["upload_cpu_s"].items()},
@@ -716,10 +780,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=str(RESULTS / "jobs.json"))
     parser.add_argument("--plot", default=str(RESULTS / "jobs.png"))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", choices=SECTIONS, help="run this section alone (default: all of them)")
     parser.add_argument("--max-minutes", type=float, default=20.0, help="rounds stop early past this")
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="where the files live (default: /dev/shm, tmpfs)")
-    for hidden in ("--serve", "--bind", "--host", "--port", "--peer-port", "--workdir", "--folder", "--artifact"):
+    for hidden in ("--serve", "--bind", "--host", "--port", "--peer-port", "--workdir", "--folder", "--artifact",
+                   "--peer-state"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--submit", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -735,12 +801,14 @@ def main(argv=None) -> int:
               "settings": {"quick": args.quick, "rounds": rounds, "chunk_mib": transfer.CHUNK / MIB,
                            "files_in": args.dir or tempfile.gettempdir()},
               "targets": TARGETS}
-    reason = why_unavailable()
+    reason = why_unavailable() if args.only in (None, "namespaces") else "not asked for (--only)"
+    skipped = {"skipped": "not asked for (--only)"}
     with tempfile.TemporaryDirectory(prefix="jobs-bench-", dir=args.dir) as tmp:
         result["namespaces"] = ({"skipped": reason} if reason else
                                 across_namespaces(Path(tmp), args.quick, rounds, args.max_minutes))
-        result["submit"] = submit_latency(Path(tmp), rounds)
-        result["one_host_fetch"] = one_host_fetch(Path(tmp), 256 if args.quick else 1024, rounds)
+        result["submit"] = submit_latency(Path(tmp), rounds) if args.only in (None, "submit") else skipped
+        result["one_host_fetch"] = one_host_fetch(Path(tmp), 256 if args.quick else 1024, rounds) \
+            if args.only in (None, "one-host-fetch") else skipped
     result["machine"]["load_after"] = os.getloadavg()
     result["summary"] = {"skipped": reason} if reason else summarize(result["namespaces"])
     result["summary"].update(summarize_submit(result["submit"]))

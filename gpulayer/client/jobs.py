@@ -518,9 +518,16 @@ class Job:
             if not 0 <= (rank or 0) < len(ranks):
                 raise JobError("bad-request", f"job {self.id} has {len(ranks)} rank(s): no rank {rank}")
             return ranks[rank or 0].fetch(paths, to, force)
-        receiver = local_fetch.Receiver(to, force)
+        pool = transfer.Pool()  # chunks received into buffers used again, written on a thread of their own
+        receiver = local_fetch.Receiver(to, force, transfer.DiskThread(), pool.release)
+
+        def attach(link: JobLink) -> bool:
+            link.conn.reader.allocate = pool.allocate
+            return receiver.attach(link)
+
         try:
-            self._ask(messages.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), receiver.attach, paths=paths)
+            self._ask(messages.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), attach, paths=paths)
+            receiver.finish()
         finally:
             receiver.abort()
         log.debug("fetched %d file(s) of job %s, %d by descriptor on a local link", len(receiver.files or []),

@@ -25,7 +25,7 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypeGuard, Union
@@ -570,41 +570,115 @@ def materialise(manifest: Manifest, store: BlobStore, dest: PathLike) -> None:
     relative to its parent without following symlinks, so no entry lands outside `dest`.
     Folders are 0700, files 0600 (0700 when executable).
     """
-    dest = Path(dest)
-    if dest.exists() or dest.is_symlink():
-        raise FolderError(f"the job's folder {dest} exists already")
-    entries = sorted(manifest.entries, key=lambda e: e.path)
-    for e in entries:
-        check_parts(e.path, strict=True)
-        if not is_digest(e.digest):
-            raise FolderError(f"{e.path!r} has no valid digest")
-    _check_tree(entries)
-    partial = dest.with_name(f".{dest.name}.partial-{secrets.token_hex(6)}")
-    os.mkdir(partial, 0o700)
-    opened: list[tuple[str, int]] = [("", os.open(partial, _DIR_FLAGS))]  # the folders of the last entry
-    try:
-        for e in entries:
-            *folders, name = e.path.split("/")
-            depth = 0
-            while depth < len(folders) and depth + 1 < len(opened) and opened[depth + 1][0] == folders[depth]:
-                depth += 1
-            while len(opened) > depth + 1:
-                os.close(opened.pop()[1])
-            for folder in folders[depth:]:
-                parent = opened[-1][1]
-                try:
-                    os.mkdir(folder, 0o700, dir_fd=parent)
-                except FileExistsError:
-                    pass
-                opened.append((folder, os.open(folder, _DIR_FLAGS, dir_fd=parent)))
-            _place(store, e, name, opened[-1][1])
-        os.rename(partial, dest)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    finally:
-        for _, fd in opened:
-            os.close(fd)
+    Builder(manifest, store, lambda: [Path(dest)]).finish()
+
+
+class Builder:
+    """Job folders (`materialise`'s: those `dests()` names, asked for at the first use) built while an upload
+    comes in: `stored(digest)` places the files of a blob as soon as it is in the store (on the upload's disk
+    thread, beside the receive), `finish` places the rest and renames each folder into place; `abort` leaves
+    nothing of them.
+
+    So the copy of the folder out of the store overlaps the upload instead of following it. Not
+    thread-safe: one thread at a time (the disk thread, then the one that calls `finish`).
+    """
+
+    def __init__(self, manifest: Manifest, store: BlobStore, dests: Callable[[], list[Path]]):
+        self.manifest = manifest
+        self.store = store
+        self._dests = dests
+        self.dests: list[Path] = []  # once asked for
+        self._partials: list[Path] = []
+        self._walkers: list[_Folders] = []
+        self._waiting: dict[str, list[Entry]] | None = None  # digest -> its entries not placed yet, in path order
+
+    def _prepare(self) -> dict[str, list[Entry]]:
+        """Check the manifest again and the folders to build (at the first use: on the thread that builds)."""
+        if self._waiting is None:
+            self.dests = self._dests()
+            self._partials = [dest.with_name(f".{dest.name}.partial-{secrets.token_hex(6)}") for dest in self.dests]
+            for dest in self.dests:
+                if dest.exists() or dest.is_symlink():
+                    raise FolderError(f"the job's folder {dest} exists already")
+            entries = sorted(self.manifest.entries, key=lambda e: e.path)
+            for e in entries:
+                check_parts(e.path, strict=True)
+                if not is_digest(e.digest):
+                    raise FolderError(f"{e.path!r} has no valid digest")
+            _check_tree(entries)
+            self._waiting = {}
+            for e in entries:
+                self._waiting.setdefault(e.digest, []).append(e)
+        return self._waiting
+
+    def stored(self, digest: str) -> None:
+        """The blob `digest` is in the store now: place its files."""
+        entries = self._prepare().pop(digest, None)
+        if entries:
+            self._place(entries)
+
+    def finish(self) -> None:
+        """Place every file not placed yet (its blob was in the store already), then move each folder into place."""
+        try:
+            waiting = self._prepare()
+            self._place(sorted((e for entries in waiting.values() for e in entries), key=lambda e: e.path))
+            waiting.clear()
+            for walker in self._walkers:
+                walker.close()
+            for partial, dest in zip(self._partials, self.dests):
+                os.rename(partial, dest)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Remove what was built."""
+        for walker in self._walkers:
+            walker.close()
+        for partial in self._partials:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def _place(self, entries: list[Entry]) -> None:
+        if not self._walkers:
+            for partial in self._partials:
+                os.mkdir(partial, 0o700)
+                self._walkers.append(_Folders(partial))
+        try:
+            for e in entries:
+                *folders, name = e.path.split("/")
+                for walker in self._walkers:
+                    _place(self.store, e, name, walker.open(folders))
+        except BaseException:
+            self.abort()
+            raise
+
+
+class _Folders:
+    """The open folders of the last path placed under `root`, each opened relative to its parent without
+    following symlinks (and made, 0700, where missing); the next path reuses what it shares with it."""
+
+    def __init__(self, root: Path):
+        self._opened: list[tuple[str, int]] = [("", os.open(root, _DIR_FLAGS))]
+
+    def open(self, folders: list[str]) -> int:
+        """The descriptor of the folder `folders` (names from the root)."""
+        opened, depth = self._opened, 0
+        while depth < len(folders) and depth + 1 < len(opened) and opened[depth + 1][0] == folders[depth]:
+            depth += 1
+        while len(opened) > depth + 1:
+            os.close(opened.pop()[1])
+        for folder in folders[depth:]:
+            parent = opened[-1][1]
+            try:
+                os.mkdir(folder, 0o700, dir_fd=parent)
+            except FileExistsError:
+                pass
+            opened.append((folder, os.open(folder, _DIR_FLAGS, dir_fd=parent)))
+        return opened[-1][1]
+
+    def close(self) -> None:
+        while self._opened:
+            os.close(self._opened.pop()[1])
 
 
 def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:

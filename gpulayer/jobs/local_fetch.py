@@ -20,6 +20,7 @@ import socket
 import stat
 from functools import partial
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..protocol import messages
@@ -61,8 +62,9 @@ def pass_file(link: Any, path: Path, size: int) -> bool:
 class Receiver(transfer.FileReceiver):
     """A FileReceiver that also takes whole files as descriptors on a local link (`attach`)."""
 
-    def __init__(self, dest: PathLike, force: bool = False):
-        super().__init__(dest, force)
+    def __init__(self, dest: PathLike, force: bool = False, disk: transfer.DiskThread | None = None,
+                 release: Callable[[Any], None] | None = None):
+        super().__init__(dest, force, disk, release)
         self.link: Any = None
         self.passed = 0  # files that came by descriptor
 

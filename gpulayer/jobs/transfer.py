@@ -77,15 +77,14 @@ def _read_into(fd: int, view: memoryview, path: PathLike) -> None:
         got += n
 
 
-def _chunks(path: PathLike, size: int, buf: bytearray, fresh: bool = False) -> Iterator[tuple[int, memoryview]]:
-    """(offset, piece) of a file of `size` bytes, read into `buf` (reused: each piece is valid until the next),
-    or with `fresh` each into a new buffer of at most its size; FolderError if it is not that size any more."""
-    view = memoryview(buf)
+def _chunks(path: PathLike, size: int, step: int,
+            allocate: Callable[[int], memoryview]) -> Iterator[tuple[int, memoryview]]:
+    """(offset, piece) of a file of `size` bytes, in pieces of `step` bytes (the last shorter), each read into
+    `allocate(its size)`; FolderError if it is not that size any more."""
     fd = _open_sized(path, size)
     try:
-        for offset in range(0, size, len(buf)):
-            n = min(len(buf), size - offset)
-            piece = memoryview(bytearray(n)) if fresh else view[:n]
+        for offset in range(0, size, step):
+            piece = allocate(min(step, size - offset))
             _read_into(fd, piece, path)
             yield offset, piece
     finally:
@@ -123,7 +122,7 @@ def blob_messages(manifest: Manifest, missing: list[str], request_id: int,
     if pack:
         yield messages.blob_pack(request_id, pack), [view[:used]] if used else []
     for digest in (d for d in missing if sizes[d] > PACK_MAX):
-        for offset, piece in _chunks(sources[digest], sizes[digest], buf):
+        for offset, piece in _chunks(sources[digest], sizes[digest], chunk, lambda n: view[:n]):
             yield messages.blob_chunk(request_id, digest, offset, sizes[digest]), [piece]
 
 
@@ -225,12 +224,15 @@ class BlobReceiver:
     then waits for the disk work (hashing and writing; on `disk`, if given, else done inline) and raises
     its error.
     FolderError (and nothing of the blob kept) for a digest not asked for, a chunk out of place or past
-    its size, or a blob that fails its check. `release(chunk)`, if given, gets each chunk once written.
+    its size, or a blob that fails its check. `release(chunk)`, if given, gets each chunk once written;
+    `stored(digest)`, if given, is called by the disk work after each blob is stored (a `folder.Builder`
+    places its files then).
     """
 
     def __init__(self, store: BlobStore, expected: Mapping[str, int], disk: DiskThread | None = None,
-                 release: Callable[[Any], None] | None = None):
+                 release: Callable[[Any], None] | None = None, stored: Callable[[str], None] | None = None):
         self.store = store
+        self._stored = stored
         self.left = dict(expected)
         self.received = 0  # content bytes
         self._sink = _Sink(disk, release)
@@ -280,16 +282,19 @@ class BlobReceiver:
             blobs.append((digest, view[offset:offset + size]))
             offset += size
             del self.left[digest]
-        self._sink.run(partial(self._store_whole, blobs), view.nbytes)  # one piece of disk work for the pack
+        self._sink.run(partial(self._store_whole, blobs, chunk), view.nbytes)  # one piece of disk work for the pack
         self.received += view.nbytes
         return self.done
 
-    def _store_whole(self, blobs: list[tuple[str, memoryview]]) -> None:
-        """Store whole blobs (digest, bytes), each checked against its digest."""
+    def _store_whole(self, blobs: list[tuple[str, memoryview]], chunk: Any) -> None:
+        """Store whole blobs (digest, bytes: views of `chunk`), each checked against its digest."""
         for digest, data in blobs:
             with self.store.writer(digest, len(data)) as writer:
                 writer.write(data)
                 writer.commit()
+            if self._stored is not None:
+                self._stored(digest)
+        self._sink.release(chunk)
 
     def finish(self) -> None:
         """Wait for the disk work; FolderError if a blob failed its check (nothing of it kept)."""
@@ -310,6 +315,8 @@ class BlobReceiver:
         assert self._writer is not None
         writer, self._writer = self._writer, None
         writer.commit(hasher.hexdigest())
+        if self._stored is not None:
+            self._stored(writer.digest)
 
     def abort(self) -> None:
         """Drop the blob being received (the connection broke, or the upload was refused)."""
@@ -336,22 +343,24 @@ def _check(receiver: _Receiver, msg: messages.Message, buffers: int, kind: str,
         _refuse(receiver, problem)
 
 
-class _Pool:
-    """Receive buffers of CHUNK bytes, used again once written (`release`): no fresh memory per chunk."""
+class Pool:
+    """Receive buffers for frames of up to CHUNK bytes (a view of a CHUNK buffer's start), used again once
+    written (`release`): no fresh memory, to be faulted in and zeroed, per chunk."""
 
     def __init__(self) -> None:
-        self._free: list[Any] = []
+        self._free: list[bytearray] = []
         self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> Any:
-        if nbytes == CHUNK:
-            with self._lock:
-                if self._free:
-                    return self._free.pop()
-        return framing.receive_buffer(nbytes)
+        if nbytes > CHUNK:
+            return framing.receive_buffer(nbytes)
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        return memoryview(buf if buf is not None else bytearray(CHUNK))[:nbytes]
 
-    def release(self, buf: Any) -> None:
-        if len(buf) == CHUNK:
+    def release(self, chunk: Any) -> None:
+        buf = chunk.obj if isinstance(chunk, memoryview) else None
+        if isinstance(buf, bytearray) and len(buf) == CHUNK:
             with self._lock:
                 self._free.append(buf)
 
@@ -359,7 +368,7 @@ class _Pool:
 def receive_blobs(conn: Connection, store: BlobStore, expected: Mapping[str, int],
                   idle_timeout: float = IDLE_TIMEOUT) -> int:
     """Receive the `expected` blobs (blocking) into the store; returns the content bytes received."""
-    pool = _Pool()
+    pool = Pool()
     receiver = BlobReceiver(store, expected, DiskThread(), pool.release)
     _drive(conn, receiver, idle_timeout, pool)
     return receiver.received
@@ -376,7 +385,7 @@ class _Receiver(Protocol):
     def abort(self) -> None: ...
 
 
-def _drive(conn: Connection, receiver: _Receiver, idle_timeout: float, pool: _Pool) -> None:
+def _drive(conn: Connection, receiver: _Receiver, idle_timeout: float, pool: Pool) -> None:
     """Feed `receiver` the connection's messages until it is done, and wait for its disk work; it drops
     what it holds on failure. A BlockingConnection's large frames are received into `pool`'s buffers."""
     reader = getattr(conn, "reader", None)
@@ -409,20 +418,23 @@ def listing(root: PathLike, relpaths: list[str]) -> list[list[Any]]:
 
 
 def file_messages(root: PathLike, files: list[list[Any]], request_id: int, chunk: int = CHUNK,
-                  reuse: bool = True, handover: Callable[[Path, int], bool] | None = None,
+                  allocate: Callable[[int], memoryview] | None = None,
+                  handover: Callable[[Path, int], bool] | None = None,
                   ) -> Iterator[tuple[messages.Message, list[memoryview]]]:
-    """The FILE messages of `files` (what `listing` gave), header first. With `reuse`, one read buffer
-    serves every chunk (send each before the next); without, each chunk has its own (the event loop
-    queues them unsent). A file that `handover(path, size)` passed on by descriptor (local_fetch.py)
-    is one FILE message with no chunk."""
+    """The FILE messages of `files` (what `listing` gave), header first. Each chunk is read into
+    `allocate(its size)` (the event loop's `Pool`, whose buffers come back once sealed), or without it
+    into one read buffer for all (send each before the next). A file that `handover(path, size)` passed
+    on by descriptor (local_fetch.py) is one FILE message with no chunk."""
     yield messages.file_header(request_id, files), []
-    largest = max((size for _, size, _ in files), default=0)
-    buf = bytearray(min(chunk, largest) or 1)
+    if allocate is None:
+        largest = max((size for _, size, _ in files), default=0)
+        view = memoryview(bytearray(min(chunk, largest) or 1))
+        allocate = lambda n: view[:n]  # noqa: E731
     for index, (rel, size, _) in enumerate(files):  # an empty file has no chunk
         if size and handover is not None and handover(resolve_inside(root, rel), size):
             yield messages.file_passed(request_id, index), []
             continue
-        for offset, piece in _chunks(resolve_inside(root, rel), size, buf, fresh=not reuse):
+        for offset, piece in _chunks(resolve_inside(root, rel), size, chunk, allocate):
             yield messages.file_chunk(request_id, index, offset), [piece]
 
 
@@ -562,7 +574,7 @@ class FileReceiver:
 def receive_files(conn: Connection, dest: PathLike, force: bool = False,
                   idle_timeout: float = IDLE_TIMEOUT) -> list[str]:
     """Receive a fetch (blocking) into `dest`; returns the paths written."""
-    pool = _Pool()
+    pool = Pool()
     receiver = FileReceiver(dest, force, DiskThread(), pool.release)
     _drive(conn, receiver, idle_timeout, pool)
     assert receiver.files is not None

@@ -36,7 +36,7 @@ from ..jobs.store import (ENDED, FAILED, LOST, MOVED, MOVING, PREEMPTED, QUEUED,
                           STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of,
                           kill_point)
 from ..matching import Requirements, match
-from ..protocol import jobs as job_protocol, messages
+from ..protocol import framing, jobs as job_protocol, messages
 from ..resources.model import Advert
 from ..transport.channel import AsyncChannel
 from .gangs import Gangs, JobSteps
@@ -83,12 +83,27 @@ class JobConnection(Protocol):
 
 @dataclass
 class Upload:
-    """A job being received: its spec, its manifest, and the blobs the peer still waits for."""
+    """A job being received: its spec, its manifest, the blobs the peer still waits for, and its folders
+    (one per job of an array), built from the blobs as they are stored."""
 
     spec: JobSpec
     manifest: folder.Manifest
     receiver: transfer.BlobReceiver
+    builder: folder.Builder  # its folders are made in folders reserved in the store (`incoming`)
     array: tuple[range, int] | None = None  # an array's indices and limit (`--array 0-99%8`)
+    building: bool = False  # the folders are being finished off the event loop: that thread owns them
+
+    @property
+    def incoming(self) -> list[Path]:
+        """The folders reserved for its jobs (none before the first is built)."""
+        return [path.parent for path in self.builder.dests]
+
+    def drop(self) -> None:
+        """Nothing of it is recorded: stop receiving, remove its folders (unless their builder is busy)."""
+        self.receiver.abort()
+        if not self.building:
+            for path in self.incoming:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass
@@ -193,7 +208,7 @@ class Jobs:
     def forget(self, conn: JobConnection) -> None:
         """A connection went: its unfinished uploads are dropped (nothing of them is recorded)."""
         for key in [k for k in self._uploads if k[0] is conn]:
-            self._uploads.pop(key).receiver.abort()
+            self._uploads.pop(key).drop()
         self.owner.forget(conn)
         self.gangs.forget(conn)
 
@@ -341,9 +356,15 @@ class Jobs:
             return conn.channel.write(messages.error("busy", "the peer is shutting down", request_id))
         sizes = manifest.blobs()  # once: built per needed digest it held the loop 0.17 s (1,609 files)
         need = self.blobs.missing(sizes)
+        count = len(array[0]) if array else 1
+        builder = folder.Builder(manifest, self.blobs,
+                                 lambda: [Path(self.store.reserve()) / WORK_DIR for _ in range(count)])
+        pool = transfer.Pool()  # the chunks are received into buffers used again (the reader's, while it uploads)
         receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need},
-                                         transfer.DiskThread() if need else None)
-        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, array)
+                                         transfer.DiskThread() if need else None, pool.release, builder.stored)
+        if need:
+            conn.channel.reader.allocate = pool.allocate
+        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, array)
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need, "holder": self.holder})
         if not need:
             self.scheduler.spawn(self._record(conn, request_id))
@@ -376,30 +397,35 @@ class Jobs:
             await self._loop().run_in_executor(None, upload.receiver.finish)
         except (OSError, folder.FolderError) as exc:
             return self._upload_failed(conn, request_id, exc)
+        finally:
+            conn.channel.reader.allocate = framing.receive_buffer
         if self._uploads.get((conn, request_id)) is upload:
             await self._record(conn, request_id)
 
     def _upload_failed(self, conn: JobConnection, request_id: Any, exc: Exception) -> None:
+        conn.channel.reader.allocate = framing.receive_buffer
         self.forget_upload(conn, request_id)
         conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", request_id))
 
     def forget_upload(self, conn: JobConnection, request_id: Any) -> None:
         upload = self._uploads.pop((conn, request_id), None)
         if upload is not None:
-            upload.receiver.abort()
+            upload.drop()
 
     async def _record(self, conn: JobConnection, request_id: int) -> None:
-        """Build the job's folder from the blobs (one per job of an array) on a thread, off the event loop;
-        then record the job or the array's jobs with their folders (durably, in one transaction), and
-        acknowledge it with the (first) job. The upload stays listed while its folders are built (its
-        blobs are in use); if its connection went meanwhile, nothing is recorded."""
+        """Finish the job's folder (one per job of an array: the files whose blobs the store had already;
+        those uploaded were placed as they came) on a thread, off the event loop; then record the job or
+        the array's jobs with their folders (durably, in one transaction), and acknowledge it with the
+        (first) job. The upload stays listed while its folders are built (its blobs are in use); if its
+        connection went meanwhile, nothing is recorded."""
         upload = self._uploads[(conn, request_id)]
-        incoming = [Path(self.store.reserve()) for _ in (upload.array[0] if upload.array else [None])]
+        upload.building = True
         problem = None
         try:
-            await self._loop().run_in_executor(None, _build, upload.manifest, self.blobs, incoming)
+            await self._loop().run_in_executor(None, _build, upload.manifest, upload.builder)
         except (OSError, folder.FolderError) as exc:
             problem = f"the job's folder cannot be built: {exc}"
+        incoming = upload.incoming
         if self._uploads.pop((conn, request_id), None) is not upload or problem is not None \
                 or self._recorded_before(conn, request_id, upload.spec):
             for path in incoming:
@@ -673,8 +699,10 @@ class Jobs:
             return conn.channel.write(messages.error("bad-path", str(exc), msg["id"]))
         try:
             handover = partial(local_fetch.pass_file, conn.link) if msg.get("local") and conn.link else None
-            for piece, buffers in transfer.file_messages(work, files, msg["id"], reuse=False, handover=handover):
-                conn.channel.write(piece, buffers)
+            pool = transfer.Pool()  # each chunk read into a buffer that comes back once sealed
+            for piece, buffers in transfer.file_messages(work, files, msg["id"], allocate=pool.allocate,
+                                                         handover=handover):
+                conn.channel.write(piece, buffers, partial(pool.release, buffers[0]) if buffers else None)
                 await conn.channel.drain(DATA_CHUNK)
                 if conn.channel.closed:
                     return
@@ -690,11 +718,12 @@ class Jobs:
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
 
 
-def _build(manifest: folder.Manifest, blobs: folder.BlobStore, incoming: list[Path]) -> None:
-    """Each job's folder in `incoming`: its working folder from the blobs, and the manifest it was shipped with."""
-    for path in incoming:
-        folder.materialise(manifest, blobs, path / WORK_DIR)
-        _write_private(path / MANIFEST_FILE, json.dumps(manifest.to_wire()).encode())
+def _build(manifest: folder.Manifest, builder: folder.Builder) -> None:
+    """Each job's folder: its working folder (`builder`'s), and the manifest it was shipped with."""
+    builder.finish()
+    shipped = json.dumps(manifest.to_wire()).encode()
+    for path in builder.dests:
+        _write_private(path.parent / MANIFEST_FILE, shipped)
 
 
 def _could_start(req: Requirements, group: list[Slot]) -> bool:

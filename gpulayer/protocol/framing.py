@@ -239,7 +239,8 @@ class MessageReader:
             msg, buffers, count = self._pending
             if self._refused is None:
                 # a small frame is a view of the shared buffer: copy it out (writable, like big ones)
-                buffers.append(bytearray(frame) if isinstance(frame, memoryview) else frame)
+                buffers.append(bytearray(frame) if isinstance(frame, memoryview) and frame.obj is self._buf
+                               else frame)
                 self._pending_bytes += len(frame)
             else:
                 buffers.append(None)

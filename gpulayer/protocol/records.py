@@ -24,7 +24,7 @@ more: the connection must close. Neither class is thread-safe; a direction has o
 from __future__ import annotations
 
 import struct
-from typing import Iterable, Iterator, NoReturn, Protocol, Union
+from typing import Callable, Iterable, Iterator, NoReturn, Protocol, Union
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -94,16 +94,20 @@ class Sealer:
         if (isinstance(parts, list) and len(parts) == 1 and isinstance(parts[0], (bytes, bytearray))
                 and 0 < len(parts[0]) <= self.record_max):
             return [self._record(parts[0])]  # a message without buffers: no gathering at all
-        return list(self.records(parts))
+        return [self._record(chunk) for chunk in self._chunks(parts)]
 
-    def records(self, parts: Iterable[BytesLike]) -> Iterator[bytearray]:
-        """The records of `parts`, each a bytearray of its own, sealed only when asked for.
+    def records(self, parts: Iterable[BytesLike],
+                allocate: Callable[[int], bytearray | memoryview] = bytearray) -> Iterator[bytearray | memoryview]:
+        """The records of `parts`, each in a buffer of its own (`allocate(size)`: a fresh bytearray by default),
+        sealed only when asked for.
 
         Counters are given at sealing: records of a later message must not be sealed before
         this iterator is exhausted.
         """
         for chunk in self._chunks(parts):
-            yield self._record(chunk)
+            record = allocate(len(chunk) + OVERHEAD)
+            self._seal(chunk, memoryview(record))
+            yield record
 
     def stream(self, parts: Iterable[BytesLike]) -> Iterator[memoryview]:
         """The records of `parts`, sealed one at a time as they are asked for.

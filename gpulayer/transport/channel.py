@@ -5,6 +5,8 @@ hands each complete message to `on_message` at once (no task or future per messa
 Writing: synchronous and ordered (a LOG written before a RESULT arrives first), batched into
 one sendmsg call where several are pending, and zero-copy: what the kernel does not take at
 once stays queued as memoryviews of the caller's buffers, never copied into a bigger one.
+A large message is sealed a few records ahead of the socket, into record buffers used again
+once sent; `write(..., sealed=)` tells the caller when its buffers may be used again.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ class AsyncChannel:
         self._sealer: records.Sealer | None = None
         self._opener: records.Opener | None = None
         self._keys: tuple[bytes, bytes] | None = None
-        self._unsealed: deque[Iterator[bytearray]] = deque()  # large messages, sealed as the socket takes them
+        # large messages, sealed as the socket takes them, and what to call once each is sealed
+        self._unsealed: deque[tuple[Iterator[bytearray | memoryview], Callable[[], None] | None]] = deque()
+        self._spare: list[bytearray] = []  # record buffers sent, to seal into again
+        self._lent: set[int] = set()  # the ids of those queued to send
         self._loop.add_reader(self._fd, self._on_readable)
 
     def secure(self, send_key: bytes, recv_key: bytes) -> None:
@@ -121,8 +126,11 @@ class AsyncChannel:
 
     # ---- writing ----------------------------------------------------------------------------------
 
-    def write(self, msg: messages.Outgoing, buffers: messages.Buffers = ()) -> None:
-        """Queue a message and send as much as the socket takes now; never blocks."""
+    def write(self, msg: messages.Outgoing, buffers: messages.Buffers = (),
+              sealed: Callable[[], None] | None = None) -> None:
+        """Queue a message and send as much as the socket takes now; never blocks. On a secure channel,
+        `sealed()` is called once the buffers are sealed (and so free to be used again); never if it closes
+        first."""
         if self.closed:
             return
         parts = framing.encode(msg, buffers)
@@ -131,12 +139,22 @@ class AsyncChannel:
         else:
             size = sum(memoryview(p).nbytes for p in parts)
             if self._unsealed or size > records.RECORD_MAX:  # big: sealed piece by piece as it goes out
-                self._unsealed.append(self._sealer.records(parts))
+                self._unsealed.append((self._sealer.records(parts, self._record_buffer), sealed))
                 self._out_bytes += size
+                sealed = None
             else:
                 self._queue(self._sealer.seal(parts))
+        if sealed is not None and self._sealer is not None:
+            sealed()
         if not self._writing:
             self._flush()
+
+    def _record_buffer(self, size: int) -> memoryview:
+        """Where a record of `size` bytes is sealed: a spare buffer, back in `_spare` once sent."""
+        assert self._sealer is not None
+        buf = self._spare.pop() if self._spare else bytearray(self._sealer.record_max + records.OVERHEAD)
+        self._lent.add(id(buf))
+        return memoryview(buf)[:size]
 
     def _queue(self, parts: list[Any]) -> None:
         for part in parts:
@@ -154,9 +172,11 @@ class AsyncChannel:
     def _seal_more(self) -> None:
         """Seal the next records of the large messages waiting (a few MiB at most)."""
         while self._unsealed and len(self._out) < _RECORDS_AHEAD:
-            record = next(self._unsealed[0], None)
+            record = next(self._unsealed[0][0], None)
             if record is None:
-                self._unsealed.popleft()
+                sealed = self._unsealed.popleft()[1]
+                if sealed is not None:
+                    sealed()
                 continue
             self._out.append(memoryview(record))
             self._out_bytes += records.OVERHEAD  # its plaintext was counted when it was written
@@ -181,9 +201,14 @@ class AsyncChannel:
                 if sent >= head.nbytes:
                     sent -= head.nbytes
                     out.popleft()
+                    if id(head.obj) in self._lent:  # a record buffer: sealed into again
+                        self._lent.discard(id(head.obj))
+                        self._spare.append(head.obj)  # type: ignore[arg-type]
                 else:
                     out[0] = head[sent:]
                     sent = 0
+        if not out and not self._unsealed:  # all sent: the record buffers are not kept while idle
+            self._spare.clear()
         if out and not self._writing:
             self._loop.add_writer(self._fd, self._flush)
             self._writing = True
@@ -256,6 +281,8 @@ class AsyncChannel:
             self._writing = False
         self._out.clear()
         self._unsealed.clear()
+        self._spare.clear()
+        self._lent.clear()
         self._out_bytes = 0
         self._wake()
         if self._eof is not None and not self._eof.done():

@@ -17,7 +17,7 @@ from gpulayer import security
 from gpulayer.jobs import transfer
 from gpulayer.protocol import handshake, messages
 from gpulayer.transport import blocking
-from gpulayer.jobs.folder import BlobStore, DigestCache, FolderError, materialise, scan
+from gpulayer.jobs.folder import BlobStore, Builder, DigestCache, FolderError, materialise, scan
 
 KEY = b"k" * 32
 TIMEOUT = 30.0
@@ -248,7 +248,8 @@ def test_a_hostile_fetch_header_writes_nothing(pair, tmp_path, files, problem):
 
 def test_receivers_work_inline_as_on_the_event_loop(project, tmp_path):
     """The peer's event loop feeds BlobReceiver itself (no disk thread) with copies of what
-    blob_messages gives; the same for FileReceiver with file_messages (reuse=False)."""
+    blob_messages gives; the same for FileReceiver with file_messages (each chunk a buffer of its own, as
+    the peer's `Pool` gives them)."""
     store = BlobStore(tmp_path / "store")
     manifest = scan(project, cache=DigestCache(None))
     receiver = transfer.BlobReceiver(store, manifest.blobs())
@@ -260,12 +261,52 @@ def test_receivers_work_inline_as_on_the_event_loop(project, tmp_path):
     materialise(manifest, store, job)
     back = transfer.FileReceiver(tmp_path / "back")
     files = transfer.listing(job, ["."])
-    for msg, buffers in transfer.file_messages(job, files, 2, reuse=False):
+    for msg, buffers in transfer.file_messages(job, files, 2, allocate=lambda n: memoryview(bytearray(n))):
         back.feed(msg, buffers)
     back.finish()
     assert back.done
     for rel, _, _ in files:
         assert (tmp_path / "back" / rel).read_bytes() == (project / rel).read_bytes()
+
+
+def test_the_jobs_folder_is_built_while_its_blobs_come(project, tmp_path):
+    """As the peer receives an upload, each file is placed in the job's folder once its blob is stored, on
+    the disk thread, not copied after the last one; the files whose blob the store had already are placed
+    at the end. The folder is whole and byte-exact; an upload dropped half way leaves nothing of it."""
+    store = BlobStore(tmp_path / "store")
+    manifest = scan(project, cache=DigestCache(None))
+    write(tmp_path / "had.py", b"print('hi')\n")
+    with open(tmp_path / "had.py", "rb") as f, store.writer(manifest.entries[-1].digest, 12) as writer:
+        writer.write(f.read())
+        writer.commit()  # train.py's content: in the store before the upload
+    need = store.missing(manifest.blobs())
+    assert len(need) == 2  # big.bin (with its copy) and the empty file
+    dests = [tmp_path / "jobs" / name / "work" for name in ("a", "b")]  # an array of two
+    for dest in dests:
+        dest.parent.mkdir(parents=True)
+    builder = Builder(manifest, store, lambda: dests)
+    placed = []
+    receiver = transfer.BlobReceiver(store, {d: manifest.blobs()[d] for d in need}, transfer.DiskThread(),
+                                     stored=lambda digest: (builder.stored(digest), placed.append(
+                                         sorted(p.name for p in (tmp_path / "jobs").rglob("*") if p.is_file()))))
+    for msg, buffers in transfer.blob_messages(manifest, need, 1):
+        receiver.feed(msg, [bytearray(b) for b in buffers])
+    receiver.finish()
+    assert placed == [["empty.txt", "empty.txt"], ["big.bin", "big.bin", "copy.bin", "copy.bin", "empty.txt",
+                                                   "empty.txt"]]  # each blob's files as it was stored
+    builder.finish()
+    for dest in dests:
+        assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == [
+            "data/big.bin", "data/copy.bin", "empty.txt", "train.py"]
+        for rel in ("train.py", "data/big.bin", "data/copy.bin", "empty.txt"):
+            assert (dest / rel).read_bytes() == (project / rel).read_bytes()
+        assert os.access(dest / "train.py", os.X_OK) and not os.access(dest / "data" / "big.bin", os.X_OK)
+    dropped = tmp_path / "dropped" / "work"
+    dropped.parent.mkdir()
+    half = Builder(manifest, store, lambda: [dropped])
+    half.stored(manifest.entries[0].digest)
+    half.abort()
+    assert list(dropped.parent.iterdir()) == []
 
 
 GOOD = hashlib.sha256(b"x").hexdigest()
