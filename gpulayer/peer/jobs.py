@@ -90,6 +90,7 @@ class Upload:
     manifest: folder.Manifest
     receiver: transfer.BlobReceiver
     builder: folder.Builder  # its folders are made in folders reserved in the store (`incoming`)
+    placer: transfer.DiskThread  # where the builder places each blob's files, beside the receiver's disk thread
     array: tuple[range, int] | None = None  # an array's indices and limit (`--array 0-99%8`)
     building: bool = False  # the folders are being finished off the event loop: that thread owns them
 
@@ -102,6 +103,7 @@ class Upload:
         """Nothing of it is recorded: stop receiving, remove its folders (unless their builder is busy)."""
         self.receiver.abort()
         if not self.building:
+            self.placer.stop()
             for path in self.incoming:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -360,11 +362,13 @@ class Jobs:
         builder = folder.Builder(manifest, self.blobs,
                                  lambda: [Path(self.store.reserve()) / WORK_DIR for _ in range(count)])
         pool = transfer.Pool()  # the chunks are received into buffers used again (the reader's, while it uploads)
-        receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need},
-                                         transfer.DiskThread() if need else None, pool.release, builder.stored)
+        placer = transfer.DiskThread()
+        receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need}, transfer.DiskThread() if need
+                                         else None, pool.release, lambda digest: placer.run(partial(builder.stored,
+                                                                                                    digest)))
         if need:
             conn.channel.reader.allocate = pool.allocate
-        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, array)
+        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, placer, array)
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need, "holder": self.holder})
         if not need:
             self.scheduler.spawn(self._record(conn, request_id))
@@ -422,7 +426,7 @@ class Jobs:
         upload.building = True
         problem = None
         try:
-            await self._loop().run_in_executor(None, _build, upload.manifest, upload.builder)
+            await self._loop().run_in_executor(None, _build, upload.manifest, upload.builder, upload.placer)
         except (OSError, folder.FolderError) as exc:
             problem = f"the job's folder cannot be built: {exc}"
         incoming = upload.incoming
@@ -718,8 +722,14 @@ class Jobs:
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
 
 
-def _build(manifest: folder.Manifest, builder: folder.Builder) -> None:
-    """Each job's folder: its working folder (`builder`'s), and the manifest it was shipped with."""
+def _build(manifest: folder.Manifest, builder: folder.Builder, placer: transfer.DiskThread) -> None:
+    """Each job's folder: its working folder (`builder`'s, once `placer` placed what was uploaded), and the
+    manifest it was shipped with."""
+    try:
+        placer.finish()
+    except BaseException:
+        builder.abort()
+        raise
     builder.finish()
     shipped = json.dumps(manifest.to_wire()).encode()
     for path in builder.dests:
