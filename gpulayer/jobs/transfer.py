@@ -138,10 +138,14 @@ def push_blobs(conn: Connection, manifest: Manifest, missing: list[str], request
 class DiskThread:
     """A receiver's disk work (create, write, hash, rename), done in order on a thread of its own so that it
     overlaps with receiving and decrypting; at most `limit` bytes of chunks wait for it (`run` blocks
-    meanwhile). After its first error, or `stop`, it skips the rest; `run` or `finish` raises that error."""
+    meanwhile). After its first error, or `stop`, it skips the rest; `run` or `finish` raises that error.
 
-    def __init__(self, limit: int = BACKLOG):
+    With `on_room`, `run` never blocks: the caller (the peer's event loop) stops reading while `full`, and
+    `on_room()` is called (from this thread) each time the bytes waiting fall below the limit again."""
+
+    def __init__(self, limit: int = BACKLOG, on_room: Callable[[], object] | None = None):
         self.limit = limit
+        self._on_room = on_room
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], int] | None] = queue.SimpleQueue()
         self._room = threading.Condition()
         self._waiting = 0  # bytes of the chunks queued
@@ -150,9 +154,15 @@ class DiskThread:
         self._thread = threading.Thread(target=self._loop, name="gpulayer-disk", daemon=True)
         self._thread.start()
 
+    @property
+    def full(self) -> bool:
+        """Whether `limit` bytes or more wait for the disk."""
+        return self._waiting >= self.limit
+
     def run(self, work: Callable[[], None], nbytes: int = 0) -> None:
         with self._room:
-            while self._waiting and self._waiting + nbytes > self.limit and self._error is None:
+            while self._on_room is None and self._waiting and self._waiting + nbytes > self.limit \
+                    and self._error is None:
                 self._room.wait()
             if self._error is not None:
                 raise self._error
@@ -168,8 +178,11 @@ class DiskThread:
                 except BaseException as exc:  # handed to the receiving thread
                     self._error = exc
             with self._room:
+                room = self._waiting >= self.limit > self._waiting - nbytes  # it was full, and is not
                 self._waiting -= nbytes
                 self._room.notify_all()
+            if room and self._on_room is not None:
+                self._on_room()
 
     def finish(self) -> None:
         """Wait until all the work is done; raise its first error."""

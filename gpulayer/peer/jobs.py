@@ -91,6 +91,7 @@ class Upload:
     receiver: transfer.BlobReceiver
     builder: folder.Builder  # its folders are made in folders reserved in the store (`incoming`)
     placer: transfer.DiskThread  # where the builder places each blob's files, beside the receiver's disk thread
+    disk: transfer.DiskThread | None  # the receiver's: while it is full, the connection is not read
     array: tuple[range, int] | None = None  # an array's indices and limit (`--array 0-99%8`)
     building: bool = False  # the folders are being finished off the event loop: that thread owns them
 
@@ -363,12 +364,14 @@ class Jobs:
                                  lambda: [Path(self.store.reserve()) / WORK_DIR for _ in range(count)])
         pool = transfer.Pool()  # the chunks are received into buffers used again (the reader's, while it uploads)
         placer = transfer.DiskThread()
-        receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need}, transfer.DiskThread() if need
-                                         else None, pool.release, lambda digest: placer.run(partial(builder.stored,
-                                                                                                    digest)))
+        loop = self._loop()
+        disk = transfer.DiskThread(on_room=lambda: loop.call_soon_threadsafe(_read_again, conn, upload)) \
+            if need else None
+        receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need}, disk, pool.release,
+                                         lambda digest: placer.run(partial(builder.stored, digest)))
         if need:
             conn.channel.reader.allocate = pool.allocate
-        self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, placer, array)
+        upload = self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, placer, disk, array)
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need, "holder": self.holder})
         if not need:
             self.scheduler.spawn(self._record(conn, request_id))
@@ -391,6 +394,8 @@ class Jobs:
                 raise folder.FolderError("a BLOB must belong to a JOB_SUBMIT of this connection")
             if upload.receiver.feed(msg, buffers):
                 self.scheduler.spawn(self._stored(conn, msg["id"], upload))
+            elif upload.disk is not None and upload.disk.full:  # read again once it has room (`_read_again`)
+                conn.channel.hold(True)
         except (OSError, folder.FolderError) as exc:
             self._upload_failed(conn, msg.get("id"), exc)
 
@@ -403,11 +408,13 @@ class Jobs:
             return self._upload_failed(conn, request_id, exc)
         finally:
             conn.channel.reader.allocate = framing.receive_buffer
+            conn.channel.hold(False)
         if self._uploads.get((conn, request_id)) is upload:
             await self._record(conn, request_id)
 
     def _upload_failed(self, conn: JobConnection, request_id: Any, exc: Exception) -> None:
         conn.channel.reader.allocate = framing.receive_buffer
+        conn.channel.hold(False)
         self.forget_upload(conn, request_id)
         conn.channel.write(messages.error("bad-request", f"the upload failed: {exc}", request_id))
 
@@ -734,6 +741,12 @@ def _build(manifest: folder.Manifest, builder: folder.Builder, placer: transfer.
     shipped = json.dumps(manifest.to_wire()).encode()
     for path in builder.dests:
         _write_private(path.parent / MANIFEST_FILE, shipped)
+
+
+def _read_again(conn: JobConnection, upload: Upload) -> None:
+    """The upload's disk thread has room again: read its connection again (on the event loop)."""
+    if upload.disk is None or not upload.disk.full:
+        conn.channel.hold(False)
 
 
 def _could_start(req: Requirements, group: list[Slot]) -> bool:

@@ -59,6 +59,7 @@ class AsyncChannel:
         self._eof: asyncio.Future[None] | None = None  # set while closing: input is read and dropped
         self._closing: asyncio.Task[None] | None = None
         self._paused = False  # reading stopped for good: the connection is being handed over
+        self._held = False  # reading stopped for now (`hold`)
         self._sealer: records.Sealer | None = None
         self._opener: records.Opener | None = None
         self._keys: tuple[bytes, bytes] | None = None
@@ -83,7 +84,7 @@ class AsyncChannel:
     def _on_readable(self) -> None:
         reader = self.reader
         for _ in range(_READS_PER_EVENT):
-            if self.closed or self._paused:  # a handler closed it, or is handing it over
+            if self.closed or self._paused or self._held:  # a handler closed it, is handing it over, or is behind
                 return
             closing = self._eof is not None
             opener = self._opener
@@ -221,6 +222,18 @@ class AsyncChannel:
         if self._flushed is not None and not self._flushed.done():
             self._flushed.set_result(None)
         self._flushed = None
+
+    def hold(self, held: bool) -> None:
+        """Stop reading from the socket for now (`held`), or read again: back-pressure from a consumer of the
+        messages that is behind (an upload's disk work), which holds the sender through TCP's window instead
+        of blocking the event loop. What was read already is still handed over."""
+        if held == self._held or self.closed or self._paused or self._eof is not None:
+            return
+        self._held = held
+        if held:
+            self._loop.remove_reader(self._fd)
+        else:
+            self._loop.add_reader(self._fd, self._on_readable)
 
     # ---- handing over -----------------------------------------------------------------------------
 
