@@ -310,6 +310,35 @@ def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
     assert not list((state / "jobs").iterdir())
 
 
+def test_a_folder_of_many_chunks_up_and_an_artifact_of_many_chunks_down_arrive_byte_exact(jobs_peer, tmp_path):
+    """The peer builds the job's folder as the blobs come (each blob's files placed on a thread of their own)
+    from chunks received into buffers it uses again, and sends a fetch from chunk buffers it uses again,
+    sealed into record buffers it uses again; the submitter writes on a disk thread from buffers it uses
+    again. Whatever was reused, every byte arrives as it was: nested folders, one content under two names,
+    an executable, an empty file and files of several chunks, up (fresh, then found in the store) and down."""
+    from gpulayer.jobs import transfer
+
+    _, _, _, jobs = jobs_peer()
+    project = tmp_path / "project"
+    (project / "data" / "deep").mkdir(parents=True)
+    big = os.urandom(2 * transfer.CHUNK + 12345)
+    (project / "data" / "big.bin").write_bytes(big)
+    (project / "data" / "deep" / "same.bin").write_bytes(big)
+    for i in range(40):
+        (project / "data" / f"small-{i:02d}.txt").write_bytes(os.urandom(3000 + i))
+    (project / "empty.txt").write_bytes(b"")
+    (project / "check.sh").write_text("#!/bin/sh\ncat data/big.bin data/deep/same.bin data/small-*.txt > out.bin\n")
+    (project / "check.sh").chmod(0o755)
+    expected = big + big + b"".join((project / "data" / f"small-{i:02d}.txt").read_bytes() for i in range(40))
+    for round_ in ("fresh", "stored"):
+        job = jobs.submit(["./check.sh"], project, _cpu())
+        assert job.wait(60) == "succeeded", (round_, job.reason)
+        back = tmp_path / f"back-{round_}"
+        job.fetch(["out.bin", "empty.txt", "check.sh"], back)
+        assert (back / "out.bin").read_bytes() == expected, round_
+        assert (back / "empty.txt").read_bytes() == b"" and os.access(back / "check.sh", os.X_OK)
+
+
 def test_a_submit_of_many_files_is_answered_at_once(jobs_peer):
     """The peer's answer to a manifest of 30,000 files (each a blob of its own) takes time linear in it:
     on main it rebuilt the digest -> size map per needed blob, on its event loop, about a minute here."""

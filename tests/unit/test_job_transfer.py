@@ -309,6 +309,21 @@ def test_the_jobs_folder_is_built_while_its_blobs_come(project, tmp_path):
     assert list(dropped.parent.iterdir()) == []
 
 
+def test_a_disk_thread_with_on_room_never_blocks_and_says_when_it_has_room_again():
+    """The peer's event loop hands an upload's chunks to a DiskThread with `on_room`: `run` never blocks it
+    (it stops reading while `full`), and `on_room` comes once the bytes waiting fall below the limit."""
+    gate, roomy = threading.Event(), threading.Event()
+    disk = transfer.DiskThread(limit=100, on_room=roomy.set)
+    done = []
+    for i in range(3):  # 150 bytes wait behind a gated first piece: over the limit, and run did not block
+        disk.run(lambda i=i: (gate.wait(TIMEOUT), done.append(i)), 50)
+    assert disk.full and not roomy.is_set()
+    gate.set()
+    assert roomy.wait(TIMEOUT)
+    disk.finish()
+    assert done == [0, 1, 2] and not disk.full
+
+
 GOOD = hashlib.sha256(b"x").hexdigest()
 
 
