@@ -114,12 +114,21 @@ class Standby:
 
     async def hand_over(self, cwd: str, env: dict[str, str], argv: list[str]) -> bool:
         """Give it its job (shim.py's handover: marshal of (cwd, env, argv)) and close the pipe; False if it was
-        gone (it then runs nothing). Written on a thread: an environment may not fit the pipe's buffer."""
-        if self.proc.returncode is not None:
+        gone (it then runs nothing). What does not fit the pipe's buffer at once is written on a thread."""
+        data = memoryview(marshal.dumps((cwd, env, argv)))
+        gone = self.proc.returncode is not None
+        if not gone:
+            try:
+                data = data[os.write(self.pipe, data):]  # at once, as a rule: it fits the pipe's buffer
+            except BlockingIOError:
+                pass
+            except BrokenPipeError:
+                gone = True
+        if gone or not data:
             os.close(self.pipe)
-            return False
-        return await asyncio.get_running_loop().run_in_executor(
-            None, _write_and_close, self.pipe, marshal.dumps((cwd, env, argv)))
+            return not gone
+        os.set_blocking(self.pipe, True)
+        return await asyncio.get_running_loop().run_in_executor(None, _write_and_close, self.pipe, data)
 
 
 class Jobs:
@@ -602,6 +611,7 @@ class Jobs:
         """A standby supervisor (shim.py --standby) in a session of its own, reading its job from a pipe that only
         this process can write to (its end is not inherited); the peer's environment less the cluster key."""
         read, write = os.pipe()
+        os.set_blocking(write, False)  # a handover that fits the pipe is written at once (hand_over)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *SUPERVISOR, "--standby", cwd="/", env=worker_env(dict(os.environ)), stdin=read,
@@ -822,12 +832,11 @@ def _signal(run: Run, sig: int) -> None:
             pass
 
 
-def _write_and_close(fd: int, data: bytes) -> bool:
+def _write_and_close(fd: int, data: memoryview) -> bool:
     """Write all of `data` to the pipe `fd`, then close it; False if its reader is gone."""
-    view = memoryview(data)
     try:
-        while view:
-            view = view[os.write(fd, view):]
+        while data:
+            data = data[os.write(fd, data):]
     except BrokenPipeError:
         return False
     finally:

@@ -453,17 +453,18 @@ def standbys(peer) -> list[psutil.Process]:
 
 def test_jobs_handed_to_standby_supervisors_get_their_own_folder_environment_and_exit_code(jobs_peer):
     """Each job's supervisor was started ahead (its command line still says --standby) and handed that job:
-    its folder, its own GPULAYER_JOB_ID and --env, the interpreter's bin first on PATH, no cluster key, its
-    exit code."""
+    its folder, its own GPULAYER_JOB_ID and --env (one larger than the pipe's buffer), the interpreter's bin
+    first on PATH, no cluster key, its exit code."""
     _, state, _, jobs = jobs_peer()
-    script = ('echo "$(pwd -P)|$GPULAYER_JOB_ID|$MINE|${PATH%%:*}|${GPULAYER_KEY:-no key}"; '
+    script = ('echo "$(pwd -P)|$GPULAYER_JOB_ID|$MINE|${PATH%%:*}|${GPULAYER_KEY:-no key}|${#BIG}"; '
               'tr "\\0" " " < /proc/$PPID/cmdline; echo; exit $CODE')
-    for code in (0, 7):  # the second job goes to the standby started after the first one's handover
-        job = jobs.submit(["sh", "-c", script], None, _cpu(), env={"MINE": f"mine-{code}", "CODE": str(code)})
+    for code, big in ((0, 0), (7, 100_000)):  # the second job goes to the standby the first one's handover started
+        job = jobs.submit(["sh", "-c", script], None, _cpu(),
+                          env={"MINE": f"mine-{code}", "CODE": str(code), "BIG": "x" * big})
         assert job.wait(60) == ("succeeded" if code == 0 else "failed") and job.exit_code == code
         line, parent = job.logs().splitlines()
         work = (state / "jobs" / job.id / "work").resolve()
-        assert line == f"{work}|{job.id}|mine-{code}|{state / 'bin'}|no key"
+        assert line == f"{work}|{job.id}|mine-{code}|{state / 'bin'}|no key|{big}"
         assert "shim.py --standby" in parent
 
 
