@@ -11,8 +11,8 @@ import functools
 import logging
 import os
 import threading
+import secrets
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -109,7 +109,7 @@ class Client(Listener):
                  heartbeat: float | None = None, leases: bool | None = None):
         self.key = key or load_key()
         self.cluster = cluster_id(self.key)
-        self.submitter_id = uuid.uuid4().hex[:12]  # what AUTH names this submitter to its peers
+        self.submitter_id = secrets.token_hex(6)  # what AUTH names this submitter to its peers
         self.interfaces = discovery.configured_interfaces(interfaces)
         self.echo_output = echo_output
         self.discovery_timeout = discovery_timeout if discovery_timeout is not None else \
