@@ -275,13 +275,12 @@ def hash_file(path: PathLike) -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True)
 class _Rules:
     """The ignore rules in force in one folder of a walk: the .gitignore files from the root down to it,
     as (base prefix, text); `key` names them exactly, with the excludes and the pathspec installed."""
 
-    key: str
-    files: tuple[tuple[str, str], ...] = ()
+    def __init__(self, key: str, files: tuple[tuple[str, str], ...] = ()):
+        self.key, self.files = key, files
 
     def adding(self, base: str, text: str) -> _Rules:
         """These rules and the ignore file of the folder `base` (its text)."""
