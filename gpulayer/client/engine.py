@@ -104,6 +104,11 @@ class Client(Listener):
     """A submitter: finds peers of its cluster, picks one per task, and tracks the futures; the listener
     of each peer's own connection."""
 
+    rebuild_handle: Callable[..., Any] | None = None
+    """What a pickled actor handle (client/actors.py) names to be rebuilt in another process:
+    `gpulayer.runtime.actor_handle`, set when that module loads (it owns the process-wide client the
+    rebuilt handle calls through)."""
+
     def __init__(self, key: bytes | None = None, interfaces: list[str] | None = None, peers: str | None = None,
                  mdns: bool = True, echo_output: bool = True, discovery_timeout: float | None = None,
                  heartbeat: float | None = None, leases: bool | None = None):
