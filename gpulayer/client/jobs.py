@@ -330,17 +330,19 @@ class Jobs:
         try:
             for index, record in enumerate(chosen):
                 assert record is not None
-                with JobLink(self.client, record.addresses) as link:
-                    info = _submit_over(link, replace(spec, gang={"rank": index, "size": nodes}), manifest, None)
+                rank_spec = replace(spec, gang={"rank": index, "size": nodes}, token=secrets.token_hex(16))
+                _, info, link = self._record_on(record, rank_spec, manifest, None)  # retried as a single job is
+                link.close()
                 at = [list(link.address), *(list(a) for a in record.addresses if a != link.address)]
                 ranks.append({"job": info["job"]["id"], "peer": record.advert.name, "at": at})
-                self._holders[holder_of(ranks[-1]["job"])] = Holder(holder_of(ranks[-1]["job"]), record.advert.name,
-                                                                   record.addresses)
             hosts = rank_addresses([list(dict.fromkeys(host for host, _ in rank["at"])) for rank in ranks])
             gang = {"size": nodes, "ranks": [{**rank, "addr": host} for rank, host in zip(ranks, hosts)]}
-            with tempfile.TemporaryDirectory(prefix="gpulayer-gang-") as empty, \
-                    JobLink(self.client, [tuple(a) for a in ranks[0]["at"]]) as link:
-                info = _submit_over(link, replace(spec, gang=gang), folder.scan(empty), None)
+            with tempfile.TemporaryDirectory(prefix="gpulayer-gang-") as empty:
+                assert chosen[0] is not None
+                watcher = replace(chosen[0], addresses=[tuple(a) for a in ranks[0]["at"]])  # where rank 0 was recorded
+                _, info, link = self._record_on(watcher, replace(spec, gang=gang, token=secrets.token_hex(16)),
+                                                folder.scan(empty), None)
+                link.close()
         except BaseException:
             for rank in ranks:  # best effort: otherwise they fail once no watcher claimed them
                 try:

@@ -168,9 +168,11 @@ class Jobs:
         for row in self.store.rows([MOVING]):  # offered to a peer that had not committed: it stays here
             self.store.update(row.id, state=QUEUED, moved="")
         for row in self.store.rows([QUEUED]):
-            if row.spec.gang:  # its gang's watcher, or the ranks' bond to it, did not survive
+            if "ranks" in row.spec.gang:  # a gang's record: its watcher did not survive
                 self._end(row.id, LOST, "its peer stopped or died before its gang started (a gang starts whole "
                                         "or not at all)", None)
+            elif row.spec.gang:  # a rank waits for a claim again: a retried submit's gang claims it, and a
+                self.gangs.recorded(row)  # watcher whose claim broke has failed its gang: it fails in CLAIM_S
             else:
                 self._enqueue(row)
         self._retain()
