@@ -349,8 +349,7 @@ class ActorHandle:
     def __reduce__(self) -> tuple[Callable[..., ActorHandle], tuple[Any, ...]]:
         rebuild = type(self._client).rebuild_handle  # from the class: an instance would bind it to the client
         assert rebuild is not None, "gpulayer.runtime sets it when it loads (before any handle exists)"
-        return rebuild, (self.actor_id, self.peer_id, self.peer, self.addresses, self.slot,
-                                 self.class_name, self.req)
+        return rebuild, (self.actor_id, self.peer_id, self.peer, self.addresses, self.slot, self.class_name, self.req)
 
     def __repr__(self) -> str:
         state = "" if self._dead is None else f", ended: {self._dead}"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable

@@ -297,7 +297,8 @@ class _Ignores:
     def __init__(self, excludes: Iterable[str], cache: DigestCache):
         self.excludes = list(excludes)
         self.cache = cache
-        self.root = _Rules(hashlib.sha256(json.dumps([_pathspec_identity(), self.excludes]).encode()).hexdigest()[:32])
+        root = json.dumps([_pathspec_identity(), self.excludes])
+        self.root = _Rules(hashlib.sha256(root.encode()).hexdigest()[:32])  # no ignore file yet
         self._specs: dict[tuple[str, ...], pathspec.GitIgnoreSpec] = {}  # compiled, by their lines
 
     def ignored(self, rel: str, is_dir: bool, rules: _Rules) -> bool:
