@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..checks import login_user
+from ..discovery import PeerRecord
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, local_fetch, transfer
 from ..jobs.store import ARRIVING, ENDED, MOVED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
 from ..protocol import jobs as job_protocol, messages
+from ..resources.model import Advert
 from ..transport import blocking, shm
 from .connection import CONNECT_TIMEOUT
 from .engine import Client
@@ -293,7 +295,7 @@ class Jobs:
         addresses, deadline, pause = record.addresses, 0.0, 0.1
         while True:
             try:
-                link = JobLink(self.client, addresses)
+                link = self._link_to(record, addresses)
                 try:
                     info = _submit_over(link, spec, manifest, array, heard)
                 except BaseException:
@@ -317,6 +319,23 @@ class Jobs:
                 self._holders.pop(holder_id, None)
                 self._find(holder_id)  # not found (yet): the addresses tried last
                 addresses = self._holders[holder_id].addresses if holder_id in self._holders else addresses
+
+    def _link_to(self, record: Any, addresses: list[tuple[str, int]]) -> JobLink:
+        """A link to the peer of `record` at `addresses`; the peer its handshake proved goes into the
+        directory (as a pooled connection's does: the peer cache keeps it), and a cached claim whose
+        address is unreachable is dropped."""
+        try:
+            link = JobLink(self.client, addresses)
+        except PeerLost:
+            if record.source == "cache":
+                self.client.directory.drop(record)
+            raise
+        try:
+            advert = Advert.from_txt(link.hello.get("advert") or {})
+        except ValueError:
+            return link  # the submit's answer tells
+        self.client.directory.upsert(PeerRecord(advert, [link.address], "mdns", verified=True))
+        return link
 
     def _submit_gang(self, spec: JobSpec, manifest: folder.Manifest, req: Requirements, nodes: int) -> Job:
         """Record one rank on each of `nodes` distinct matching peers (in peer-id order: rank 0 on the

@@ -235,6 +235,29 @@ def test_a_submit_followed_at_once_is_followed_over_the_submits_connection(jobs_
     assert job.kept is None and (job.state, job.exit_code) == ("failed", 4)
 
 
+def test_gpulayer_submit_loads_only_what_it_uses(jobs_peer, tmp_path):
+    """`gpulayer submit -f` pickles nothing and makes no actor: no cloudpickle, no client/actors.py; a
+    folder whose ignore rules and files are unchanged is scanned without pathspec (its decisions are in
+    the digest cache). The command runs to its end against a real peer, then says what it loaded."""
+    peer, _, key, _ = jobs_peer()
+    folder = tmp_path / "project"
+    (folder / "logs").mkdir(parents=True)
+    (folder / ".gitignore").write_text("logs/\n*.tmp\n")
+    (folder / "run.py").write_text("print('ran', flush=True)\n")
+    (folder / "scratch.tmp").write_text("left out")
+    code = ("import json, sys; from gpulayer.cli import main; "
+            f"rc = main(['submit', '-f', '--working-dir', {str(folder)!r}, '--', 'python', 'run.py']); "
+            "print(json.dumps(sorted(m for m in ('cloudpickle', 'gpulayer.client.actors', 'pathspec') "
+            "if m in sys.modules)), file=sys.stderr); sys.exit(rc)")
+    env = {**os.environ, "GPULAYER_KEY": key, "GPULAYER_PEERS": peer.address}
+    loaded = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ran", out.stderr
+        loaded.append(json.loads(out.stderr.splitlines()[-1]))
+    assert loaded == [["pathspec"], []]
+
+
 def test_retries_run_a_failed_job_again(jobs_peer):
     _, _, _, jobs = jobs_peer()
     job = jobs.submit(["sh", "-c", "echo attempt; exit 1"], None, _cpu(), retries=2)
