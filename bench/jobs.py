@@ -19,6 +19,11 @@ Two network namespaces on a bridge (tests/lan/lanlab.py; root only), a "peer" pr
 4. The same fetch on one host (`one_host_fetch`, no namespaces): the local way (the file's descriptor
    on a local link, copied in the kernel) against the FILE stream over loopback TCP and a raw
    copy_file_range of the file.
+5. `gpulayer submit -f` of a cached working folder (52 files, 2.3 MB) to the job's first output line,
+   through a peer on loopback, against `ray job submit` to a local Ray head: with the peer cache on,
+   as by default (the submitter ran before), and off (a first run: the static peer probed first),
+   alternated round by round; "install" says whether gpulayer is an editable (development) install,
+   whose import finder every interpreter start pays, or a regular one, as `pip install .` gives.
 
 The files (the folder, the artifact, the peer's store, what is fetched) live in memory, on tmpfs
 (/dev/shm; `--dir` chooses another place): on the shared test VM, writes to its disk stalled for
@@ -541,6 +546,15 @@ def ray_head(env: dict, port: int) -> tuple[subprocess.Popen, str | None]:
     return proc, "the Ray head did not start: " + " ".join(output[-3:]).strip()[-400:]
 
 
+def install_kind() -> str:
+    """How gpulayer is installed here: "editable" (a development checkout: each interpreter start also
+    runs the editable install's import finder, ~10 ms here), else "regular", as `pip install .` gives."""
+    import gpulayer
+
+    dist = Path(gpulayer.__file__).resolve().parent.parent
+    return "editable" if (dist / "pyproject.toml").is_file() else "regular"
+
+
 def submit_latency(workdir: Path, rounds: int) -> dict:
     """`gpulayer submit -f` of a cached working folder to the job's first output line, through a peer on
     loopback, against `ray job submit` of the same folder to a local Ray head bound to 127.0.0.1."""
@@ -553,21 +567,28 @@ def submit_latency(workdir: Path, rounds: int) -> dict:
     key = secrets.token_hex(16)
     # bytecode cached (in the bench's own folder), as an installed package has it: without, each start
     # compiles gpulayer from source (PYTHONDONTWRITEBYTECODE, set in CI and on the test VM: +0.15 s)
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "GPULAYER_KEY": key,
-           "GPULAYER_INTERFACES": "127.0.0.1", "GPULAYER_CACHE": "0", "XDG_STATE_HOME": str(workdir / "state"),
+    # the peer cache on, as by default: a submitter that ran before tries the cached peer first
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "GPULAYER_CACHE")},
+           "GPULAYER_KEY": key, "GPULAYER_INTERFACES": "127.0.0.1", "XDG_STATE_HOME": str(workdir / "state"),
            "XDG_CACHE_HOME": str(workdir / "cache"), "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPYCACHEPREFIX": str(workdir / "bytecode"),
            # Ray's token authentication, with a token of this run's (a token file of another Ray in ~/.ray
            # would otherwise switch it on without a token for `ray job submit`)
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     peer = PeerProcess(workdir, key, "jobs-bench", env=env).start()
-    out: dict = {"folder_bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())}
+    out: dict = {"folder_bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
+                 "install": install_kind()}
     try:
         env["GPULAYER_PEERS"] = peer.address
         submit = [sys.executable, "-m", "gpulayer", "submit", "-f", "--accelerator", "cpu",
                   "--working-dir", str(folder), "--", *FIRST_LINE]
         out["gpulayer_first_s"] = time_to_line(submit, env)  # the folder goes up; later submits find it cached
-        out["gpulayer_s"] = spread([time_to_line(submit, env) for _ in range(rounds)])
+        no_cache = {**env, "GPULAYER_CACHE": "0"}  # as a submitter's first run: the static peer probed first
+        runs: dict[str, list[float]] = {"gpulayer_s": [], "gpulayer_no_peer_cache_s": []}
+        for _ in range(rounds):  # alternated, so that both see the same moments of the machine
+            runs["gpulayer_s"].append(time_to_line(submit, env))
+            runs["gpulayer_no_peer_cache_s"].append(time_to_line(submit, no_cache))
+        out.update({name: spread(times) for name, times in runs.items()})
     finally:
         peer.stop()
     port = 18265 + secrets.randbelow(1000)
@@ -711,7 +732,10 @@ def summarize_submit(m: dict) -> dict:
     if "gpulayer_s" not in m:
         return {"submit": m.get("skipped", "skipped")}
     s = {"submit_first_line_ms": 1e3 * m["gpulayer_s"]["median"],
-         "submit_first_line_ms_range": [1e3 * m["gpulayer_s"]["min"], 1e3 * m["gpulayer_s"]["max"]]}
+         "submit_first_line_ms_range": [1e3 * m["gpulayer_s"]["min"], 1e3 * m["gpulayer_s"]["max"]],
+         "install": m.get("install")}
+    if "gpulayer_no_peer_cache_s" in m:
+        s["submit_first_line_ms_no_peer_cache"] = 1e3 * m["gpulayer_no_peer_cache_s"]["median"]
     if "ray_s" in m:
         s["ray_job_submit_first_line_ms"] = 1e3 * m["ray_s"]["median"]
     else:

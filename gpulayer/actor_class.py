@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .checks import check_concurrency
-from .client.actors import ActorHandle, ActorSpec
 from .runtime import default_client
 from .task_options import TaskOptions
+
+if TYPE_CHECKING:
+    from .client.actors import ActorHandle
 
 ACTOR_OPTIONS = ("max_concurrency", "restarts")
 
@@ -57,6 +59,8 @@ class ActorClass:
 
     def submit(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Create the actor; the future's result is its handle once the constructor ran on the peer."""
+        from .client.actors import ActorSpec  # here: `gpulayer submit` imports the API but makes no actor
+
         p = self._parsed
         spec = ActorSpec(self.__gpulayer_class__, args, kwargs, p.requirements, p.timeout, p.retries, p.env,
                          self._concurrency, self._restarts)

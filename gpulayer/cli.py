@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import subprocess
 import sys
 
 from .errors import ConfigError, GPULayerError
@@ -49,6 +47,9 @@ def _peers(args) -> int:
 
 
 def _ray_node(args) -> int:
+    import shlex
+    import subprocess
+
     from .backends.ray import TOKEN_ENV, node_environment, ray_start_command
     from .resources import detect
 

@@ -304,11 +304,12 @@ class Directory:
             log.debug("ignoring peer cache %s: %s", self.cache_path, exc)
 
     def save_cache(self) -> None:
-        """Remember the peers that are up, for the next submitter process."""
+        """Remember the peers that are up, for the next submitter process: those a handshake proved, and
+        the cache's own that nothing disproved (a process that used one peer keeps the others)."""
         if self.cache_path is None:
             return
         entries = [{"txt": r.advert.to_txt(), "addresses": r.addresses}
-                   for r in self.records() if r.up and r.verified]
+                   for r in self.records() if r.up and (r.verified or r.source == "cache")]
         try:
             data = json.loads(self.cache_path.read_text()) if self.cache_path.exists() else {}
             if not isinstance(data, dict):

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backends.base import Backend, make
-from .client import actors
 from .client.engine import Client
 from .errors import ConfigError
 from .matching import Requirements
+
+if TYPE_CHECKING:
+    from .client.actors import ActorHandle
 
 _client: Backend | None = None
 _client_lock = threading.Lock()
@@ -60,10 +62,12 @@ def lan_client() -> Client:
 
 
 def actor_handle(actor_id: str, peer_id: str, peer_name: str, addresses: list[tuple[str, int]],
-                 slot: int | None, class_name: str, req: Requirements) -> actors.ActorHandle:
+                 slot: int | None, class_name: str, req: Requirements) -> ActorHandle:
     """A handle unpickled in another process (a task, another actor): it calls through that process's client."""
-    return actors.ActorHandle(lan_client(), actor_id, peer_id, peer_name, [(str(h), int(p)) for h, p in addresses],
+    from .client.actors import ActorHandle  # here: a process that has no actor never loads it
+
+    return ActorHandle(lan_client(), actor_id, peer_id, peer_name, [(str(h), int(p)) for h, p in addresses],
                               slot, class_name, req)
 
 
-actors.rebuild_handle = actor_handle  # a handle pickles as a reference to this function
+Client.rebuild_handle = actor_handle  # a handle pickles as a reference to this function

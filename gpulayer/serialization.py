@@ -22,36 +22,47 @@ import os
 import pickle
 import site
 import sys
-import sysconfig
 import types
 from pathlib import Path
-
-import cloudpickle
+from typing import Any
 
 OUT_OF_BAND_MIN = 64 * 1024
 _OPEN_FILES = (io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
 
 
-class _Pickler(cloudpickle.Pickler):
-    def reducer_override(self, obj):
-        torch = sys.modules.get("torch")
-        if torch is not None and type(obj) is torch.Tensor:
-            reduced = _reduce_tensor(torch, obj)
-            if reduced is not None:
-                return reduced
-        if isinstance(obj, (types.FunctionType, type)):
-            _ship_local_module(getattr(obj, "__module__", None))
-        elif isinstance(obj, _OPEN_FILES):  # cloudpickle would send a read file's content as a StringIO
-            raise TypeError(f"an open file ({getattr(obj, 'name', '?')!r}) cannot travel to a peer: pass its path, "
-                            "for a file that exists on the peer, or its content (f.read())")
-        elif isinstance(obj, types.CodeType) and _code_reduce is not None:
-            return _code_with_filename, (_code_reduce(obj)[1], obj.co_filename)
-        return super().reducer_override(obj)
+@functools.lru_cache(maxsize=None)
+def _pickler() -> Any:
+    """cloudpickle's Pickler with GPUlayer's reductions, made on first use: a process that pickles only
+    plain values, or nothing (`gpulayer submit`), does not import cloudpickle (5 ms)."""
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            torch = sys.modules.get("torch")
+            if torch is not None and type(obj) is torch.Tensor:
+                reduced = _reduce_tensor(torch, obj)
+                if reduced is not None:
+                    return reduced
+            if isinstance(obj, (types.FunctionType, type)):
+                _ship_local_module(getattr(obj, "__module__", None))
+            elif isinstance(obj, _OPEN_FILES):  # cloudpickle would send a read file's content as a StringIO
+                raise TypeError(f"an open file ({getattr(obj, 'name', '?')!r}) cannot travel to a peer: pass its "
+                                "path, for a file that exists on the peer, or its content (f.read())")
+            elif isinstance(obj, types.CodeType) and (code_reduce := _code_reduce()) is not None:
+                return _code_with_filename, (code_reduce(obj)[1], obj.co_filename)
+            return super().reducer_override(obj)
+
+    return Pickler
 
 
-# cloudpickle blanks the file name of code it ships by value; keep it, so that a remote
-# traceback names the submitter's file and its lines (the submitter fills in the source).
-_code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+@functools.lru_cache(maxsize=None)
+def _code_reduce() -> Any:
+    """cloudpickle's reduction of code objects, or None. cloudpickle blanks the file name of code it ships
+    by value; the Pickler keeps it, so that a remote traceback names the submitter's file and its lines
+    (the submitter fills in the source)."""
+    import cloudpickle
+
+    return getattr(cloudpickle.cloudpickle, "_code_reduce", None)
 
 
 def _code_with_filename(args: tuple, filename: str) -> types.CodeType:
@@ -63,6 +74,8 @@ CODE_MARKER = _code_with_filename.__name__.encode()  # in every pickle that ship
 
 @functools.lru_cache(maxsize=None)
 def _installed_dirs() -> tuple[str, ...]:
+    import sysconfig
+
     paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     paths.update(site.getsitepackages() + [site.getusersitepackages(), sys.prefix, sys.base_prefix])
     return tuple(os.path.realpath(p) + os.sep for p in paths if p)
@@ -112,6 +125,8 @@ def _ship_local_module(name: str | None) -> None:
         return
     path = getattr(module, "__file__", None)
     if path and not os.path.realpath(path).startswith(_installed_dirs()) and not _provided(top):
+        import cloudpickle
+
         cloudpickle.register_pickle_by_value(module)
 
 
@@ -127,6 +142,8 @@ def module_of(obj: object) -> str:
 def ships_by_value(obj: types.FunctionType | type) -> bool:
     """Whether pickling ships a function or class by value (its code), not by reference (its module and
     name): the submitter's own modules go by value (`_ship_local_module`), and cloudpickle decides the rest."""
+    import cloudpickle
+
     _ship_local_module(module_of(obj))
     return not cloudpickle.cloudpickle._should_pickle_by_reference(obj)
 
@@ -165,7 +182,7 @@ def dumps(obj) -> tuple[bytes, list[memoryview]]:
         return False
 
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=keep_large).dump(obj)
+    _pickler()(out, protocol=5, buffer_callback=keep_large).dump(obj)
     return out.getvalue(), buffers
 
 

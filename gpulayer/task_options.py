@@ -7,7 +7,6 @@ decoration time, not at the first call.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
@@ -177,6 +176,8 @@ def _near_option(names: Iterable[str]) -> tuple[str, str] | tuple[None, None]:
 def _misspelt(name: str) -> str | None:
     """The task option that `name` is a near-miss of (cached: a loop of calls with the same keywords of
     a **kwargs function compares them once)."""
+    import difflib  # here: only a misspelt option needs it
+
     close = difflib.get_close_matches(name, NAMES, n=1, cutoff=0.75)
     return close[0] if close else None
 

@@ -32,10 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpulayer.client")
 
-rebuild_handle: Callable[..., ActorHandle] | None = None
-"""What a pickled handle names to be rebuilt in another process: `gpulayer.runtime.actor_handle`, set
-when that module loads (it owns the process-wide client the rebuilt handle calls through)."""
-
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for the peer's word that the actor ended
 DIRECT_ENV = "GPULAYER_DIRECT_CALLS"
 REASON_WAIT = 1.0  # seconds calls lost with a direct connection wait for the peer's word on why
@@ -351,9 +347,9 @@ class ActorHandle:
         self.close()
 
     def __reduce__(self) -> tuple[Callable[..., ActorHandle], tuple[Any, ...]]:
-        assert rebuild_handle is not None, "gpulayer.runtime sets it when it loads (before any handle exists)"
-        return rebuild_handle, (self.actor_id, self.peer_id, self.peer, self.addresses, self.slot,
-                                 self.class_name, self.req)
+        rebuild = type(self._client).rebuild_handle  # from the class: an instance would bind it to the client
+        assert rebuild is not None, "gpulayer.runtime sets it when it loads (before any handle exists)"
+        return rebuild, (self.actor_id, self.peer_id, self.peer, self.addresses, self.slot, self.class_name, self.req)
 
     def __repr__(self) -> str:
         state = "" if self._dead is None else f", ended: {self._dead}"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import secrets
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -104,12 +104,17 @@ class Client(Listener):
     """A submitter: finds peers of its cluster, picks one per task, and tracks the futures; the listener
     of each peer's own connection."""
 
+    rebuild_handle: Callable[..., Any] | None = None
+    """What a pickled actor handle (client/actors.py) names to be rebuilt in another process:
+    `gpulayer.runtime.actor_handle`, set when that module loads (it owns the process-wide client the
+    rebuilt handle calls through)."""
+
     def __init__(self, key: bytes | None = None, interfaces: list[str] | None = None, peers: str | None = None,
                  mdns: bool = True, echo_output: bool = True, discovery_timeout: float | None = None,
                  heartbeat: float | None = None, leases: bool | None = None):
         self.key = key or load_key()
         self.cluster = cluster_id(self.key)
-        self.submitter_id = uuid.uuid4().hex[:12]  # what AUTH names this submitter to its peers
+        self.submitter_id = secrets.token_hex(6)  # what AUTH names this submitter to its peers
         self.interfaces = discovery.configured_interfaces(interfaces)
         self.echo_output = echo_output
         self.discovery_timeout = discovery_timeout if discovery_timeout is not None else \

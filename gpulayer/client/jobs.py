@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..checks import login_user
+from ..discovery import PeerRecord
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, local_fetch, transfer
 from ..jobs.store import ARRIVING, ENDED, MOVED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
 from ..protocol import jobs as job_protocol, messages
+from ..resources.model import Advert
 from ..transport import blocking, shm
 from .connection import CONNECT_TIMEOUT
 from .engine import Client
@@ -293,7 +295,7 @@ class Jobs:
         addresses, deadline, pause = record.addresses, 0.0, 0.1
         while True:
             try:
-                link = JobLink(self.client, addresses)
+                link = self._link_to(record, addresses)
                 try:
                     info = _submit_over(link, spec, manifest, array, heard)
                 except BaseException:
@@ -318,6 +320,23 @@ class Jobs:
                 self._find(holder_id)  # not found (yet): the addresses tried last
                 addresses = self._holders[holder_id].addresses if holder_id in self._holders else addresses
 
+    def _link_to(self, record: Any, addresses: list[tuple[str, int]]) -> JobLink:
+        """A link to the peer of `record` at `addresses`; the peer its handshake proved goes into the
+        directory (as a pooled connection's does: the peer cache keeps it), and a cached claim whose
+        address is unreachable is dropped."""
+        try:
+            link = JobLink(self.client, addresses)
+        except PeerLost:
+            if record.source == "cache":
+                self.client.directory.drop(record)
+            raise
+        try:
+            advert = Advert.from_txt(link.hello.get("advert") or {})
+        except ValueError:
+            return link  # the submit's answer tells
+        self.client.directory.upsert(PeerRecord(advert, [link.address], "mdns", verified=True))
+        return link
+
     def _submit_gang(self, spec: JobSpec, manifest: folder.Manifest, req: Requirements, nodes: int) -> Job:
         """Record one rank on each of `nodes` distinct matching peers (in peer-id order: rank 0 on the
         lowest), then the gang's own record on rank 0's peer, which watches the ranks from then on
@@ -330,17 +349,19 @@ class Jobs:
         try:
             for index, record in enumerate(chosen):
                 assert record is not None
-                with JobLink(self.client, record.addresses) as link:
-                    info = _submit_over(link, replace(spec, gang={"rank": index, "size": nodes}), manifest, None)
+                rank_spec = replace(spec, gang={"rank": index, "size": nodes}, token=secrets.token_hex(16))
+                _, info, link = self._record_on(record, rank_spec, manifest, None)  # retried as a single job is
+                link.close()
                 at = [list(link.address), *(list(a) for a in record.addresses if a != link.address)]
                 ranks.append({"job": info["job"]["id"], "peer": record.advert.name, "at": at})
-                self._holders[holder_of(ranks[-1]["job"])] = Holder(holder_of(ranks[-1]["job"]), record.advert.name,
-                                                                   record.addresses)
             hosts = rank_addresses([list(dict.fromkeys(host for host, _ in rank["at"])) for rank in ranks])
             gang = {"size": nodes, "ranks": [{**rank, "addr": host} for rank, host in zip(ranks, hosts)]}
-            with tempfile.TemporaryDirectory(prefix="gpulayer-gang-") as empty, \
-                    JobLink(self.client, [tuple(a) for a in ranks[0]["at"]]) as link:
-                info = _submit_over(link, replace(spec, gang=gang), folder.scan(empty), None)
+            with tempfile.TemporaryDirectory(prefix="gpulayer-gang-") as empty:
+                assert chosen[0] is not None
+                watcher = replace(chosen[0], addresses=[tuple(a) for a in ranks[0]["at"]])  # where rank 0 was recorded
+                _, info, link = self._record_on(watcher, replace(spec, gang=gang, token=secrets.token_hex(16)),
+                                                folder.scan(empty), None)
+                link.close()
         except BaseException:
             for rank in ranks:  # best effort: otherwise they fail once no watcher claimed them
                 try:

@@ -9,26 +9,24 @@ it whatever it does (setsid, a double fork, a daemon), and the peer kills what i
 job ends, and removes it. Elsewhere (no cgroup v2, not
 writable, macOS, GPULAYER_JOB_CGROUPS=0) `find` says why, and jobs run as before: a process group and a
 child subreaper.
+
+Paths are strings and the module uses `os` alone (no pathlib: the supervisor imports it, and its start
+is on the path of every job's first line).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
-from pathlib import Path
 
 ENV = "GPULAYER_JOB_CGROUPS"  # "0": no cgroups for jobs (docs/configuration.md)
 EMPTY_WAIT_S = 5.0  # the longest a killed cgroup is waited for to empty before it is removed
+SIGKILL = 9  # signal.SIGKILL, without the signal module's enums
 
 
-def own_cgroup(proc: Path = Path("/proc/self")) -> Path | None:
+def own_cgroup(proc: str = "/proc/self") -> str | None:
     """This process's cgroup v2 folder (where the cgroup2 file system is mounted), or None."""
-    try:
-        lines = (proc / "cgroup").read_text().splitlines()
-        mounts = (proc / "mountinfo").read_text().splitlines()
-    except OSError:
-        return None
+    lines, mounts = _read(os.path.join(proc, "cgroup")).splitlines(), _read(os.path.join(proc, "mountinfo")).splitlines()
     path = next((line[3:] for line in lines if line.startswith("0::")), None)
     if path is None:
         return None
@@ -38,14 +36,14 @@ def own_cgroup(proc: Path = Path("/proc/self")) -> Path | None:
         if rest.split()[:1] == ["cgroup2"] and len(parts) >= 5:
             root, point = parts[3], parts[4]
             if path == root or path.startswith(root.rstrip("/") + "/"):
-                return Path(point) / path[len(root):].lstrip("/")
+                return os.path.join(point, path[len(root):].lstrip("/")).rstrip("/") or "/"
     return None
 
 
 class Cgroups:
     """The cgroups of one peer's jobs: `<base>/job-<job id>`."""
 
-    def __init__(self, base: Path):
+    def __init__(self, base: str):
         self.base = base
 
     @classmethod
@@ -56,38 +54,38 @@ class Cgroups:
         own = own_cgroup()
         if own is None:
             return "no cgroup v2 here (/proc/self/cgroup names none mounted)"
-        base = own / f"gpulayer-{holder}"
+        base = os.path.join(own, f"gpulayer-{holder}")
         try:
-            base.mkdir(exist_ok=True)
-            if not os.access(base / "cgroup.procs", os.W_OK):
+            os.makedirs(base, exist_ok=True)
+            if not os.access(os.path.join(base, "cgroup.procs"), os.W_OK):
                 return f"{base}/cgroup.procs is not writable"
         except OSError as exc:
             return f"cannot make {base}: {exc.strerror or exc}"
         return cls(base)
 
-    def path(self, job_id: str) -> Path:
-        return self.base / f"job-{job_id}"
+    def path(self, job_id: str) -> str:
+        return os.path.join(self.base, f"job-{job_id}")
 
-    def make(self, job_id: str) -> Path:
+    def make(self, job_id: str) -> str:
         """The job's cgroup, made empty (what an earlier attempt left is killed first)."""
         self.remove(job_id)
-        self.path(job_id).mkdir()
+        os.mkdir(self.path(job_id))
         return self.path(job_id)
 
     def remove(self, job_id: str) -> None:
         """Kill what is left in the job's cgroup and remove it (nothing happens if it is not there)."""
         path = self.path(job_id)
-        if path.is_dir():
+        if os.path.isdir(path):
             kill(path)
             try:
-                path.rmdir()
+                os.rmdir(path)
             except OSError:
                 pass  # not empty in time: swept at the next start
 
     def sweep(self) -> list[str]:
         """At the peer's start, no job runs: the cgroups of its earlier life (of jobs that ended while it was
         down, or lost) killed and removed; their job ids."""
-        gone = sorted(p.name[4:] for p in self.base.glob("job-*"))
+        gone = sorted(name[4:] for name in os.listdir(self.base) if name.startswith("job-"))
         for job_id in gone:
             self.remove(job_id)
         return gone
@@ -95,47 +93,51 @@ class Cgroups:
     def close(self) -> None:
         """The peer stops, its jobs ended: its folder of cgroups goes (it stays if a job's is left in it)."""
         try:
-            self.base.rmdir()
+            os.rmdir(self.base)
         except OSError:
             pass  # a job's cgroup not emptied in time: swept at the next start
 
 
-def kill(path: Path) -> None:
+def join(path: str) -> None:
+    """This process into the cgroup folder `path` (the supervisor, around its start of the command)."""
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write("0")
+
+
+def kill(path: str) -> None:
     """SIGKILL every process of the cgroup `path` (cgroup.kill; else frozen, each killed, thawed), and
     wait (EMPTY_WAIT_S at most) until it holds none."""
-    if not _write(path / "cgroup.kill", "1"):
-        frozen = _write(path / "cgroup.freeze", "1")
+    if not _write(os.path.join(path, "cgroup.kill"), "1"):
+        frozen = _write(os.path.join(path, "cgroup.freeze"), "1")
         for pid in procs(path):
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, SIGKILL)
             except OSError:
                 pass  # gone meanwhile
         if frozen:
-            _write(path / "cgroup.freeze", "0")
+            _write(os.path.join(path, "cgroup.freeze"), "0")
     deadline = time.monotonic() + EMPTY_WAIT_S
-    while "populated 1" in _read(path / "cgroup.events") and time.monotonic() < deadline:
+    while "populated 1" in _read(os.path.join(path, "cgroup.events")) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
-def procs(path: Path) -> list[int]:
+def procs(path: str) -> list[int]:
     """The pids in the cgroup `path`."""
-    return [int(word) for word in _words(path / "cgroup.procs")]
+    return [int(word) for word in _read(os.path.join(path, "cgroup.procs")).split()]
 
 
-def _read(path: Path) -> str:
+def _read(path: str) -> str:
     try:
-        return path.read_text()
+        with open(path) as f:
+            return f.read()
     except OSError:
         return ""
 
 
-def _words(path: Path) -> list[str]:
-    return _read(path).split()
-
-
-def _write(path: Path, text: str) -> bool:
+def _write(path: str, text: str) -> bool:
     try:
-        path.write_text(text)
+        with open(path, "w") as f:
+            f.write(text)
     except OSError:
         return False
     return True

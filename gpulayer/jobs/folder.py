@@ -192,23 +192,32 @@ def _identity(st: os.stat_result) -> list[int]:
 
 
 class DigestCache:
-    """Digests of files already hashed, keyed by (real path, size, mtime_ns, inode); a JSON file (0600).
+    """What a scan of one folder learnt, for the next: the digests of the files hashed, keyed by (real
+    path, size, mtime_ns, inode), and the ignore rules' decisions, keyed by the rules (`_Rules.key`) and
+    the path; a JSON file (0600).
 
-    A rescan of an unchanged folder hashes nothing. With `path=None` it lives in memory only (one
-    object serves the scans of a process either way).
+    A rescan of an unchanged folder hashes nothing and compiles no ignore rule (pathspec is not even
+    imported). With `path=None` it lives in memory only (one object serves the scans of a process either way).
     """
+
+    FORMAT = 2  # a file of another format (or none) starts empty: one rehash
 
     def __init__(self, path: Path | None):
         self.path = path
-        self._known: dict[str, list[Any]] = {}  # what the last scan saw (or the file held)
-        self._seen: dict[str, list[Any]] = {}  # what this scan has seen
+        # what the last scan saw (or the file held), and what this scan has seen: digests, and decisions
+        self._known: dict[str, list[Any]] = {}
+        self._seen: dict[str, list[Any]] = {}
+        self._decided: dict[str, dict[str, Any]] = {}
+        self._deciding: dict[str, dict[str, bool]] = {}
         if path is not None:
             try:
                 loaded = json.loads(path.read_text())
-                self._known = loaded if isinstance(loaded, dict) else {}
             except (OSError, ValueError):
-                self._known = {}
-        self._on_disk = self._known
+                loaded = None
+            if isinstance(loaded, dict) and loaded.get("format") == self.FORMAT and \
+                    isinstance(loaded.get("digests"), dict) and isinstance(loaded.get("ignored"), dict):
+                self._known, self._decided = loaded["digests"], loaded["ignored"]
+        self._on_disk = self._known, self._decided
 
     @classmethod
     def for_folder(cls, real_root: str) -> DigestCache:
@@ -226,10 +235,21 @@ class DigestCache:
     def put(self, real: str, st: os.stat_result, digest: str) -> None:
         self._seen[real] = [*_identity(st), digest]
 
+    def decision(self, rules: str, name: str) -> bool | None:
+        """Whether `name` was ignored under the rules named `rules`, as decided before; None if never."""
+        verdict = self._decided.get(rules, {}).get(name)
+        return verdict if isinstance(verdict, bool) else None
+
+    def decide(self, rules: str, name: str, verdict: bool) -> None:
+        self._deciding.setdefault(rules, {})[name] = verdict
+
     def save(self) -> None:
-        """End a scan: what it saw is what the next one starts from (files gone are dropped), and it is
-        written to the file when it changed; a failure to write only costs a rehash."""
-        seen, self._known, self._seen = self._seen, self._seen, {}
+        """End a scan: what it saw is what the next one starts from (files gone, and rules no longer in
+        force, are dropped), and it is written to the file when it changed; a failure to write only costs
+        a rehash."""
+        seen = self._seen, self._deciding
+        self._known, self._decided = seen
+        self._seen, self._deciding = {}, {}
         if self.path is None or seen == self._on_disk:
             return
         try:
@@ -237,7 +257,7 @@ class DigestCache:
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as out:
-                json.dump(seen, out)
+                json.dump({"format": self.FORMAT, "digests": seen[0], "ignored": seen[1]}, out)
             os.replace(tmp, self.path)
             self._on_disk = seen
         except OSError:
@@ -255,42 +275,88 @@ def hash_file(path: PathLike) -> str:
     return digest.hexdigest()
 
 
+class _Rules:
+    """The ignore rules in force in one folder of a walk: the .gitignore files from the root down to it,
+    as (base prefix, text); `key` names them exactly, with the excludes and the pathspec installed."""
+
+    def __init__(self, key: str, files: tuple[tuple[str, str], ...] = ()):
+        self.key, self.files = key, files
+
+    def adding(self, base: str, text: str) -> _Rules:
+        """These rules and the ignore file of the folder `base` (its text)."""
+        key = hashlib.sha256(f"{self.key}\0{base}\0{text}".encode()).hexdigest()[:32]
+        return _Rules(key, (*self.files, (base, text)))
+
+
 class _Ignores:
-    """git's ignore rules for one walk: --exclude patterns first, then .gitignore files, deepest first."""
+    """git's ignore rules for one walk: --exclude patterns first, then .gitignore files, deepest first.
 
-    def __init__(self, excludes: Iterable[str]):
-        patterns = list(excludes)
-        self.excludes = _spec(patterns) if patterns else None
+    A decision that `cache` holds for the same rules and path is taken from it; pathspec is imported, and
+    the rules compiled, only for a path it lacks (a new file, or any change to the rules)."""
 
-    def ignored(self, rel: str, is_dir: bool, specs: list[tuple[str, pathspec.GitIgnoreSpec]]) -> bool:
-        """Whether `rel` (relative to the root) is left out; `specs`: (base, spec) from the root down."""
+    def __init__(self, excludes: Iterable[str], cache: DigestCache):
+        self.excludes = list(excludes)
+        self.cache = cache
+        root = json.dumps([_pathspec_identity(), self.excludes])
+        self.root = _Rules(hashlib.sha256(root.encode()).hexdigest()[:32])  # no ignore file yet
+        self._specs: dict[tuple[str, ...], pathspec.GitIgnoreSpec] = {}  # compiled, by their lines
+
+    def ignored(self, rel: str, is_dir: bool, rules: _Rules) -> bool:
+        """Whether `rel` (relative to the root) is left out under `rules`."""
+        if not rules.files and not self.excludes:
+            return False
         name = rel + "/" if is_dir else rel
-        if self.excludes is not None:
-            verdict = self.excludes.check_file(name).include
+        verdict = self.cache.decision(rules.key, name)
+        if verdict is None:
+            verdict = self._decide(name, rules)
+        self.cache.decide(rules.key, name, verdict)
+        return verdict
+
+    def _decide(self, name: str, rules: _Rules) -> bool:
+        if self.excludes:
+            verdict = self._spec(self.excludes).check_file(name).include
             if verdict is not None:
                 return verdict
-        for base, spec in reversed(specs):
-            verdict = spec.check_file(name[len(base):]).include
+        for base, text in reversed(rules.files):
+            verdict = self._spec(text.splitlines()).check_file(name[len(base):]).include
             if verdict is not None:
                 return verdict
         return False
+
+    def _spec(self, lines: list[str]) -> pathspec.GitIgnoreSpec:
+        spec = self._specs.get(tuple(lines))
+        if spec is None:
+            import pathspec  # here: a folder whose decisions are all known never pays for it
+
+            spec = self._specs[tuple(lines)] = pathspec.GitIgnoreSpec.from_lines(lines)
+        return spec
+
+
+def _pathspec_identity() -> list[Any]:
+    """The installed pathspec, without importing it: its __init__.py's path, size and mtime (an upgrade
+    decides afresh)."""
+    import importlib.util
+
+    found = importlib.util.find_spec("pathspec")
+    if found is None or found.origin is None:
+        return []
+    try:
+        st = os.stat(found.origin)
+    except OSError:
+        return [found.origin]
+    return [found.origin, st.st_size, st.st_mtime_ns]
 
 
 def _inside(path: str, real_root: str) -> bool:
     return path == real_root or path.startswith(real_root.rstrip(os.sep) + os.sep)
 
 
-def _spec(lines: list[str]) -> pathspec.GitIgnoreSpec:
-    import pathspec  # here: a folder with no ignore file (nor --exclude) never pays for it
-
-    return pathspec.GitIgnoreSpec.from_lines(lines)
-
-
-def _read_ignore_file(real_dir: str) -> pathspec.GitIgnoreSpec | None:
+def _read_ignore_file(real_dir: str) -> str | None:
+    """The text of the folder's .gitignore, None if it has none."""
     path = os.path.join(real_dir, IGNORE_FILE)
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            return _spec(f.read().splitlines())
+            return f.read()
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
     except OSError as exc:
@@ -304,14 +370,14 @@ def _walk(real_root: str, ignores: _Ignores | None,
     every file counts. A symlink is followed only to a target inside `real_root` (else FolderError)."""
     start = real_root if start is None else start
     prefix = "" if start == real_root else os.path.relpath(start, real_root).replace(os.sep, "/") + "/"
-    # each pending folder: its real path, its relative prefix, the ignore specs above it, the real folders it is in
-    pending: list[tuple[str, str, list[tuple[str, pathspec.GitIgnoreSpec]], tuple[str, ...]]] = \
-        [(start, prefix, [], (real_root, start))]
+    # each pending folder: its real path, its relative prefix, the ignore rules above it, the real folders it is in
+    pending: list[tuple[str, str, _Rules, tuple[str, ...]]] = \
+        [(start, prefix, _Rules("") if ignores is None else ignores.root, (real_root, start))]
     while pending:
-        real_dir, prefix, specs, chain = pending.pop()
-        spec = _read_ignore_file(real_dir) if ignores is not None else None
-        if spec is not None:
-            specs = [*specs, (prefix, spec)]
+        real_dir, prefix, rules, chain = pending.pop()
+        text = _read_ignore_file(real_dir) if ignores is not None else None
+        if text is not None:
+            rules = rules.adding(prefix, text)
         try:
             listing = sorted(os.scandir(real_dir), key=lambda d: d.name)
         except OSError as exc:
@@ -326,7 +392,7 @@ def _walk(real_root: str, ignores: _Ignores | None,
                     st = os.stat(target)
                 except OSError:
                     st = None
-                if ignores is not None and ignores.ignored(rel, st is not None and stat.S_ISDIR(st.st_mode), specs):
+                if ignores is not None and ignores.ignored(rel, st is not None and stat.S_ISDIR(st.st_mode), rules):
                     continue
                 if not _inside(target, real_root):
                     raise FolderError(f"{rel} is a symlink to {target}, outside the folder {real_root}: GPUlayer "
@@ -337,13 +403,13 @@ def _walk(real_root: str, ignores: _Ignores | None,
                 if stat.S_ISDIR(st.st_mode):
                     if target in chain:
                         raise FolderError(f"{rel} is a symlink to {target}, a folder that contains it: a loop")
-                    pending.append((target, rel + "/", specs, (*chain, target)))
+                    pending.append((target, rel + "/", rules, (*chain, target)))
                 elif stat.S_ISREG(st.st_mode):
                     yield rel, target, st
             elif item.is_dir(follow_symlinks=False):
-                if ignores is None or not ignores.ignored(rel, True, specs):
-                    pending.append((item.path, rel + "/", specs, (*chain, item.path)))
-            elif item.is_file(follow_symlinks=False) and (ignores is None or not ignores.ignored(rel, False, specs)):
+                if ignores is None or not ignores.ignored(rel, True, rules):
+                    pending.append((item.path, rel + "/", rules, (*chain, item.path)))
+            elif item.is_file(follow_symlinks=False) and (ignores is None or not ignores.ignored(rel, False, rules)):
                 yield rel, item.path, item.stat(follow_symlinks=False)
 
 
@@ -362,7 +428,8 @@ def scan(root: PathLike, excludes: Iterable[str] = (), limit_bytes: int | None =
     real_root = os.path.realpath(root)
     if not os.path.isdir(real_root):
         raise FolderError(f"the working folder {os.fspath(root)!r} is not a folder")
-    found = sorted(_walk(real_root, _Ignores(excludes)))
+    cache = DigestCache.for_folder(real_root) if cache is None else cache
+    found = sorted(_walk(real_root, _Ignores(excludes, cache)))
     if len(found) > MAX_ENTRIES:
         raise FolderTooLarge(f"{os.fspath(root)} has {len(found)} files to ship, over the {MAX_ENTRIES} a job "
                              "may take: leave some out with --exclude or .gitignore")
@@ -373,7 +440,6 @@ def scan(root: PathLike, excludes: Iterable[str] = (), limit_bytes: int | None =
         raise FolderTooLarge(f"the working folder {os.fspath(root)} has {total / 2**20:.1f} MiB to ship, over "
                              f"the limit of {limit / 2**20:.0f} MiB ({LIMIT_ENV}); the largest: {names}. Leave "
                              "files out with --exclude or .gitignore")
-    cache = DigestCache.for_folder(real_root) if cache is None else cache
     entries, sources, hashed = [], {}, 0
     for rel, real, st in found:
         digest = cache.get(real, st)

@@ -1,5 +1,6 @@
 """A job's supervisor: `python -I -S shim.py [--cgroup DIR] LOG STATUS GRACE_FILE -- COMMAND...`, started by
-the peer in a session of its own, in the job's folder, with the job's environment.
+the peer in a session of its own, in the job's folder, with the job's environment; or the same started
+ahead as a standby (`shim.py --standby`), that the peer hands its job to on stdin.
 
 With --cgroup (jobs/cgroup.py), it starts COMMAND from inside the job's cgroup DIR (and goes back to the
 peer's cgroup right after), so COMMAND's whole tree is in it whatever it does, and the tree is signalled
@@ -13,24 +14,39 @@ SIGKILL after the seconds that GRACE_FILE holds (DEFAULT_GRACE_S when it holds n
 it before a stop); then it writes {"code": N} or {"signal": N} to STATUS and exits. Stopped before it
 started COMMAND, it writes {} and never starts it.
 
+**Standby** (`--standby`, docs/jobs.md "How a job starts"): the peer starts it before a job needs it, in a
+session of its own, with stdin a pipe from the peer and the peer's environment less the cluster key. It
+pays its interpreter's start and its imports, sets its signal handlers and becomes a subreaper, then
+reads stdin to its end. The handover is `marshal.dumps((cwd, env, argv))`: the job's folder, its whole
+environment and the arguments above (`[--cgroup DIR] LOG STATUS GRACE_FILE -- COMMAND...`), written by
+the peer, which then closes the pipe; from there it is that job's supervisor, as if started with them
+in that folder with that environment. The pipe's end with no handover (the peer closed it, or died,
+kill -9 included) makes it exit without running anything; so does a SIGTERM before its handover is read
+(the peer's stop of the job it had just handed over: that job never started).
+
 It runs with the peer's interpreter, isolated and without site (its start costs no site-packages;
-psutil, with site, is imported when a tree is signalled; no gpulayer import, nor json or subprocess:
-COMMAND starts with os.posix_spawnp), so
-that a peer killed with -9 leaves a supervisor that the restarted peer can still stop by its pid.
+psutil, with site, is imported when a tree is signalled; no gpulayer import, nor json, subprocess,
+typing, pathlib or signal's enums: COMMAND starts with os.posix_spawnp), so that a peer killed with -9
+leaves a supervisor that the restarted peer can still stop by its pid.
 """
 
 from __future__ import annotations
 
+import _signal as signal  # signal's C module: the same functions and numbers, without enum (3 ms of the start)
 import ctypes
 import errno
+import marshal
 import os
-import signal
 import sys
-import types
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing costs the supervisor's start 4 ms: for the annotations only
+    from types import ModuleType
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 DEFAULT_GRACE_S = 10.0
+SIGTERM, SIGINT, SIGKILL, SIGALRM, SIGPIPE, SIGXFSZ = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL, signal.SIGALRM,
+                                                       signal.SIGPIPE, signal.SIGXFSZ)
 
 
 def become_subreaper() -> None:
@@ -59,7 +75,7 @@ def signal_tree(sig: int) -> None:
                 proc.send_signal(sig)
             except psutil.Error:
                 pass
-        if sig != signal.SIGKILL:
+        if sig != SIGKILL:
             return
 
 
@@ -72,38 +88,42 @@ def has_children() -> bool:
     return True
 
 
-def load_cgroup() -> types.ModuleType:
+def load_cgroup() -> ModuleType:
     """jobs/cgroup.py (standard library only), imported from this file's folder (-I leaves it off sys.path)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if "cgroup" not in sys.modules:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cgroup
 
     return cgroup
 
 
 class Supervisor:
-    def __init__(self, grace_file: str, cgroup: str | None = None):
-        self.grace_file = grace_file
+    """One job's supervisor; from its creation a SIGTERM or SIGINT stops the job (or cancels it, not started)."""
+
+    def __init__(self) -> None:
+        self.grace_file = ""
+        self.cgroup: str | None = None  # the job's cgroup folder (jobs/cgroup.py), if it has one
+        self.waiting = False  # a standby reading its handover
+        self.started = False  # whether the command was started
         self.ending = False
-        self.cgroups = load_cgroup() if cgroup else None
-        self.cgroup: Any = self.cgroups.Path(cgroup) if self.cgroups else None  # pathlib: imported only with it
+        signal.signal(SIGTERM, self.end)
+        signal.signal(SIGINT, self.end)
+        signal.signal(SIGALRM, lambda *_: self.signal_tree(SIGKILL))
+        become_subreaper()
 
     def signal_tree(self, sig: int) -> None:
         """`sig` to the job's tree: every process of its cgroup, or every descendant of this process."""
-        if self.cgroup is None or self.cgroups is None:
+        if self.cgroup is None:
             return signal_tree(sig)
-        if sig == signal.SIGKILL:
-            return self.cgroups.kill(self.cgroup)
-        for pid in set(self.cgroups.procs(self.cgroup)) - {os.getpid()}:  # here while it starts the command
+        cgroups = load_cgroup()
+        if sig == SIGKILL:
+            cgroups.kill(self.cgroup)
+            return
+        for pid in set(cgroups.procs(self.cgroup)) - {os.getpid()}:  # here while it starts the command
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass  # gone meanwhile
-
-    def join_cgroup(self, cgroup: Any) -> None:
-        """This process into the cgroup folder `cgroup` (none: nothing happens)."""
-        if cgroup is not None:
-            with open(cgroup / "cgroup.procs", "w") as f:
-                f.write("0")
 
     def grace(self) -> float:
         try:
@@ -113,18 +133,41 @@ class Supervisor:
             return DEFAULT_GRACE_S
 
     def end(self, *_: object) -> None:
-        """Stop the tree: SIGTERM now, SIGKILL after the grace (SIGALRM)."""
+        """Stop the job: the tree gets SIGTERM now, SIGKILL after the grace (SIGALRM); a command not started
+        never starts; a standby still waiting for its job exits at once."""
+        if self.waiting:
+            raise SystemExit(0)
         if self.ending:
             return
         self.ending = True
-        self.signal_tree(signal.SIGTERM)
+        if self.started:
+            self.stop_tree()
+
+    def stop_tree(self) -> None:
+        self.signal_tree(SIGTERM)
         signal.setitimer(signal.ITIMER_REAL, self.grace())
 
-    def run(self, log: str, status_file: str, command: list[str]) -> int:
-        signal.signal(signal.SIGTERM, self.end)
-        signal.signal(signal.SIGINT, self.end)
-        signal.signal(signal.SIGALRM, lambda *_: self.signal_tree(signal.SIGKILL))
-        become_subreaper()
+    def wait_for_job(self) -> list[str] | None:
+        """Standby: the job the peer hands over on stdin (read to its end), its folder and environment made
+        this process's; its arguments, or None when the pipe ended without one."""
+        self.waiting, data = True, b""
+        while chunk := os.read(0, 1 << 16):
+            data += chunk
+        self.waiting = False
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # the pipe closed: nothing of the peer's stays open here
+        os.close(null)
+        try:
+            cwd, env, argv = marshal.loads(data)
+        except (EOFError, ValueError, TypeError):
+            return None
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        return list(argv)
+
+    def run(self, log: str, status_file: str, grace_file: str, cgroup: str | None, command: list[str]) -> int:
+        self.grace_file, self.cgroup = grace_file, cgroup
         out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         if self.ending:  # stopped while it started: the command never runs
             return _write_status(status_file, {})
@@ -132,17 +175,20 @@ class Supervisor:
             # as subprocess.Popen would (its import costs the job's start): stdin from /dev/null, the log
             # as stdout and stderr, SIGPIPE and SIGXFSZ back to their defaults (Python ignores them); the
             # peer started this process with no other descriptor open, and `out` is not inherited
-            self.join_cgroup(self.cgroup)  # the command starts in the job's cgroup, and all it starts stays there
-            child = os.posix_spawnp(command[0], command, os.environ, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+            if cgroup is not None:
+                load_cgroup().join(cgroup)  # the command starts in the job's cgroup, and all it starts stays there
+            child = os.posix_spawnp(command[0], command, os.environ, setsigdef=(SIGPIPE, SIGXFSZ),
                                     file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                                                   (os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, out, 2)])
         except OSError as exc:
             os.write(out, f"gpulayer: cannot run {command[0]!r}: {exc.strerror or exc}\n".encode())
             return _write_status(status_file, {"code": 127})
         finally:  # back to the peer's cgroup: a kill of the job's cgroup spares its supervisor
-            self.join_cgroup(self.cgroup and self.cgroup.parent.parent)
+            if cgroup is not None:
+                load_cgroup().join(os.path.dirname(os.path.dirname(cgroup)))
+        self.started = True
         if self.ending:  # stopped while the command was being started: it goes too
-            self.signal_tree(signal.SIGTERM)
+            self.stop_tree()
         status: dict[str, int] = {}
         while True:
             try:
@@ -170,12 +216,20 @@ def _write_status(path: str, status: dict[str, int]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    supervisor = Supervisor()
+    if argv == ["--standby"]:
+        load_cgroup()  # paid ahead too, whether the job has a cgroup or not
+        handed = supervisor.wait_for_job()
+        if handed is None:
+            return 0  # its peer closed the pipe, or died: nothing runs
+        argv = handed
     cgroup = argv[1] if argv[:1] == ["--cgroup"] else None
     log, status_file, grace_file, sep, *command = argv[2:] if cgroup else argv
     if sep != "--" or not command:
-        print("usage: shim.py [--cgroup DIR] LOG STATUS GRACE_FILE -- COMMAND...", file=sys.stderr)
+        print("usage: shim.py [--cgroup DIR] LOG STATUS GRACE_FILE -- COMMAND...  |  shim.py --standby",
+              file=sys.stderr)
         return 2
-    return Supervisor(grace_file, cgroup).run(log, status_file, command)
+    return supervisor.run(log, status_file, grace_file, cgroup, command)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import asyncio
 import fcntl
 import json
 import logging
+import marshal
 import os
 import shlex
 import shutil
@@ -51,6 +52,7 @@ LOG_FILE, STATUS_FILE, GRACE_FILE, WORK_DIR, MANIFEST_FILE = "log", "exit.json",
 DATA_CHUNK = 4 << 20  # bytes of a log a JOB_LOG carries
 FOLLOW_POLL_S = 0.02  # how often a followed log is looked at again while its job runs (a stat when it did not grow)
 FOLLOW_FAST_S, FOLLOW_FAST_FOR_S = 0.005, 1.0  # more often in the first second of a follow: a job's first line
+SUPERVISOR = (sys.executable, "-I", "-S", shim.__file__)  # a job's supervisor: the peer's interpreter, isolated
 STATUS_ENDED, STATUS_TAIL_LINES, STATUS_TAIL_BYTES = 20, 5, 2000  # what STATUS says of the jobs (the dashboard)  # the defaults of --job-retention-days and --job-retention-gb
 
 
@@ -90,7 +92,7 @@ class Upload:
     manifest: folder.Manifest
     receiver: transfer.BlobReceiver
     builder: folder.Builder  # its folders are made in folders reserved in the store (`incoming`)
-    placer: transfer.DiskThread  # where the builder places each blob's files, beside the receiver's disk thread
+    placer: transfer.DiskThread | None  # where the builder places each uploaded blob's files, beside `disk`
     disk: transfer.DiskThread | None  # the receiver's: while it is full, the connection is not read
     array: tuple[range, int] | None = None  # an array's indices and limit (`--array 0-99%8`)
     building: bool = False  # the folders are being finished off the event loop: that thread owns them
@@ -104,7 +106,8 @@ class Upload:
         """Nothing of it is recorded: stop receiving, remove its folders (unless their builder is busy)."""
         self.receiver.abort()
         if not self.building:
-            self.placer.stop()
+            if self.placer is not None:
+                self.placer.stop()
             for path in self.incoming:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -118,6 +121,33 @@ class Run:
     stopping: str = ""  # "stopped", "timeout", "preempted", or "lost" (the peer stops)
     timer: asyncio.TimerHandle | None = None
     runner: asyncio.Task[None] | None = None  # `Jobs._run`, which records how it ended
+
+
+@dataclass
+class Standby:
+    """A supervisor started ahead (jobs/shim.py --standby), waiting on its pipe for the next job to start."""
+
+    proc: asyncio.subprocess.Process
+    pipe: int  # the pipe's end the job is written to (closed after; its end alone makes the standby exit)
+    started: float | None  # its start time (psutil's), recorded with its pid
+
+    async def hand_over(self, cwd: str, env: dict[str, str], argv: list[str]) -> bool:
+        """Give it its job (shim.py's handover: marshal of (cwd, env, argv)) and close the pipe; False if it was
+        gone (it then runs nothing). What does not fit the pipe's buffer at once is written on a thread."""
+        data = memoryview(marshal.dumps((cwd, env, argv)))
+        gone = self.proc.returncode is not None
+        if not gone:
+            try:
+                data = data[os.write(self.pipe, data):]  # at once, as a rule: it fits the pipe's buffer
+            except BlockingIOError:
+                pass
+            except BrokenPipeError:
+                gone = True
+        if gone or not data:
+            os.close(self.pipe)
+            return not gone
+        os.set_blocking(self.pipe, True)
+        return await asyncio.get_running_loop().run_in_executor(None, _write_and_close, self.pipe, data)
 
 
 class Jobs:
@@ -140,6 +170,8 @@ class Jobs:
         self._parked: dict[str, list[str]] = {}  # array -> its jobs held back by its limit, in order
         self._uploads: dict[tuple[object, int], Upload] = {}
         self._ended: dict[str, list[asyncio.Future[None]]] = {}
+        self._standby: asyncio.Task[Standby | None] | None = None  # the next job's supervisor, started ahead
+        self._closing = False
         self.owner = Owner(self)  # the owner's side of peers pulling its queued jobs (pull.py)
         self.pulling: dict[str, folder.Manifest] = {}  # jobs this peer is pulling: their blobs are in use
         self.gangs = Gangs(self, JobSteps(self._info, self._enqueue, self._end, self._append_log), key)  # gang jobs
@@ -186,9 +218,11 @@ class Jobs:
         for row in self.store.rows([MOVING]):  # offered to a peer that had not committed: it stays here
             self.store.update(row.id, state=QUEUED, moved="")
         for row in self.store.rows([QUEUED]):
-            if row.spec.gang:  # its gang's watcher, or the ranks' bond to it, did not survive
+            if "ranks" in row.spec.gang:  # a gang's record: its watcher did not survive
                 self._end(row.id, LOST, "its peer stopped or died before its gang started (a gang starts whole "
                                         "or not at all)", None)
+            elif row.spec.gang:  # a rank waits for a claim again: a retried submit's gang claims it, and a
+                self.gangs.recorded(row)  # watcher whose claim broke has failed its gang: it fails in CLAIM_S
             else:
                 self._enqueue(row)
         self._retain()
@@ -196,6 +230,11 @@ class Jobs:
     async def shutdown(self) -> None:
         """The peer stops: running jobs are stopped and recorded lost; queued ones stay queued."""
         self.gangs.shutdown()
+        self._closing = True
+        standby = await self._take_standby()
+        if standby is not None:  # idle: its pipe's end, and it goes
+            os.close(standby.pipe)
+            await standby.proc.wait()
         runs = list(self.runs.values())
         for run in runs:
             run.stopping = LOST
@@ -363,15 +402,17 @@ class Jobs:
         builder = folder.Builder(manifest, self.blobs,
                                  lambda: [Path(self.store.reserve()) / WORK_DIR for _ in range(count)])
         pool = transfer.Pool()  # the chunks are received into buffers used again (the reader's, while it uploads)
-        placer = transfer.DiskThread()
+        placer = transfer.DiskThread() if need else None  # none for a folder the store has: no thread to start
         loop = self._loop()
         disk = transfer.DiskThread(on_room=lambda: loop.call_soon_threadsafe(_read_again, conn, upload)) \
             if need else None
         receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need}, disk, pool.release,
+                                         None if placer is None else
                                          lambda digest: placer.run(partial(builder.stored, digest)))
         if need:
             conn.channel.reader.allocate = pool.allocate
         upload = self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, placer, disk, array)
+        self._prepare_standby()  # a job comes: its supervisor starts meanwhile
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need, "holder": self.holder})
         if not need:
             self.scheduler.spawn(self._record(conn, request_id))
@@ -541,19 +582,15 @@ class Jobs:
                 state, reason, code = _outcome(None, run.stopping, row.spec.timeout)
                 break
             (home / STATUS_FILE).unlink(missing_ok=True)
-            self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
             ran = True
             try:
-                cgroup = [] if self.cgroups is None else ["--cgroup", str(self.cgroups.make(job_id))]
-                run.proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-I", "-S", shim.__file__, *cgroup, str(home / LOG_FILE), str(home / STATUS_FILE),
-                    str(home / GRACE_FILE), "--", *row.spec.command, cwd=home / WORK_DIR, env=env,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    start_new_session=True)
+                cgroup = [] if self.cgroups is None else ["--cgroup", self.cgroups.make(job_id)]
+                run.proc = await self._supervise(job_id, attempt, str(home / WORK_DIR), env, [
+                    *cgroup, str(home / LOG_FILE), str(home / STATUS_FILE), str(home / GRACE_FILE), "--",
+                    *row.spec.command])
             except OSError as exc:
                 state, reason = FAILED, f"its supervisor could not start: {exc}"
                 break
-            self.store.update(job_id, pid=run.proc.pid, pid_started=_started_at(run.proc.pid))
             if run.stopping:  # stopped while its supervisor started: it ends before or after running the command
                 _signal(run, signal.SIGTERM)
             if row.spec.timeout:
@@ -581,6 +618,55 @@ class Jobs:
             state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
         self._end(job_id, state, reason, code)
         self.scheduler.job_ended(run.task, "ok" if state == SUCCEEDED else state)
+
+    async def _supervise(self, job_id: str, attempt: int, cwd: str, env: dict[str, str],
+                         argv: list[str]) -> asyncio.subprocess.Process:
+        """The job's supervisor (jobs/shim.py with `argv`), the job recorded running with its pid before the
+        supervisor may start the command: the standby one is handed the job (one commit), else (none was
+        started, or it died) one is started for it. Then the next standby is started."""
+        standby = await self._take_standby()
+        try:
+            if standby is not None:
+                self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt,
+                                  pid=standby.proc.pid, pid_started=standby.started)
+                if await standby.hand_over(cwd, env, argv):
+                    return standby.proc
+                log.info("job %s: its standby supervisor was gone; starting one", job_id)
+            self.store.update(job_id, state=RUNNING, started=time.time(), attempts=attempt)
+            proc = await asyncio.create_subprocess_exec(
+                *SUPERVISOR, *argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True)
+            self.store.update(job_id, pid=proc.pid, pid_started=_started_at(proc.pid))
+            return proc
+        finally:
+            self._prepare_standby()
+
+    def _prepare_standby(self) -> None:
+        """Start the next job's supervisor ahead, unless one is (at most one waits; none once the peer stops)."""
+        if self._standby is None and not self._closing:
+            self._standby = self.scheduler.spawn(self._start_standby())
+
+    async def _start_standby(self) -> Standby | None:
+        """A standby supervisor (shim.py --standby) in a session of its own, reading its job from a pipe that only
+        this process can write to (its end is not inherited); the peer's environment less the cluster key."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)  # a handover that fits the pipe is written at once (hand_over)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *SUPERVISOR, "--standby", cwd="/", env=worker_env(dict(os.environ)), stdin=read,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            os.close(write)
+            log.warning("cannot start a standby supervisor (jobs start without one): %s", exc)
+            return None
+        finally:
+            os.close(read)
+        return Standby(proc, write, _started_at(proc.pid))
+
+    async def _take_standby(self) -> Standby | None:
+        """The standby supervisor (awaited if it is still being started), no longer idle; None if there is none."""
+        starting, self._standby = self._standby, None
+        return None if starting is None else await starting
 
     def requeue(self, job_id: str) -> None:
         """Queue a recorded job (again): preempted, handed back, or pulled from another peer."""
@@ -729,11 +815,12 @@ class Jobs:
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
 
 
-def _build(manifest: folder.Manifest, builder: folder.Builder, placer: transfer.DiskThread) -> None:
+def _build(manifest: folder.Manifest, builder: folder.Builder, placer: transfer.DiskThread | None) -> None:
     """Each job's folder: its working folder (`builder`'s, once `placer` placed what was uploaded), and the
     manifest it was shipped with."""
     try:
-        placer.finish()
+        if placer is not None:
+            placer.finish()
     except BaseException:
         builder.abort()
         raise
@@ -798,6 +885,18 @@ def _signal(run: Run, sig: int) -> None:
             run.proc.send_signal(sig)
         except ProcessLookupError:
             pass
+
+
+def _write_and_close(fd: int, data: memoryview) -> bool:
+    """Write all of `data` to the pipe `fd`, then close it; False if its reader is gone."""
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except BrokenPipeError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _started_at(pid: int) -> float | None:

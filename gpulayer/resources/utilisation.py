@@ -20,7 +20,6 @@ import logging
 import math
 import re
 import shutil
-import subprocess
 import threading
 import time
 from typing import Any, Callable
@@ -97,6 +96,8 @@ def read_host() -> dict[str, Any]:
 
 def read_ioreg() -> str | None:
     """ioreg's IOAccelerator output (macOS, no sudo), or None where ioreg is missing or fails."""
+    import subprocess  # here: a submitter imports this module for its limits only
+
     try:
         done = subprocess.run(IOREG, capture_output=True, text=True, errors="replace", timeout=IOREG_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError):

@@ -28,7 +28,6 @@ everything travels inline.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import mmap
@@ -159,6 +158,8 @@ def copy_into(dest: mmap.mmap, view: memoryview) -> None:
     if n < _PARALLEL_COPY_MIN or (os.cpu_count() or 1) < 2 or view.readonly:
         dest[:] = view  # a read-only buffer has no address that ctypes gives: one thread
         return
+    import ctypes  # here, as in _address and _zero: a submitter that sends no big buffer never loads it
+
     half = (n // 2) & ~0xFFF
     src = ctypes.addressof(ctypes.c_char.from_buffer(view))
     dst = ctypes.addressof(ctypes.c_char.from_buffer(dest))
@@ -171,6 +172,8 @@ def copy_into(dest: mmap.mmap, view: memoryview) -> None:
 
 def _address(buf: Any) -> int | None:
     """Where a writable buffer's memory starts; None for a read-only one (ctypes gives no address)."""
+    import ctypes
+
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(buf))
     except (TypeError, ValueError):
@@ -179,6 +182,8 @@ def _address(buf: Any) -> int | None:
 
 def _zero(mapping: mmap.mmap) -> None:
     """Write zeros over a whole writable mapping (in C, without the GIL: 15 ms for 256 MiB here)."""
+    import ctypes
+
     start = ctypes.c_char.from_buffer(mapping)
     ctypes.memset(ctypes.addressof(start), 0, len(mapping))
     del start  # the mapping can be closed again

@@ -140,6 +140,29 @@ def test_the_peer_cache_is_used_by_a_fresh_process_and_verified_on_connect(peer_
     assert out.returncode != 0 and "NoMatchingPeer" in out.stderr
 
 
+def test_a_submit_that_used_a_cached_peer_keeps_the_cache(peer_factory, tmp_path, monkeypatch):
+    """`gpulayer submit` ends before discovery starts (it tried the cached peer first): the peer that its
+    handshake proved, and the cached peers it never asked, stay in the cache for the next process."""
+    key = new_key()
+    used, other = peer_factory("used", "--no-mdns", key=key), peer_factory("other", "--no-mdns", key=key)
+    monkeypatch.setenv("GPULAYER_CACHE", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = Client(key=key.encode(), peers=f"{used.address},{other.address}", mdns=False, echo_output=False)
+    assert first.submit(lambda: 1, req=ANY).result(30) == 1
+    first.wait_for_match(Requirements.build(peer="other"))
+    first.close()
+    cache = tmp_path / "gpulayer" / "peers.json"
+
+    def cached() -> list[str]:
+        return sorted(e["txt"]["n"] for e in next(iter(json.loads(cache.read_text()).values())))
+
+    assert cached() == ["other", "used"]
+    out = subprocess.run([sys.executable, "-m", "gpulayer", "submit", "--peer", "used", "--", "true"],
+                         env={**os.environ, "GPULAYER_KEY": key}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert cached() == ["other", "used"]
+
+
 def test_a_job_goes_past_a_stale_cached_peer_to_one_that_discovery_finds(peer_factory, tmp_path, monkeypatch):
     """A cached peer is tried before discovery starts (client/pool.py); when it is gone, the submit waits for
     discovery (here the static peer's probe) once more instead of failing with the cache's peers alone."""

@@ -324,3 +324,35 @@ def test_a_rank_is_bound_to_the_connection_that_claimed_it(gang_cluster, tmp_pat
         assert job.wait(30) == "stopped" and "watcher (on rank 0's peer) went away" in job.logs()
     finally:
         client.close()
+
+
+def test_a_rank_whose_peer_is_killed_as_it_records_it_is_recorded_once(peer_factory, tmp_path, monkeypatch):
+    """kill -9 of a rank's peer with the rank recorded but its submit not acknowledged; the peer restarts
+    on its state folder while the submitter sends the rank's submit (its token) again: the rank is
+    recorded once, and the gang runs each rank once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpulayer.client import Client
+    from gpulayer.client import jobs as client_jobs
+    from gpulayer.matching import Requirements
+
+    monkeypatch.setattr(client_jobs, "SUBMIT_RETRY_S", 120.0)  # the restart below may be slow on a busy machine
+    key = new_key()
+    steady = peer_factory("r0", "--concurrency", "1", "--state-dir", str(tmp_path / "state-0"), key=key)
+    crashing = peer_factory("r1", "--concurrency", "1", "--state-dir", str(tmp_path / "state-1"), key=key,
+                            env={"GPULAYER_TEST_KILL_AT": "job-recorded"})
+    client = Client(key=key.encode(), echo_output=False)  # mDNS (on loopback) finds the restarted peer's new port
+    runs = tmp_path / "runs"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            submitted = pool.submit(client_jobs.Jobs(client).submit, ["sh", "-c", 'echo "$RANK" >> "$RUNS"'], None,
+                                    Requirements.build(accelerator="cpu"), env={"RUNS": str(runs)}, nodes=2)
+            assert crashing.proc.wait(60) == -signal.SIGKILL
+            del crashing.env["GPULAYER_TEST_KILL_AT"]
+            crashing.start()
+            gang = submitted.result(150)
+        assert gang.wait(120) == "succeeded", gang.reason
+    finally:
+        client.close()
+    assert sorted(runs.read_text().split()) == ["0", "1"]  # each rank ran once
+    assert len(list((tmp_path / "state-1" / "jobs").iterdir())) in (1, 2)  # its rank (and the gang's record on rank 0's peer)

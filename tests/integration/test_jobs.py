@@ -235,6 +235,29 @@ def test_a_submit_followed_at_once_is_followed_over_the_submits_connection(jobs_
     assert job.kept is None and (job.state, job.exit_code) == ("failed", 4)
 
 
+def test_gpulayer_submit_loads_only_what_it_uses(jobs_peer, tmp_path):
+    """`gpulayer submit -f` pickles nothing and makes no actor: no cloudpickle, no client/actors.py; a
+    folder whose ignore rules and files are unchanged is scanned without pathspec (its decisions are in
+    the digest cache). The command runs to its end against a real peer, then says what it loaded."""
+    peer, _, key, _ = jobs_peer()
+    folder = tmp_path / "project"
+    (folder / "logs").mkdir(parents=True)
+    (folder / ".gitignore").write_text("logs/\n*.tmp\n")
+    (folder / "run.py").write_text("print('ran', flush=True)\n")
+    (folder / "scratch.tmp").write_text("left out")
+    code = ("import json, sys; from gpulayer.cli import main; "
+            f"rc = main(['submit', '-f', '--working-dir', {str(folder)!r}, '--', 'python', 'run.py']); "
+            "print(json.dumps(sorted(m for m in ('cloudpickle', 'gpulayer.client.actors', 'pathspec') "
+            "if m in sys.modules)), file=sys.stderr); sys.exit(rc)")
+    env = {**os.environ, "GPULAYER_KEY": key, "GPULAYER_PEERS": peer.address}
+    loaded = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ran", out.stderr
+        loaded.append(json.loads(out.stderr.splitlines()[-1]))
+    assert loaded == [["pathspec"], []]
+
+
 def test_retries_run_a_failed_job_again(jobs_peer):
     _, _, _, jobs = jobs_peer()
     job = jobs.submit(["sh", "-c", "echo attempt; exit 1"], None, _cpu(), retries=2)
@@ -466,6 +489,86 @@ def test_a_job_stopped_while_its_supervisor_starts_ends_stopped(jobs_peer):
     assert queued.stop() == "stopped" and queued.reason == "stopped before it started" and queued.exit_code is None
     assert running.stop(grace=0.5) == "stopped"
     assert jobs.submit(["true"], None, _cpu()).wait(60) == "succeeded"  # the one slot was given back each time
+
+
+def standbys(peer) -> list[psutil.Process]:
+    """The peer's idle standby supervisors (jobs/shim.py --standby)."""
+    found = []
+    for proc in psutil.Process(peer.proc.pid).children():
+        try:
+            if "--standby" in proc.cmdline():
+                found.append(proc)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return found
+
+
+def test_jobs_handed_to_standby_supervisors_get_their_own_folder_environment_and_exit_code(jobs_peer):
+    """Each job's supervisor was started ahead (its command line still says --standby) and handed that job:
+    its folder, its own GPULAYER_JOB_ID and --env (one larger than the pipe's buffer), the interpreter's bin
+    first on PATH, no cluster key, its exit code."""
+    _, state, _, jobs = jobs_peer()
+    script = ('echo "$(pwd -P)|$GPULAYER_JOB_ID|$MINE|${PATH%%:*}|${GPULAYER_KEY:-no key}|${#BIG}"; '
+              'tr "\\0" " " < /proc/$PPID/cmdline; echo; exit $CODE')
+    for code, big in ((0, 0), (7, 100_000)):  # the second job goes to the standby the first one's handover started
+        job = jobs.submit(["sh", "-c", script], None, _cpu(),
+                          env={"MINE": f"mine-{code}", "CODE": str(code), "BIG": "x" * big})
+        assert job.wait(60) == ("succeeded" if code == 0 else "failed") and job.exit_code == code
+        line, parent = job.logs().splitlines()
+        work = (state / "jobs" / job.id / "work").resolve()
+        assert line == f"{work}|{job.id}|mine-{code}|{state / 'bin'}|no key|{big}"
+        assert "shim.py --standby" in parent
+
+
+def test_a_standby_supervisor_goes_with_its_peer_killed_or_stopped_and_holds_no_key(jobs_peer):
+    """The idle standby's environment lacks the cluster key; it exits by itself when its peer is killed with
+    -9 (the end of its pipe), and with its peer's clean stop; it never runs anything."""
+    peer, _, key, jobs = jobs_peer()
+    for end in ("kill", "stop"):
+        assert jobs.submit(["true"], None, _cpu()).wait(60) == "succeeded"
+        standby, = wait_until(lambda: standbys(peer), 30)
+        assert key.encode() not in Path(f"/proc/{standby.pid}/environ").read_bytes()
+        if end == "kill":
+            peer.proc.kill()
+            peer.proc.wait(10)
+            wait_until(lambda: process_gone(standby.pid), 30)
+            peer.start()
+        else:
+            assert peer.stop(timeout=60) == 0
+            assert process_gone(standby.pid)
+
+
+def test_a_stop_racing_the_handover_never_runs_the_command(jobs_peer, tmp_path):
+    """The job is handed to a standby that has not read it yet (held with SIGSTOP), and stopped: the SIGTERM
+    waits with the handover; let go, the standby ends without running the command, the job is stopped and
+    its slot free (the next job runs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    peer, _, _, jobs = jobs_peer()
+    assert jobs.submit(["true"], None, _cpu()).wait(60) == "succeeded"
+    standby, = wait_until(lambda: standbys(peer), 30)
+    ran = tmp_path / "ran"
+    standby.suspend()
+    try:
+        job = jobs.submit(["touch", str(ran)], None, _cpu())
+        with ThreadPoolExecutor(1) as pool:
+            stopped = pool.submit(job.stop, 0.5)
+            wait_until(lambda: _pending(standby.pid) & (1 << (signal.SIGTERM - 1)), 30)
+            standby.resume()
+            assert stopped.result(60) == "stopped"
+    finally:
+        if not process_gone(standby.pid):
+            standby.resume()
+    assert job.reason == "stopped before it started" and job.exit_code is None and not ran.exists()
+    assert jobs.submit(["touch", str(ran)], None, _cpu()).wait(60) == "succeeded" and ran.exists()
+
+
+def _pending(pid: int) -> int:
+    """The signals pending for the process `pid` (its ShdPnd mask: bit N-1 for signal N)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("ShdPnd:"):
+            return int(line.split()[1], 16)
+    return 0
 
 
 def test_a_timeout_that_ends_before_the_supervisor_started_is_a_timeout(jobs_peer):

@@ -9,7 +9,12 @@ manifests: `..`, absolute, duplicates, a file as a folder), what a job changed, 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import random
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,6 +167,107 @@ def test_one_cache_object_serves_many_scans(project):
     cache = DigestCache(None)
     assert scan(project, cache=cache).hashed_bytes > 0
     assert scan(project, cache=cache).hashed_bytes == 0
+
+
+# --- the ignore rules' decisions, remembered by the digest cache ---------------------------------
+
+
+def count_compiles(monkeypatch) -> list[list[str]]:
+    """The lines of every ignore spec pathspec compiles from now on."""
+    import pathspec
+
+    compiled: list[list[str]] = []
+    original = pathspec.GitIgnoreSpec.from_lines.__func__
+
+    def counting(cls, lines, *args, **kwargs):
+        compiled.append(list(lines))
+        return original(cls, lines, *args, **kwargs)
+
+    monkeypatch.setattr(pathspec.GitIgnoreSpec, "from_lines", classmethod(counting))
+    return compiled
+
+
+def remembered_scan(root: Path, cache_file: Path, excludes: tuple[str, ...] = ()) -> list[str]:
+    """The paths a scan ships with the decisions remembered in `cache_file` (read afresh, as a new process
+    would), checked against pathspec's own (a cache that remembers nothing)."""
+    remembered = paths(scan(root, excludes, cache=DigestCache(cache_file)))
+    assert remembered == paths(memory_scan(root, excludes=excludes))
+    return remembered
+
+
+def test_remembered_decisions_are_pathspecs_as_the_folder_changes(tmp_path, monkeypatch):
+    root, cache_file = tmp_path / "r", tmp_path / "cache.json"
+    write(root, ".gitignore", "*.log\nbuild/\n!keep.log\n/data/*.bin\n")
+    write(root, "sub/.gitignore", "*.tmp\n!important.tmp\ncache/\n")
+    for rel in ("a.py", "x.log", "keep.log", "build/out.o", "data/a.bin", "data/a.csv", "sub/t.tmp",
+                "sub/important.tmp", "sub/cache/c", "sub/deep/x.log", "sub/deep/y.py", "sub/data/a.bin"):
+        write(root, rel, rel)
+    first = remembered_scan(root, cache_file)
+    assert first == [".gitignore", "a.py", "data/a.csv", "keep.log", "sub/.gitignore", "sub/data/a.bin",
+                     "sub/deep/y.py", "sub/important.tmp"]
+    compiled = count_compiles(monkeypatch)
+    assert paths(scan(root, cache=DigestCache(cache_file))) == first
+    assert compiled == []  # unchanged: every decision remembered, no spec compiled
+    (root / "sub/t.tmp").rename(root / "sub/t.txt")  # a file renamed: a new path, decided by pathspec
+    assert "sub/t.txt" in remembered_scan(root, cache_file) and compiled
+    (root / "a.py").rename(root / "a.log")  # renamed to an ignored name
+    assert "a.log" not in remembered_scan(root, cache_file)
+    write(root, "sub/.gitignore", "*.tmp\n!important.tmp\ncache/\n!x.log\n")  # a negation added below
+    assert "sub/deep/x.log" in remembered_scan(root, cache_file)
+    write(root, "sub/deep/.gitignore", "*\n!y.py\n")  # a new ignore file deeper down
+    assert [p for p in remembered_scan(root, cache_file) if p.startswith("sub/deep/")] == ["sub/deep/y.py"]
+    (root / "data/a.csv").unlink()
+    write(root, "data/a.csv/inner.txt", "a folder now")  # a file become a folder of the same name
+    write(root, "data/b.bin/inner.txt", "a folder that /data/*.bin leaves out")
+    shipped = remembered_scan(root, cache_file)
+    assert "data/a.csv/inner.txt" in shipped and "data/b.bin/inner.txt" not in shipped
+    assert "build/out.o" in remembered_scan(root, cache_file, ("!build/",))  # an exclude takes it back,
+    assert "build/out.o" not in remembered_scan(root, cache_file)  # and without it, not
+    (root / ".gitignore").unlink()  # the root's rules gone: what they left out ships
+    assert {"build/out.o", "x.log", "data/a.bin"} <= set(remembered_scan(root, cache_file))
+    write(root, ".gitignore", "sub/\n")
+    assert [p for p in remembered_scan(root, cache_file) if p.startswith("sub")] == []
+    compiled.clear()
+    remembered_scan(root, cache_file)  # the reference scan compiles, the remembered one does not
+    assert len(compiled) == 1
+
+
+def replace(root: Path, rel: str, data: str) -> None:
+    """Write the file `rel`, whatever was there or in its way (a folder of that name, a file as a folder)."""
+    path = root / rel
+    for parent in reversed(path.relative_to(root).parents):
+        if (root / parent).is_file():
+            (root / parent).unlink()
+    if path.is_dir():
+        shutil.rmtree(path)
+    write(root, rel, data)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_remembered_decisions_are_pathspecs_under_random_changes(tmp_path, seed):
+    rng = random.Random(seed)
+    root, cache_file = tmp_path / "r", tmp_path / "cache.json"
+    folders, names = ["", "a/", "a/b/", "c/"], ["x.py", "y.log", "z.tmp", "keep.log", "b", "c"]
+    patterns = ["*.log", "!keep.log", "*.tmp", "b/", "/c", "a/**/x.py", "!*.py", "z.*", "!b/", "**/b/x.py"]
+    for _ in range(40):  # ignore files written and removed, files become folders and back
+        where = rng.choice(folders)
+        if rng.random() < 0.3:
+            replace(root, where + ".gitignore", "\n".join(rng.sample(patterns, rng.randint(0, 3))) + "\n")
+        elif rng.random() < 0.2:
+            (root / where / ".gitignore").unlink(missing_ok=True)
+        else:
+            replace(root, where + rng.choice(names) + ("/f" if rng.random() < 0.3 else ""), "x")
+        remembered_scan(root, cache_file, tuple(rng.sample(patterns, rng.randint(0, 1))))
+
+
+def test_a_rescan_of_an_unchanged_folder_does_not_import_pathspec(project):
+    first = scan(project)
+    code = (f"import json, sys; from gpulayer.jobs.folder import scan; m = scan({str(project)!r}); "
+            "print(json.dumps([[e.path, e.digest] for e in m.entries])); print('pathspec' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    listing, imported = out.stdout.splitlines()
+    assert json.loads(listing) == [[e.path, e.digest] for e in first.entries]
+    assert imported == "False"
 
 
 def test_not_a_folder(tmp_path):

@@ -391,4 +391,4 @@ def test_code_with_filename_helper():
     data, _ = dumps(code)
     back = loads(data)
     assert back.co_filename == code.co_filename == __file__
-    assert serialization._code_with_filename(serialization._code_reduce(code)[1], "/x/y.py").co_filename == "/x/y.py"
+    assert serialization._code_with_filename(serialization._code_reduce()(code)[1], "/x/y.py").co_filename == "/x/y.py"
