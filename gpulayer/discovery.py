@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ SERVICE_TYPE = "_gpulayer._tcp.local."
 INTERFACES_ENV = "GPULAYER_INTERFACES"
 PEERS_ENV = "GPULAYER_PEERS"
 CACHE_ENV = "GPULAYER_CACHE"
+CACHE_KEEP_S = 86400.0  # a cached peer that no process proved for this long is no longer written back
 MAX_RECORDS = 1024  # unverified claims a directory holds at most
 MAX_CLAIMS = 8  # unverified claims to one peer id at most (each costs a handshake when the peer is needed)
 LABEL_MAX = 63  # bytes in one DNS label (RFC 1035): a peer's mDNS instance name is one label
@@ -131,7 +132,7 @@ class PeerRecord:
     source: str  # "mdns", "static", "cache"
     verified: bool = False  # the advert and addresses came from a handshake with the cluster key
     name: str = ""  # the mDNS name that announced it (unverified mDNS records only)
-    seen: float = field(default_factory=time.time)
+    proved: float = 0.0  # a cache claim's: when a handshake last proved the peer there (time.time())
     down_until: float = 0.0
     error: str = ""
 
@@ -299,17 +300,21 @@ class Directory:
             entries = json.loads(self.cache_path.read_text()).get(self.cluster, [])
             for entry in entries:
                 addresses = [(host, int(port)) for host, port in entry["addresses"]]
-                self.upsert(PeerRecord(Advert.from_txt(entry["txt"]), addresses, "cache"))
+                self.upsert(PeerRecord(Advert.from_txt(entry["txt"]), addresses, "cache",
+                                       proved=float(entry.get("proved", 0.0))))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.debug("ignoring peer cache %s: %s", self.cache_path, exc)
 
     def save_cache(self) -> None:
-        """Remember the peers that are up, for the next submitter process: those a handshake proved, and
-        the cache's own that nothing disproved (a process that used one peer keeps the others)."""
+        """Remember the peers that are up, for the next submitter process: those a handshake proved, and the
+        cache's own that nothing disproved, proved within CACHE_KEEP_S (a process that used one peer, or
+        none, keeps the others)."""
         if self.cache_path is None:
             return
-        entries = [{"txt": r.advert.to_txt(), "addresses": r.addresses}
-                   for r in self.records() if r.up and (r.verified or r.source == "cache")]
+        now = time.time()
+        entries = [{"txt": r.advert.to_txt(), "addresses": r.addresses, "proved": now if r.verified else r.proved}
+                   for r in self.records()
+                   if r.up and (r.verified or (r.source == "cache" and now - r.proved < CACHE_KEEP_S))]
         try:
             data = json.loads(self.cache_path.read_text()) if self.cache_path.exists() else {}
             if not isinstance(data, dict):

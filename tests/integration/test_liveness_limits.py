@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from gpulayer import discovery
 from gpulayer.client import Client
 from gpulayer.errors import PeerLost
 from gpulayer.matching import Requirements
@@ -71,17 +72,25 @@ def test_a_cache_of_stale_peers_falls_back_to_discovery(peer_factory, cache_dir)
         client.close()
 
 
-def test_the_cache_keeps_only_verified_peers(peer_factory, cache_dir):
+def test_the_cache_keeps_proved_peers_for_a_day(peer_factory, cache_dir):
     key, peer = cached_peer(peer_factory, "kept")
     cached = json.loads(cache_dir.read_text())
     entries = next(iter(cached.values()))
     assert [e["txt"]["n"] for e in entries] == ["kept"]
-    # a client that only read the cache, verified nothing, and exits writes no unverified entry back
     peer.stop()
-    idle = Client(key=key.encode(), mdns=False, echo_output=False, discovery_timeout=0.2)
-    idle.start()
-    idle.close()
-    assert next(iter(json.loads(cache_dir.read_text()).values())) == []
+
+    def idle_client() -> list[dict]:
+        """The cache after a client that only read it, proved nothing, and exits."""
+        idle = Client(key=key.encode(), mdns=False, echo_output=False, discovery_timeout=0.2)
+        idle.start()
+        idle.close()
+        return next(iter(json.loads(cache_dir.read_text()).values()))
+
+    assert [e["txt"]["n"] for e in idle_client()] == ["kept"]  # nothing disproved it: kept, as it was proved
+    for entry in entries:
+        entry["proved"] = time.time() - discovery.CACHE_KEEP_S - 60  # last proved over a day ago
+    cache_dir.write_text(json.dumps(cached))
+    assert idle_client() == []
 
 
 class FewDescriptorsPeer(PeerProcess):
