@@ -1,6 +1,7 @@
 """Jobs (issue 27): a job's working folder up and its artifact down, side by side with a raw socket.
 
-    python bench/jobs.py [--quick] [--only SECTION] [--json bench/results/jobs.json] [--plot bench/results/jobs.png]
+    python bench/jobs.py [--quick] [--only SECTION] [--link-rate RATE] [--json bench/results/jobs.json]
+                         [--plot bench/results/jobs.png]
 
 Two network namespaces on a bridge (tests/lan/lanlab.py; root only), a "peer" process in one and a
 "submitter" process in the other, one TCP connection per measurement:
@@ -465,7 +466,9 @@ def run_submitter(args: argparse.Namespace) -> None:
 
 # ---- the driver ---------------------------------------------------------------------------------------
 
-def across_namespaces(workdir: Path, quick: bool, rounds: int, max_minutes: float) -> dict:
+def across_namespaces(workdir: Path, quick: bool, rounds: int, max_minutes: float, link_rate: str | None = None) -> dict:
+    """Sections 1 to 3; with `link_rate` (tc's words, e.g. "1gbit"), each host's veth is limited to it both
+    ways (a token bucket on what the bridge sends it), as a LAN's link would be."""
     folder = workdir / "project"
     shape = (4, 4, 160, 25) if quick else (8, 20, 1600, 25)
     size = make_folder(folder, *shape)
@@ -475,6 +478,9 @@ def across_namespaces(workdir: Path, quick: bool, rounds: int, max_minutes: floa
     lan = Lan(workdir / "lan")
     try:
         peer_host, submitter_host = lan.add_host("peer"), lan.add_host("submitter")
+        if link_rate:
+            for host in (peer_host, submitter_host):  # a burst of 4 ms at that rate: tbf needs one of a tick's
+                host.rate_limit(link_rate, burst=f"{max(_bits(link_rate) // 250 // 8, 64 << 10)}b", latency="50ms")
         peer_dir = workdir / "peer"
         peer_dir.mkdir()
         peer_host.popen([sys.executable, __file__, "--serve", str(peer_dir), "--bind", peer_host.ip], os.environ)
@@ -503,6 +509,14 @@ def across_namespaces(workdir: Path, quick: bool, rounds: int, max_minutes: floa
     measured["shape"] = {"data_files": shape[0], "data_mib": shape[1], "sources": shape[2], "source_kib": shape[3],
                          "bytes": size, "artifact_bytes": artifact.stat().st_size}
     return measured
+
+
+def _bits(rate: str) -> int:
+    """Bits per second of a tc rate such as "1gbit", "500mbit" or "20kbit"."""
+    for suffix, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
+        if rate.endswith(suffix):
+            return int(float(rate[:-len(suffix)]) * scale)
+    raise ValueError(f"{rate!r} is not a rate such as 1gbit or 500mbit")
 
 
 # ---- 4. submit of a cached folder to the job's first output line, on one host --------------------------
@@ -804,7 +818,9 @@ def plot(result: dict, path: Path) -> None:
            else f"ray job submit: {s.get('ray_job_submit')}")
         if "submit_first_line_ms" in s else str(s.get("submit"))), ha="center", fontsize=9)
     m = result["machine"]
-    fig.suptitle(f"GPUlayer jobs' folder transfer on {m['host']} ({m['cpus']} CPUs, load {m['load_before'][0]:.1f}), "
+    rate = result["settings"].get("link_rate")
+    fig.suptitle(f"GPUlayer jobs' folder transfer on {m['host']} ({m['cpus']} CPUs, load {m['load_before'][0]:.1f}"
+                 + (f", each link limited to {rate}" if rate else "") + "), "
                  f"{m['date'][:10]}; bars: median of rounds, whiskers: min-max")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=100)
@@ -818,6 +834,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=SECTIONS, help="run this section alone (default: all of them)")
     parser.add_argument("--max-minutes", type=float, default=20.0, help="rounds stop early past this")
+    parser.add_argument("--link-rate", help="limit each namespace's link to this rate, as a LAN's (tc's words: 1gbit)")
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="where the files live (default: /dev/shm, tmpfs)")
     for hidden in ("--serve", "--bind", "--host", "--port", "--peer-port", "--workdir", "--folder", "--artifact",
@@ -834,14 +851,14 @@ def main(argv=None) -> int:
         return 0
     rounds = 2 if args.quick else args.rounds
     result = {"machine": {**machine(), "load_before": os.getloadavg()},
-              "settings": {"quick": args.quick, "rounds": rounds, "chunk_mib": transfer.CHUNK / MIB,
+              "settings": {"quick": args.quick, "rounds": rounds, "chunk_mib": transfer.CHUNK / MIB, "link_rate": args.link_rate,
                            "files_in": args.dir or tempfile.gettempdir()},
               "targets": TARGETS}
     reason = why_unavailable() if args.only in (None, "namespaces") else "not asked for (--only)"
     skipped = {"skipped": "not asked for (--only)"}
     with tempfile.TemporaryDirectory(prefix="jobs-bench-", dir=args.dir) as tmp:
         result["namespaces"] = ({"skipped": reason} if reason else
-                                across_namespaces(Path(tmp), args.quick, rounds, args.max_minutes))
+                                across_namespaces(Path(tmp), args.quick, rounds, args.max_minutes, args.link_rate))
         result["submit"] = submit_latency(Path(tmp), rounds) if args.only in (None, "submit") else skipped
         result["one_host_fetch"] = one_host_fetch(Path(tmp), 256 if args.quick else 1024, rounds) \
             if args.only in (None, "one-host-fetch") else skipped
