@@ -193,6 +193,12 @@ class Directory:
         return (f"{count} peer{'s' if count > 1 else ''} of another cluster (ids {', '.join(clusters)}) "
                 f"{'were' if count > 1 else 'was'} seen; this key's cluster id is {self.cluster} (`gpulayer key id`)")
 
+    def prove(self, advert: Advert, addresses: list[tuple[str, int]], source: str) -> bool:
+        """A handshake at `addresses` proved the peer of `advert` (its HELLO's): its verified record, heard of
+        through `source`; False if it belongs to another cluster."""
+        return self.upsert(PeerRecord(advert, addresses, source if source in ("static", "gossip") else "mdns",
+                                      verified=True))
+
     def upsert(self, record: PeerRecord) -> bool:
         """Add or refresh a claim; False when it is ignored (another cluster, or too many claims)."""
         if record.advert.cluster != self.cluster:

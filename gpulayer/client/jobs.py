@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..checks import login_user
-from ..discovery import PeerRecord
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, local_fetch, transfer
 from ..jobs.store import ARRIVING, ENDED, MOVED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
@@ -334,7 +333,7 @@ class Jobs:
             advert = Advert.from_txt(link.hello.get("advert") or {})
         except ValueError:
             return link  # the submit's answer tells
-        self.client.directory.upsert(PeerRecord(advert, [link.address], "mdns", verified=True))
+        self.client.directory.prove(advert, [link.address], record.source)
         return link
 
     def _submit_gang(self, spec: JobSpec, manifest: folder.Manifest, req: Requirements, nodes: int) -> Job:

@@ -208,9 +208,7 @@ class Pool:
     def open(self, addresses: list[tuple[str, int]], source: str) -> PeerConnection:
         """Connect and authenticate; the peer's HELLO refreshes (or creates) its directory record."""
         conn = PeerConnection(self.listener, addresses, self.key, self.submitter_id)
-        fresh = discovery.PeerRecord(conn.advert, addresses, source if source in ("static", "gossip") else "mdns",
-                                     verified=True)
-        if not self.directory.upsert(fresh):
+        if not self.directory.prove(conn.advert, addresses, source):
             conn.fail("the peer belongs to another cluster")
             raise AuthError(f"{conn.address} belongs to another cluster")
         with self._lock:  # the first live connection to a peer wins: tasks may be running on it

@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 import socket
 import stat
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..protocol import messages
