@@ -4,10 +4,11 @@
 
 Stages, each over `--mib` MiB in 1 MiB pieces (the size of a record and of a blob's chunk): reading a
 file into one reused buffer, writing it, sealing records (`records.Sealer.stream`), opening them
-(`records.Opener.feed_bytes_into`, which copies the ciphertext in as a receive would), SHA-256, a
-socketpair's send and receive (the kernel's part, no TCP stack), and SHA-256 and AES-GCM sealing on
-two threads at once (whether they let go of the GIL: two threads' wall time against one's). Prints
-CPU seconds per GiB (process time, all threads) and the wall time; ADR 0016 uses these figures.
+(`records.Opener.feed_bytes_into`, which copies the ciphertext in as a receive would), SHA-256 (the
+content digest of protocol 2) and BLAKE3 (protocol 3's), a socketpair's send and receive (the kernel's
+part, no TCP stack), and the digests and AES-GCM sealing on two threads at once (whether they let go of
+the GIL: two threads' wall time against one's). Prints CPU seconds per GiB (process time, all threads)
+and the wall time; ADRs 0016 and 0023 use these figures.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpulayer.jobs.folder import new_digest  # noqa: E402
 from gpulayer.protocol import records  # noqa: E402
 
 MiB = 1 << 20
@@ -85,6 +87,11 @@ def stages(folder: str, pieces: int) -> list[tuple[str, Callable[[], None], int]
         for _ in range(pieces):
             digest.update(piece)
 
+    def blake3() -> None:
+        digest = new_digest()
+        for _ in range(pieces):
+            digest.update(piece)
+
     def seal_only() -> None:
         for i in range(pieces):
             aead.encrypt_into(i.to_bytes(12, "big"), piece, b"", out)
@@ -115,8 +122,9 @@ def stages(folder: str, pieces: int) -> list[tuple[str, Callable[[], None], int]
         return both
 
     return [("read (readv, one buffer)", read, 1), ("write", write, 1), ("seal (Sealer.stream)", seal, 1),
-            ("open (Opener.feed_bytes_into)", open_, 1), ("sha256", sha256, 1),
-            ("send+receive (socketpair)", send_receive, 1), ("sha256, 2 threads", two(sha256), 2),
+            ("open (Opener.feed_bytes_into)", open_, 1), ("sha256 (protocol 2's digest)", sha256, 1),
+            ("blake3 (the content digest)", blake3, 1), ("send+receive (socketpair)", send_receive, 1),
+            ("sha256, 2 threads", two(sha256), 2), ("blake3, 2 threads", two(blake3), 2),
             ("AES-GCM seal, 2 threads", two(seal_only), 2), ("AES-GCM seal, 1 thread", seal_only, 1)]
 
 

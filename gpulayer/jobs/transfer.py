@@ -27,20 +27,20 @@ thread (blocking) or drives `BlobReceiver` and `file_messages` from its event lo
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from ..protocol import framing, messages
-from .folder import (DIGEST, BlobStore, BlobWriter, FolderError, Manifest, PathLike, check_relpath, files_under,
-                     resolve_inside)
+from .folder import (BlobStore, BlobWriter, FolderError, Manifest, PathLike, check_relpath, files_under,
+                     new_digest, resolve_inside)
 
 BLOB, FILE = messages.BLOB, messages.FILE
 CHUNK = 4 << 20  # bytes a BLOB or FILE message carries at most
@@ -141,7 +141,9 @@ class DiskThread:
     meanwhile). After its first error, or `stop`, it skips the rest; `run` or `finish` raises that error.
 
     With `on_room`, `run` never blocks: the caller (the peer's event loop) stops reading while `full`, and
-    `on_room()` is called (from this thread) each time the bytes waiting fall below the limit again."""
+    `on_room()` is called (from this thread) each time the bytes waiting fall below the limit again.
+    `beside` runs a piece of that work on a second thread, at the same time as this one's (a chunk hashed
+    while it is written: both let go of the GIL)."""
 
     def __init__(self, limit: int = BACKLOG, on_room: Callable[[], object] | None = None):
         self.limit = limit
@@ -153,6 +155,7 @@ class DiskThread:
         self._skip = False
         self._thread = threading.Thread(target=self._loop, name="gpulayer-disk", daemon=True)
         self._thread.start()
+        self._second: ThreadPoolExecutor | None = None  # `beside`'s, started at its first use
 
     @property
     def full(self) -> bool:
@@ -184,6 +187,12 @@ class DiskThread:
             if room and self._on_room is not None:
                 self._on_room()
 
+    def beside(self, work: Callable[[], object]) -> Callable[[], object]:
+        """Start `work` on the second thread (from this one's work); returns what waits for it to end."""
+        if self._second is None:
+            self._second = ThreadPoolExecutor(1, "gpulayer-disk-beside")
+        return self._second.submit(work).result
+
     def finish(self) -> None:
         """Wait until all the work is done; raise its first error."""
         self._end()
@@ -199,6 +208,8 @@ class DiskThread:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
+        if self._second is not None:
+            self._second.shutdown()
 
 
 class _Sink:
@@ -214,6 +225,14 @@ class _Sink:
             work()
         else:
             self.disk.run(work, nbytes)
+
+    def beside(self, work: Callable[[], object]) -> Callable[[], object]:
+        """Start `work` beside the disk work in progress (`DiskThread.beside`), or do it now if inline; returns
+        what waits for it."""
+        if self.disk is None:
+            work()
+            return lambda: None
+        return self.disk.beside(work)
 
     def release(self, chunk: Any) -> None:
         """The chunk is written: back to the pool it came from."""
@@ -251,7 +270,7 @@ class BlobReceiver:
         self._sink = _Sink(disk, release)
         self._current: str | None = None  # the blob being received, how much of it came, their digest so far
         self._offset = 0
-        self._hash = hashlib.new(DIGEST)  # updated by the disk work, before it writes each chunk
+        self._hash = new_digest()  # updated by the disk work, before it writes each chunk
         self._writer: BlobWriter | None = None  # touched by the disk work only
 
     @property
@@ -267,7 +286,7 @@ class BlobReceiver:
         if self._current is None:
             if self.left.get(digest) != size or offset != 0:
                 _refuse(self, f"blob {digest[:16]} of {size} bytes at {offset} was not asked for, or not from its start")
-            self._current, self._offset, self._hash = digest, 0, hashlib.new(DIGEST)
+            self._current, self._offset, self._hash = digest, 0, new_digest()
             self._sink.run(partial(self._open, digest, size))
         elif self._current != digest or self._offset != offset:
             _refuse(self, f"blob {digest[:16]} at {offset}: expected {self._current[:16]} at {self._offset}")
@@ -317,11 +336,14 @@ class BlobReceiver:
         self._writer = self.store.writer(digest, size, caller_hashes=True)
 
     def _write(self, chunk: Any, hasher: Any) -> None:
-        """Hash the chunk and write it: on the disk thread where there is one (hashlib lets go of the GIL),
-        so that the side receiving the messages (the peer's event loop, say) only decrypts and parses."""
+        """Write the chunk, and hash it at the same time on the disk thread's second thread: the side
+        receiving the messages (the peer's event loop, say) only decrypts and parses."""
         assert self._writer is not None
-        hasher.update(chunk)
-        self._writer.write(chunk)
+        hashed = self._sink.beside(partial(hasher.update, chunk))
+        try:
+            self._writer.write(chunk)
+        finally:
+            hashed()  # the chunk is read no more: it may go back to the pool
         self._sink.release(chunk)
 
     def _commit(self, hasher: Any) -> None:

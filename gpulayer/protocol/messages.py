@@ -15,7 +15,7 @@ from .. import held, security
 from ..checks import check_concurrency, check_priority, check_timeout, check_user
 from ..taskenv import check_env, read_at_load
 
-PROTOCOL_VERSION = 2  # in every message ("v") and every advert ("ver"); bump on any incompatible change
+PROTOCOL_VERSION = 3  # 3: jobs' content digests are BLAKE3 (ADR 0023). In every message ("v") and every advert ("ver"); bump on any incompatible change
 
 HELLO, AUTH, AUTH_OK = "hello", "auth", "auth_ok"
 SUBMIT, ACCEPT, REJECT = "submit", "accept", "reject"
@@ -486,7 +486,7 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _sha256(value: Any) -> bool:
+def _digest(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 64 and not value.strip("0123456789abcdef")
 
 
@@ -506,12 +506,12 @@ def check_blob(msg: Mapping[str, Any], buffers: int) -> str | None:
         return "a BLOB carries at most one buffer"
     if "pack" in msg:
         pack = msg["pack"]
-        if not isinstance(pack, list) or not all(isinstance(p, list) and len(p) == 2 and _sha256(p[0])
+        if not isinstance(pack, list) or not all(isinstance(p, list) and len(p) == 2 and _digest(p[0])
                                                  and _count(p[1]) for p in pack):
-            return "a BLOB's 'pack' lists [sha256 hex, size] pairs"
+            return "a BLOB's 'pack' lists [digest hex, size] pairs"
         return None
-    if not _sha256(msg.get("d")) or not _count(msg.get("off")) or not _count(msg.get("size")):
-        return "a BLOB needs 'd' (sha256 hex), 'off' and 'size' (whole numbers), or a 'pack'"
+    if not _digest(msg.get("d")) or not _count(msg.get("off")) or not _count(msg.get("size")):
+        return "a BLOB needs 'd' (digest hex), 'off' and 'size' (whole numbers), or a 'pack'"
     return None
 
 

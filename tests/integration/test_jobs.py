@@ -7,7 +7,6 @@ exit, timeout and signal give its state; hostile paths and ids are refused and c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from blake3 import blake3
 
 from support import new_key, process_gone, wait_until
 
@@ -318,7 +318,7 @@ def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
 
     peer, state, key, jobs = jobs_peer()
     data = secrets.token_bytes(1 << 20)
-    digest = hashlib.sha256(data).hexdigest()
+    digest = blake3(data).hexdigest()
     conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
     try:
         handshake.client_handshake(conn, key.encode(), "truncating")
@@ -370,7 +370,7 @@ def test_a_submit_of_many_files_is_answered_at_once(jobs_peer):
     from gpulayer.jobs.store import JobSpec
 
     peer, state, key, jobs = jobs_peer()
-    files = [[f"f{i:05d}", 1, False, hashlib.sha256(str(i).encode()).hexdigest()] for i in range(30_000)]
+    files = [[f"f{i:05d}", 1, False, blake3(str(i).encode()).hexdigest()] for i in range(30_000)]
     conn = blocking.BlockingConnection(socket.create_connection(("127.0.0.1", peer.port), timeout=10))
     try:
         handshake.client_handshake(conn, key.encode(), "many-files")
@@ -454,7 +454,7 @@ def test_retention_removes_the_oldest_ended_job_and_the_content_only_it_held(job
         (folder / "weights.bin").write_bytes(secrets.token_bytes(1 << 20))
         job = jobs.submit(["true"], folder, _cpu())
         assert job.wait(60) == "succeeded"
-        done.append((job, hashlib.sha256((folder / "weights.bin").read_bytes()).hexdigest()))
+        done.append((job, blake3((folder / "weights.bin").read_bytes()).hexdigest()))
     (first, first_digest), (second, second_digest) = done
     with pytest.raises(JobError, match="no-job"):
         first.refresh()

@@ -1,7 +1,9 @@
 """Gossip next to an older peer of the same protocol version (issue 30): a peer of main before gossip
 (OLDER, from this repository's history) refuses the unknown PEERS and closes the connection that sent
 it, so a submitter asks, and a peer sends its list to, only the peers whose advert names PEERS among its
-features ("ft"). The older peer still runs tasks, and a gossiping peer still verifies it and lists it."""
+features ("ft"). The older peer still runs tasks, and a gossiping peer still verifies it and lists it.
+OLDER spoke protocol 2; version 3 changed only the digests of jobs, which OLDER has none of, so its
+version is set to this one's: an older release of the same version, the case "ft" is for."""
 
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ def older_tree(tmp_path_factory) -> Path:
     if archive.returncode != 0:
         pytest.skip(f"no commit {OLDER} in this checkout: {archive.stderr.decode(errors='replace').strip()}")
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True, timeout=60)
-    assert "PEERS" not in (tree / "gpulayer/protocol/messages.py").read_text()
+    source = tree / "gpulayer/protocol/messages.py"
+    text = source.read_text()
+    assert "PEERS" not in text and "\nPROTOCOL_VERSION = 2 " in text
+    source.write_text(text.replace("\nPROTOCOL_VERSION = 2 ", f"\nPROTOCOL_VERSION = {messages.PROTOCOL_VERSION} "))
     return tree
 
 

@@ -675,13 +675,13 @@ def test_a_version_1_submitter_gets_a_clear_version_error(guarded):
     peer, direct = guarded
     with socket.create_connection(("127.0.0.1", peer.port), timeout=10) as sock:
         hello = read_message(sock)
-        assert hello["t"] == messages.HELLO and hello["v"] == messages.PROTOCOL_VERSION == 2
+        assert hello["t"] == messages.HELLO and hello["v"] == messages.PROTOCOL_VERSION == 3
         old_auth = {"t": messages.AUTH, "v": 1, "nonce": os.urandom(32), "mac": os.urandom(32), "client": "v1"}
         body = msgpack.packb(old_auth)
         sock.sendall(HEADER.pack(len(body)) + body)
         reply = read_message(sock)
         assert reply["t"] == messages.ERROR and reply["code"] == "version", reply
-        assert "protocol version 1 is not supported" in reply["message"] and "speaks 2" in reply["message"]
+        assert "protocol version 1 is not supported" in reply["message"] and f"speaks {messages.PROTOCOL_VERSION}" in reply["message"]
         assert read_unit(sock) is None
     assert honest_call_works(direct)
 

@@ -57,7 +57,7 @@ from zeroconf import (BadTypeInNameException, DNSOutgoing, DNSPointer, DNSQuesti
                       ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf)
 
 SERVICE_TYPE = "_gpulayer._tcp.local."
-PROTOCOL_VERSION = 2  # what the peers speak now (the rogue imports nothing of gpulayer: it is not a client)
+PROTOCOL_VERSION = 3  # what the peers speak now (the rogue imports nothing of gpulayer: it is not a client)
 HEADER = struct.Struct(">I")
 _TYPE_PTR, _CLASS_IN, _FLAGS_RESPONSE = 12, 1, 0x8000 | 0x0400  # a PTR record; QR and AA set
 MAX_SECONDS = 600.0

@@ -8,7 +8,6 @@ manifests: `..`, absolute, duplicates, a file as a folder), what a job changed, 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -18,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from blake3 import blake3
 
 from gpulayer.errors import ConfigError
 from gpulayer.jobs import folder
@@ -35,7 +35,8 @@ def write(root: Path, rel: str, data: bytes | str = b"x", mode: int | None = Non
 
 
 def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    """The content digest, computed here by the library (BLAKE3), not by the code under test."""
+    return blake3(data).hexdigest()
 
 
 def paths(manifest: Manifest) -> list[str]:
@@ -357,7 +358,7 @@ def test_overlong_upload_is_refused_at_once(tmp_path):
 @pytest.mark.parametrize("digest", ["../../etc/passwd", "AB" * 32, "a" * 63])
 def test_store_refuses_what_is_not_a_digest(tmp_path, digest):
     store = BlobStore(tmp_path / "store")
-    with pytest.raises(FolderError, match="not a sha256 digest"):
+    with pytest.raises(FolderError, match="not a blake3 digest"):
         store.writer(digest, 1)
 
 

@@ -5,13 +5,13 @@ down (byte-exact, nothing overwritten unless forced), and what a broken or hosti
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import threading
 from pathlib import Path
 
 import pytest
+from blake3 import blake3
 
 from gpulayer import security
 from gpulayer.jobs import transfer
@@ -160,8 +160,8 @@ def test_a_file_changed_after_the_scan_is_not_stored(pair, project, tmp_path):
     with pytest.raises(FolderError, match="does not match its digest"):
         pair.run_beside(lambda: transfer.push_blobs(pair.client, manifest, list(blobs), 1),
                         lambda: transfer.receive_blobs(pair.peer, store, blobs))
-    assert hashlib.sha256(b"print('hi')\n").hexdigest() in store.missing(blobs)
-    assert all(hashlib.sha256(store.path(d).read_bytes()).hexdigest() == d for d, _ in store.blobs())
+    assert blake3(b"print('hi')\n").hexdigest() in store.missing(blobs)
+    assert all(blake3(store.path(d).read_bytes()).hexdigest() == d for d, _ in store.blobs())
 
 
 def test_a_blob_not_asked_for_is_refused(pair, project, tmp_path):
@@ -324,7 +324,34 @@ def test_a_disk_thread_with_on_room_never_blocks_and_says_when_it_has_room_again
     assert done == [0, 1, 2] and not disk.full
 
 
-GOOD = hashlib.sha256(b"x").hexdigest()
+
+def test_a_disk_threads_work_beside_runs_at_the_same_time_and_hands_back_its_error():
+    """A chunk is hashed beside its write (`DiskThread.beside`): the two run at once (here the disk work
+    waits for what only the work beside it does), the waiter hands back the work's error, and `finish`
+    ends the second thread too."""
+    disk = transfer.DiskThread()
+    met, outcome, threads = threading.Event(), [], []
+
+    def meet() -> None:
+        threads.append(threading.current_thread())
+        met.set()
+
+    def work() -> None:
+        threads.append(threading.current_thread())
+        waiter = disk.beside(meet)
+        outcome.append(met.wait(TIMEOUT))  # True only if the work beside ran while this one waited
+        waiter()
+        failing = disk.beside(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failing()
+        outcome.append("raised")
+
+    disk.run(work)
+    disk.finish()
+    assert outcome == [True, "raised"]
+    assert len(set(threads)) == 2 and not any(t.is_alive() for t in threads)
+
+GOOD = blake3(b"x").hexdigest()
 
 
 @pytest.mark.parametrize("msg, buffers, problem", [
