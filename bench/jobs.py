@@ -319,7 +319,7 @@ class Submitter:
     def peer_upload(self, address: tuple[str, int]) -> tuple[float, float]:
         """Seconds of a real submit of the folder (scanned: its digests cached) to the real peer at `address`,
         to its JOB_INFO, and the longest answer (s) to the JOB_LISTs another connection sent meanwhile, one at
-        a time (how long the peer's event loop was held); then the job is waited for (its end lets the peer's
+        a time, 20 ms apart (how long the peer's event loop was held); then the job is waited for (its end lets the peer's
         retention drop it and its blobs)."""
         import threading
         from types import SimpleNamespace
@@ -337,7 +337,7 @@ class Submitter:
                     asked = time.perf_counter()
                     link.ask(job_protocol.request(messages.JOB_LIST, 0), timeout=60.0)
                     answers.append(time.perf_counter() - asked)
-                    done.wait(0.005)
+                    done.wait(0.02)
 
         prober = threading.Thread(target=probe)
         prober.start()
