@@ -595,14 +595,18 @@ class BlobStore:
         """What the stored blobs take, for retention."""
         return sum(size for _, size in self.blobs())
 
-    def prune(self, keep: Collection[str]) -> int:
+    def prune(self, keep: Collection[str],
+              lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()) -> int:
         """Remove every blob not in `keep` (the digests of the jobs retained and of uploads in progress);
-        returns the bytes freed."""
+        returns the bytes freed. `keep` is looked at under `lock` right before each removal: what another
+        thread adds to it under `lock` while this runs is kept (peer/janitor.py)."""
         freed = 0
         for digest, size in list(self.blobs()):
-            if digest not in keep:
+            with lock:
+                if digest in keep:
+                    continue
                 self.path(digest).unlink(missing_ok=True)
-                freed += size
+            freed += size
         return freed
 
 

@@ -4,6 +4,10 @@ One writer, the peer's event loop. Every change is committed with synchronous=FU
 before the peer answers for it, so that a job acknowledged to its submitter survives a kill -9 of
 the peer or a power cut. The folder is the peer user's alone (0700, the files 0600).
 
+The store deletes nothing itself: what goes (a removed job's folder, a stray one) is renamed into the
+state folder's `trash/`, at once and atomically, and deleted from there off the event loop
+(peer/janitor.py); a trash that a crash left is emptied at the next start.
+
 A job id is "<holder>-<n>": the holder is this state folder's own id (12 hex digits, made once
 and kept with the jobs), n counts the jobs it ever recorded. So an id names the peer that holds it,
 is never reused, and stays valid across restarts of that peer.
@@ -40,7 +44,8 @@ ENDED = frozenset({SUCCEEDED, FAILED, STOPPED, LOST})
 RETENTION_DAYS, RETENTION_GB = 30.0, 50.0  # the defaults of the peer's --job-retention-days and --job-retention-gb
 JOB_ID = re.compile(r"([0-9a-f]{12})-([1-9][0-9]{0,9})")
 HOLDER_HEX = 12
-KILL_AT_ENV = "GPULAYER_TEST_KILL_AT"
+KILL_AT_ENV, PAUSE_IN_ENV = "GPULAYER_TEST_KILL_AT", "GPULAYER_TEST_PAUSE_IN"
+PAUSE_MAX_S = 60.0  # a pause point waits at most this long for its test
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -153,6 +158,7 @@ class JobStore:
     def __init__(self, state_dir: Path):
         self.dir = private_dir(state_dir)
         self.jobs_dir = private_dir(state_dir / "jobs")
+        self.trash_dir = private_dir(state_dir / "trash")  # what is being deleted (peer/janitor.py)
         path = state_dir / "jobs.sqlite3"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # created private before SQLite opens it
         os.close(fd)
@@ -293,22 +299,26 @@ class JobStore:
             self.db.execute(f"UPDATE jobs SET {names} WHERE id = ?", (*values.values(), job_id))
 
     def sweep(self) -> list[str]:
-        """At the start, before any upload: remove what of the jobs' folder is no recorded job's own (a
-        receipt or a recording cut by a crash, a removal cut half way); the names removed."""
+        """At the start, before any upload: move what of the jobs' folder is no recorded job's own (a
+        receipt or a recording cut by a crash, a job forgotten but not yet moved away) into the trash; the
+        names moved."""
         recorded = {row.id for row in self.rows()}
         stray = sorted(p.name for p in self.jobs_dir.iterdir() if p.name not in recorded)
         for name in stray:
-            path = self.jobs_dir / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            self.discard(self.jobs_dir / name)
         return stray
 
+    def discard(self, path: Path) -> None:
+        """Move `path` (a folder of the jobs' folder) into the trash, in one rename: it is gone from its place
+        at once, whole, whatever happens next; the trash is emptied off the event loop (peer/janitor.py)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, self.trash_dir / f"{path.name}-{secrets.token_hex(4)}")
+
     def remove(self, job_id: str) -> None:
-        """Forget a job and delete its folder (what a crash leaves of it, `sweep` removes)."""
+        """Forget a job, and move its folder into the trash (a crash between the two leaves a folder that no
+        recorded job owns: `sweep` moves it at the next start)."""
         self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+        self.discard(self.folder(job_id))
 
     def retain(self, max_age_s: float, max_bytes: int, now: float | None = None) -> list[str]:
         """Remove ended jobs older than `max_age_s`, then the oldest ended ones until the folders of all
@@ -348,6 +358,19 @@ def kill_point(point: str) -> None:
     (docs/configuration.md), to show what a crash at that point leaves."""
     if os.environ.get(KILL_AT_ENV) == point:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause_point(point: str) -> None:
+    """Tests only: where GPULAYER_TEST_PAUSE_IN names a folder, the calling thread says it reached `point` (the
+    file `<point>.reached` there) and waits while the file `<point>.hold` is there (at most PAUSE_MAX_S), so
+    that a test can order two threads' steps (docs/configuration.md)."""
+    folder = os.environ.get(PAUSE_IN_ENV)
+    if not folder:
+        return
+    Path(folder, f"{point}.reached").touch()
+    hold, deadline = Path(folder, f"{point}.hold"), time.monotonic() + PAUSE_MAX_S
+    while hold.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def default_state_dir() -> Path:

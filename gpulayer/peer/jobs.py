@@ -35,12 +35,13 @@ from ..jobs import folder, local_fetch, shim, transfer
 from ..jobs.cgroup import Cgroups
 from ..jobs.store import (ENDED, FAILED, LOST, MOVED, MOVING, PREEMPTED, QUEUED, RETENTION_DAYS, RETENTION_GB, RUNNING,
                           STOPPED, SUCCEEDED, JobRow, JobSpec, JobStore, StateDirInUse, default_state_dir, holder_of,
-                          kill_point)
+                          kill_point, pause_point)
 from ..matching import Requirements, match
 from ..protocol import framing, jobs as job_protocol, messages
 from ..resources.model import Advert
 from ..transport.channel import AsyncChannel
 from .gangs import Gangs, JobSteps
+from .janitor import Janitor
 from .pull import Owner
 from .scheduler import Scheduler
 from .slots import JobHolder, Slot
@@ -102,14 +103,14 @@ class Upload:
         """The folders reserved for its jobs (none before the first is built)."""
         return [path.parent for path in self.builder.dests]
 
-    def drop(self) -> None:
-        """Nothing of it is recorded: stop receiving, remove its folders (unless their builder is busy)."""
+    def drop(self) -> list[Path]:
+        """Nothing of it is recorded: stop receiving; its folders, to remove (none while their builder is busy)."""
         self.receiver.abort()
-        if not self.building:
-            if self.placer is not None:
-                self.placer.stop()
-            for path in self.incoming:
-                shutil.rmtree(path, ignore_errors=True)
+        if self.building:
+            return []
+        if self.placer is not None:
+            self.placer.stop()
+        return self.incoming
 
 
 @dataclass
@@ -158,6 +159,7 @@ class Jobs:
         self.dir, self._lock = claim_state_dir(state_dir)
         self.store = JobStore(self.dir)
         self.blobs = folder.BlobStore(self.dir / "blobs")
+        self.janitor = Janitor(self.store.trash_dir, self.blobs)  # deletes off the event loop
         self.scheduler = scheduler
         self.python = python
         self.advert = advert
@@ -177,6 +179,7 @@ class Jobs:
         self.gangs = Gangs(self, JobSteps(self._info, self._enqueue, self._end, self._append_log), key)  # gang jobs
         for stray in self.store.sweep():  # a receipt or a recording cut by a crash: never recorded
             log.info("removed %s from the jobs' folder: no recorded job's", stray)
+        self.janitor.empty_trash()  # and what a crash left in the trash
         found = Cgroups.find(self.holder)
         self.cgroups = found if isinstance(found, Cgroups) else None  # None: why was logged
         if self.cgroups is None:
@@ -244,13 +247,14 @@ class Jobs:
             shutil.rmtree(self._pythonpath, ignore_errors=True)
         if self.cgroups is not None:
             self.cgroups.close()
+        await self.janitor.close()
         self.store.close()
         os.close(self._lock)
 
     def forget(self, conn: JobConnection) -> None:
         """A connection went: its unfinished uploads are dropped (nothing of them is recorded)."""
         for key in [k for k in self._uploads if k[0] is conn]:
-            self._uploads.pop(key).drop()
+            self.discard(*self._uploads.pop(key).drop())
         self.owner.forget(conn)
         self.gangs.forget(conn)
 
@@ -397,6 +401,7 @@ class Jobs:
         if draining:
             return conn.channel.write(messages.error("busy", "the peer is shutting down", request_id))
         sizes = manifest.blobs()  # once: built per needed digest it held the loop 0.17 s (1,609 files)
+        self.janitor.use(sizes)  # before `missing`: a prune under way keeps them (peer/janitor.py)
         need = self.blobs.missing(sizes)
         count = len(array[0]) if array else 1
         builder = folder.Builder(manifest, self.blobs,
@@ -462,7 +467,7 @@ class Jobs:
     def forget_upload(self, conn: JobConnection, request_id: Any) -> None:
         upload = self._uploads.pop((conn, request_id), None)
         if upload is not None:
-            upload.drop()
+            self.discard(*upload.drop())
 
     async def _record(self, conn: JobConnection, request_id: int) -> None:
         """Finish the job's folder (one per job of an array: the files whose blobs the store had already;
@@ -472,6 +477,7 @@ class Jobs:
         connection went meanwhile, nothing is recorded."""
         upload = self._uploads[(conn, request_id)]
         upload.building = True
+        pause_point("job-building")
         problem = None
         try:
             await self._loop().run_in_executor(None, _build, upload.manifest, upload.builder, upload.placer)
@@ -480,8 +486,7 @@ class Jobs:
         incoming = upload.incoming
         if self._uploads.pop((conn, request_id), None) is not upload or problem is not None \
                 or self._recorded_before(conn, request_id, upload.spec):
-            for path in incoming:
-                shutil.rmtree(path, ignore_errors=True)
+            self.discard(*incoming)
             if problem is not None:
                 conn.channel.write(messages.error("bad-request", problem, request_id))
             return
@@ -490,8 +495,7 @@ class Jobs:
             rows = self.store.add_array(upload.spec, size, *upload.array, incoming) if upload.array \
                 else [self.store.add(upload.spec, size, incoming[0])]
         except (OSError, sqlite3.Error) as exc:
-            for path in incoming:
-                shutil.rmtree(path, ignore_errors=True)
+            self.discard(*incoming)
             return conn.channel.write(messages.error("bad-request", f"the job cannot be recorded: {exc}", request_id))
         kill_point("job-recorded")
         log.info("job %s%s recorded from %s: %s", rows[0].id, f" (an array of {len(rows)})" if upload.array else "",
@@ -730,22 +734,30 @@ class Jobs:
             self._enqueue(row)
 
     def _retain(self) -> None:
-        """Apply the retention limits; when jobs went, so does the content that only they held."""
+        """Apply the retention limits: the jobs go at once; their folders, and the content that only they held,
+        on the janitor's thread."""
         removed = self.store.retain(*self.retention)
         if removed:
             log.info("removed by the retention limits: job(s) %s", ", ".join(removed))
-            self.blobs.prune(self._blobs_in_use())
+            self.janitor.empty_trash()
+            self.janitor.prune(self._blobs_in_use)
 
-    def _blobs_in_use(self) -> set[str]:
-        """The digests of the jobs kept and of the uploads under way."""
+    def _blobs_in_use(self) -> tuple[set[str], list[Path]]:
+        """The digests of the uploads and pulls under way, and the manifest files of the jobs kept."""
         used = {d for m in [*(u.manifest for u in self._uploads.values()), *self.pulling.values()] for d in m.blobs()}
-        for row in self.store.rows():
-            try:
-                shipped = json.loads((self.store.folder(row.id) / MANIFEST_FILE).read_text())
-            except (OSError, ValueError):
-                continue
-            used.update(entry[3] for entry in shipped if isinstance(entry, list) and len(entry) == 4)
-        return used
+        return used, [self.store.folder(row.id) / MANIFEST_FILE for row in self.store.rows()]
+
+    def delete(self, job_id: str) -> None:
+        """Forget a job now; its folder goes to the trash, deleted on the janitor's thread."""
+        self.store.remove(job_id)
+        self.janitor.empty_trash()
+
+    def discard(self, *paths: Path) -> None:
+        """Remove folders of the jobs' folder: into the trash now, deleted on the janitor's thread."""
+        for path in paths:
+            self.store.discard(path)
+        if paths:
+            self.janitor.empty_trash()
 
     def _append_log(self, job_id: str, line: str) -> None:
         path = self.store.folder(job_id) / LOG_FILE
@@ -811,7 +823,7 @@ class Jobs:
         if row.state not in ENDED:
             return conn.channel.write(messages.error(
                 "bad-request", f"job {row.id} is {row.state}: stop it first (`gpulayer stop {row.id}`)", msg["id"]))
-        self.store.remove(row.id)
+        self.delete(row.id)
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
 
 

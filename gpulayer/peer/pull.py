@@ -209,7 +209,7 @@ class Owner:
         self.jobs.store.update(job_id, state=MOVED, ended=time.time(),
                                reason=f"pulled by the peer of jobs {msg['holder']}-*")
         kill_point("job-moved")
-        shutil.rmtree(self.jobs.store.folder(job_id), ignore_errors=True)
+        self.jobs.discard(self.jobs.store.folder(job_id))
         log.info("job %s moved to the peer of jobs %s-*", job_id, msg["holder"])
         self.jobs.gone(job_id)
         moved = self.jobs.store.get(job_id)
@@ -488,6 +488,7 @@ class Puller:
         self.changed()
         try:
             sizes = manifest.blobs()
+            self.jobs.janitor.use(sizes)  # before `missing`: a prune under way keeps them (peer/janitor.py)
             need = self.jobs.blobs.missing(sizes)
             self.jobs.pulling[job_id] = manifest
             await self._call(link.blobs, {**self._step(job_id, "need"), "need": need}, self.jobs.blobs,
@@ -496,7 +497,7 @@ class Puller:
             try:
                 self.jobs.store.add_arriving(job_id, spec, submitted, manifest.total_bytes, owner, incoming)
             except BaseException:
-                shutil.rmtree(incoming, ignore_errors=True)
+                self.jobs.discard(incoming)
                 raise
         finally:
             self.jobs.pulling.pop(job_id, None)
@@ -525,14 +526,14 @@ class Puller:
             reply = await self._call(link.ask, self._step(job_id, "commit"))
         except Refused as exc:
             log.info("job %s stays with its owner: %s", job_id, exc)
-            self.jobs.store.remove(job_id)
+            self.jobs.delete(job_id)
             return
         finally:
             self._committing.discard(job_id)
         job = reply.get("job")
         if not isinstance(job, dict) or job.get("state") != MOVED or job.get("moved") != self.jobs.holder:
             log.warning("job %s: the owner's commit answer is not 'moved here': dropped", job_id)
-            self.jobs.store.remove(job_id)
+            self.jobs.delete(job_id)
             return
         self.jobs.store.update(job_id, state=QUEUED, reason="")
         log.info("job %s pulled from the peer of jobs %s-*", job_id, link.hello["peer"])
@@ -559,6 +560,6 @@ class Puller:
                 reason = (f"its owner, the peer of jobs {row.moved}-*, was not heard for {self.arriving_bound:g} s "
                           "after it offered the job here: it may have run there (this peer never ran it)")
                 self.jobs.store.update(row.id, state=LOST, ended=time.time(), reason=reason)
-                shutil.rmtree(self.jobs.store.folder(row.id), ignore_errors=True)
+                self.jobs.discard(self.jobs.store.folder(row.id))
                 log.warning("job %s lost: %s", row.id, reason)
                 self.jobs.gone(row.id)
