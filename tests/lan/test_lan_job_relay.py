@@ -10,10 +10,12 @@ shows that the retry happened: the peer's log says the submit (its token) came a
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 
 import pytest
-from lanlab import RelayProcess
+from lanlab import RelayProcess, lan_env
 from support import wait_until
 
 LAN_PEERS = 2
@@ -26,11 +28,12 @@ SILENCE_S = 2.0  # the agent's wait for a silent peer before it sends the submit
 def relayed(lan):
     """A relay in front of each peer (route i: lan.peers[i]), and an agent that knows the peers only through it.
 
+    The last route is another path to lan.peers[0] (for a peer cache that goes stale).
     The relay listens on its host's LAN address: a gang's watcher (rank 0's peer) reaches the ranks at the
     addresses where the submitter recorded them (through the relay too, then)."""
     host = lan.add_host("relay-sub")
-    relay = RelayProcess(host, [(f"{host.ip}:0", p.address) for p in lan.peers])
-    static = ",".join(f"{host.ip}:{port}" for port in relay.ports)
+    relay = RelayProcess(host, [(f"{host.ip}:0", p.address) for p in [*lan.peers, lan.peers[0]]])
+    static = ",".join(f"{host.ip}:{port}" for port in relay.ports[:-1])
     agent = lan.submitter("relay-jobs", host=host, mdns=False, peers=static)
     assert agent.call("wait_names", present=lan.names, timeout=15)["ok"]
     yield relay, agent
@@ -138,3 +141,34 @@ def test_a_gang_rank_whose_submit_stalls_is_sent_again_and_the_late_one_records_
     ranks = ran_once(agent, gang_id, marker)
     assert rank_id in ranks
     assert sorted(agent.call("jobs", name=marker)["ids"]) == sorted([gang_id, *ranks])
+
+
+CACHE_PEER = """
+import sys
+from gpulayer.client import Client
+from gpulayer.matching import Requirements
+client = Client(peers=sys.argv[1], mdns=False, echo_output=False)
+client.wait_for_match(Requirements.build(peer=sys.argv[2]))
+client.close()  # the peer cache now has the peer at that address
+"""
+
+
+def test_a_job_goes_past_its_peers_stale_cached_path_to_the_address_discovery_finds(lan, relayed, tmp_path):
+    """The peer cache has the peer at an address whose path is gone (the relay resets every connection there);
+    mDNS finds the same peer (its id unchanged) at its LAN address: the submit (pinned to that peer) tries the
+    cached path first, then waits for discovery and records the job at the address found."""
+    relay, _ = relayed
+    host, peer, marker = relay.host, lan.peers[0], "stale-cache"
+    stale = f"{host.ip}:{relay.ports[-1]}"
+    env = lan_env(lan.key, GPULAYER_CACHE="1", XDG_CACHE_HOME=str(tmp_path), GPULAYER_DISCOVERY_TIMEOUT="10")
+    cached = host.run([sys.executable, "-c", CACHE_PEER, stale, peer.name], env=env)
+    assert cached.returncode == 0, cached.stderr
+    entries = next(iter(json.loads((tmp_path / "gpulayer" / "peers.json").read_text()).values()))
+    assert [e["addresses"] for e in entries if e["txt"]["n"] == peer.name] == [[[host.ip, relay.ports[-1]]]]
+    relay.call("refuse", route=len(relay.ports) - 1)
+    before = relay.call("stats")["stats"]["cuts"][-1]
+    out = host.run([sys.executable, "-m", "gpulayer.cli", "submit", "--peer", peer.name, "--name", marker, "--",
+                    "sh", "-c", f"echo {marker}"], env=env, timeout=60)
+    assert relay.call("stats")["stats"]["cuts"][-1] > before  # the cached path was tried, and reset
+    assert out.returncode == 0, out.stderr
+    assert recorded(peer, marker) == [out.stdout.strip()]
