@@ -25,7 +25,8 @@ listening, then obeys JSON lines on stdin, one reply a line on stdout:
     {"op": "replay"}       an on-path attacker's replay: every byte the trapped connection's client
         sent up to its trap, sent again on a fresh connection to its target; the reply says what
         came back (the frames before the handshake's end, decoded) and whether the target closed it
-    {"op": "refuse", "route": 0}   reset every connection of the route, now and at accept (a dead path)
+    {"op": "refuse", "route": 0}   reset every connection of the route now, and each later one as soon as its
+        client sends (its AUTH, after the target's HELLO came back): a path that breaks in the handshake
     {"op": "exit"}
 
 --record FILE appends every byte relayed, both ways, to FILE (what an eavesdropper on the path sees).
@@ -115,6 +116,10 @@ class Pipe:
                 data = await reader.read(CHUNK)
                 if not data:
                     break
+                if direction == "up" and self.route in self.relay.refused:  # the peer's HELLO came: a broken handshake
+                    self.relay.cuts[self.route] += 1
+                    self.cut()
+                    break
                 if direction == "up":
                     self.check_trap(data)
                 held += len(data) if self.stalled or self.held[direction] else 0
@@ -161,7 +166,11 @@ class Pipe:
     def cut(self) -> None:
         """Reset both sides, as a broken path would (RST, not a polite FIN)."""
         for writer in self.writers:
-            reset(writer, close=False)
+            sock = writer.get_extra_info("socket")
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except (OSError, AttributeError):
+                pass
         self.close(abort=True)
 
     def close(self, abort: bool = False) -> None:
@@ -174,17 +183,6 @@ class Pipe:
             except Exception:
                 pass
         self.relay.pipes.discard(self)
-
-
-def reset(writer: asyncio.StreamWriter, close: bool = True) -> None:
-    """Make closing `writer` reset its connection (RST); and close it now, unless `close` is False."""
-    sock = writer.get_extra_info("socket")
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except (OSError, AttributeError):
-        pass
-    if close:
-        writer.transport.abort()
 
 
 class Relay:
@@ -204,7 +202,7 @@ class Relay:
         self.chaos_task: asyncio.Task | None = None
         self.traps: dict[int, dict] = {}  # route -> {"min_up", "hold"}: armed, not sprung yet
         self.trapped: Pipe | None = None  # the connection the last trap caught
-        self.refused: set[int] = set()  # routes whose connections are reset at accept
+        self.refused: set[int] = set()  # routes whose connections are reset at their client's first bytes
 
     async def start(self) -> list[int]:
         ports = []
@@ -216,10 +214,6 @@ class Relay:
 
     async def accept(self, route: int, creader, cwriter) -> None:
         target = self.routes[route][1]
-        if route in self.refused:
-            self.cuts[route] += 1
-            reset(cwriter)
-            return
         try:
             treader, twriter = await asyncio.wait_for(asyncio.open_connection(*target), 5)
         except (OSError, asyncio.TimeoutError):

@@ -132,8 +132,9 @@ def test_a_gang_rank_whose_submit_stalls_is_sent_again_and_the_late_one_records_
     peer, marker = lan.peers[0], "stalled-gang"
     relay.call("trap", route=0, min_up=MIN_UP, hold="both")
     submit(agent, marker, nodes=2, silence_s=SILENCE_S)
-    gang_id = outcome(agent, marker)["value"]  # the retry went through while the first connection was held
-    assert trapped(relay)["route"] == 0 and trapped(relay)["held"] == {"up": True, "down": True}
+    gang_id = outcome(agent, marker)["value"]
+    held = trapped(relay)  # the retry went through while the first connection was held, still open
+    assert held["route"] == 0 and held["held"] == {"up": True, "down": True} and not held["closed"], held
     rank_id, *_ = recorded(peer, marker)
     assert came_again(peer, rank_id) == 0  # the held submit never reached the peer
     relay.call("release")
@@ -154,7 +155,7 @@ client.close()  # the peer cache now has the peer at that address
 
 
 def test_a_job_goes_past_its_peers_stale_cached_path_to_the_address_discovery_finds(lan, relayed, tmp_path):
-    """The peer cache has the peer at an address whose path is gone (the relay resets every connection there);
+    """The peer cache has the peer at an address whose path is broken (the relay resets its handshakes);
     mDNS finds the same peer (its id unchanged) at its LAN address: the submit (pinned to that peer) tries the
     cached path first, then waits for discovery and records the job at the address found."""
     relay, _ = relayed
@@ -165,7 +166,7 @@ def test_a_job_goes_past_its_peers_stale_cached_path_to_the_address_discovery_fi
     assert cached.returncode == 0, cached.stderr
     entries = next(iter(json.loads((tmp_path / "gpulayer" / "peers.json").read_text()).values()))
     assert [e["addresses"] for e in entries if e["txt"]["n"] == peer.name] == [[[host.ip, relay.ports[-1]]]]
-    relay.call("refuse", route=len(relay.ports) - 1)
+    relay.call("refuse", route=len(relay.ports) - 1)  # reset in the handshake, after the peer's HELLO
     before = relay.call("stats")["stats"]["cuts"][-1]
     out = host.run([sys.executable, "-m", "gpulayer.cli", "submit", "--peer", peer.name, "--name", marker, "--",
                     "sh", "-c", f"echo {marker}"], env=env, timeout=60)
