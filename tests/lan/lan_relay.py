@@ -157,7 +157,8 @@ class Pipe:
         if self.relay.trapped is self or len(self.sent) + len(data) > MAX_KEPT:
             return
         self.sent += data
-        if trap is None or not any(size >= trap["min_up"] for size in self.units.feed(data)):
+        sizes = self.units.feed(data)  # always: a trap armed later must find the units' boundaries
+        if trap is None or not any(size >= trap["min_up"] for size in sizes):
             return
         del self.relay.traps[self.route]
         self.relay.trapped = self
