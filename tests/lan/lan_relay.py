@@ -253,11 +253,10 @@ class Relay:
                 cuts += 1
                 self.cuts[pipe.route] += 1
 
-    async def replay(self) -> dict:
+    async def replay(self, trapped: Pipe) -> dict:
         """Send what the trapped connection's client sent, on a fresh connection to its target: what came back."""
-        assert self.trapped is not None, "no connection was trapped"
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.routes[self.trapped.route][1]), 5)
-        writer.write(bytes(self.trapped.sent))
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.routes[trapped.route][1]), 5)
+        writer.write(bytes(trapped.sent))
         received, closed = bytearray(), False
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
             async with asyncio.timeout(REPLAY_S):
@@ -265,7 +264,7 @@ class Relay:
                     received += data
                 closed = True
         writer.transport.abort()
-        return {"sent": len(self.trapped.sent), "received": len(received), "closed": closed,
+        return {"sent": len(trapped.sent), "received": len(received), "closed": closed,
                 "frames": handshake_frames(bytes(received))}
 
     def stats(self) -> dict:
@@ -339,8 +338,8 @@ async def main_async(args) -> None:
             relay.cuts[relay.trapped.route] += 1
         elif op == "release" and relay.trapped is not None:
             relay.trapped.held = {"up": False, "down": False}
-        elif op == "replay":
-            reply["replay"] = await relay.replay()
+        elif op == "replay" and relay.trapped is not None:
+            reply["replay"] = await relay.replay(relay.trapped)
         elif op == "refuse":
             relay.refused.add(int(request["route"]))
             for pipe in [p for p in relay.pipes if p.route in relay.refused]:
