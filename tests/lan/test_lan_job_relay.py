@@ -5,7 +5,8 @@ its own namespace, one route a peer. The relay's trap catches the first connecti
 client sends a record of at least MIN_UP bytes: a JOB_SUBMIT (an AUTH, a PING or a job request is
 smaller). It holds what comes back (the submit reached the peer, its answer is held), or everything
 (a stall); the test then waits on the peer's log, not on time, before it cuts or releases. Each test
-shows that the retry happened: the peer's log says the submit (its token) came again.
+shows that its retry happened: the peer's log says the submit (its token) came again, the submit
+succeeded while its first connection was still held, or the relay counted the reset it made.
 """
 
 from __future__ import annotations
