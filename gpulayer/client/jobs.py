@@ -64,7 +64,7 @@ class JobLink:
         try:
             self.conn, self.hello, self.address = blocking.handshaken(addresses, client.key, client.submitter_id,
                                                                       CONNECT_TIMEOUT)
-        except blocking.Unreachable as exc:
+        except OSError as exc:  # none accepted, or the connection broke or stalled in the handshake
             raise PeerLost(f"the peer is unreachable: {exc}") from None
         self._ids = iter(range(1, 1 << 62))
 
@@ -259,12 +259,12 @@ class Jobs:
                        grace=grace, pinned=req.peer is not None)
         if nodes > 1:
             return self._submit_gang(spec, manifest, req, nodes)
-        placement, failures, failed = self.client.placement, dict[str, list[str]](), set[str]()  # failed: peer ids
+        placement, failures, refused = self.client.placement, dict[str, list[str]](), set[str]()  # refused: peer ids
         self.client.start()
         for attempt in range(2):  # the second after discovery, when every known candidate failed (a stale cache)
             if attempt or not placement.candidates(req):
-                self.client.wait_for_match(req, failed)
-            for record in placement.ranked(req, failed):
+                self.client.wait_for_match(req, refused)
+            for record in placement.ranked(req, refused):
                 try:
                     holder, info, link = self._record_on(record, replace(spec, token=secrets.token_hex(16)),
                                                          manifest, array)
@@ -272,7 +272,8 @@ class Jobs:
                     if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
                         raise
                     failures[f"{record.advert.name} ({record.address})"] = [str(exc)]
-                    failed.add(record.advert.peer_id)
+                    if isinstance(exc, JobError):  # the peer said no; an unreachable claim is out (_link_to), not
+                        refused.add(record.advert.peer_id)  # its peer: discovery may find it at another address
                     continue
                 job = Job(self, holder, info["job"])
                 if keep_link:
@@ -280,7 +281,7 @@ class Jobs:
                 else:
                     link.close()
                 return job
-            if not failed:
+            if not failures:
                 break
         raise NoMatchingPeer(req, {**placement.reasons(req), **failures})
 
@@ -321,13 +322,15 @@ class Jobs:
 
     def _link_to(self, record: Any, addresses: list[tuple[str, int]]) -> JobLink:
         """A link to the peer of `record` at `addresses`; the peer its handshake proved goes into the
-        directory (as a pooled connection's does: the peer cache keeps it), and a cached claim whose
-        address is unreachable is dropped."""
+        directory (as a pooled connection's does: the peer cache keeps it). A cached claim whose
+        address is unreachable is dropped, and any other skipped for a while (as the pool does)."""
         try:
             link = JobLink(self.client, addresses)
-        except PeerLost:
+        except PeerLost as exc:
             if record.source == "cache":
                 self.client.directory.drop(record)
+            else:
+                self.client.pool.mark_down(record.advert.peer_id, str(exc), addresses)
             raise
         try:
             advert = Advert.from_txt(link.hello.get("advert") or {})

@@ -352,6 +352,39 @@ class Agent:
         self.monitor_thread.join(30)
         return {"seen": self.monitor_seen}
 
+    # ---- jobs --------------------------------------------------------------------------------------------
+
+    def op_submit_job(self, tag, command, name, nodes=1, peer=None, silence_s=None):
+        """gl.submit_job(command), with an empty folder, on `peer` or as a gang of `nodes`, from another thread (it waits for the peer's answers);
+        its outcome under `tag` (op_wait), the job's id as its value. `silence_s` replaces the time a submit
+        waits for a silent peer before it sends the submit again (client/jobs.py's SILENCE_S, 15 s)."""
+        from gpulayer.client import jobs
+
+        if silence_s is not None:
+            jobs.SILENCE_S = silence_s
+
+        def submit():
+            try:
+                options = {"nodes": nodes} if nodes > 1 else {"peer": peer}
+                out = {"ok": True, "value": gl.submit_job(command, None, name=name, **options).id}
+            except Exception as exc:
+                out = {"ok": False, "error": type(exc).__name__, "message": str(exc)[:2000]}
+            with self.done:
+                self.outcomes[tag] = {"t": time.monotonic(), **out}
+                self.done.notify_all()
+
+        threading.Thread(target=submit, daemon=True).start()
+        return {}
+
+    def op_job(self, job_id, timeout=60.0):
+        """Wait for the job to end: its state and log, and its ranks' ids (a gang's)."""
+        job = gl.job(job_id)
+        return {"state": job.wait(timeout), "log": job.logs(), "ranks": [rank.id for rank in job.ranks]}
+
+    def op_jobs(self, name):
+        """The ids of the cluster's jobs named `name` (every peer is asked; gl.jobs is the subpackage here)."""
+        return {"ids": [row["id"] for row in gl.api.jobs() if row.get("name") == name]}
+
     def op_open_connections(self, peer=None):
         """The ids of this submitter's connections (leases too) that are open now, to `peer` (a name) if given."""
         conns = [*self.client.pool.own.values(), *self.client.leases.all()]

@@ -14,6 +14,19 @@ listening, then obeys JSON lines on stdin, one reply a line on stdout:
     {"op": "calm"}    stop injecting (and cut the stalled connection)
     {"op": "cut_all"} reset every connection now
     {"op": "stats"}   counters: connections, cuts, stalls, bytes, the delay seen
+    {"op": "trap", "route": 0, "min_up": 300, "hold": "down"}
+        the next connection of that route whose client sends a unit (a frame before the handshake's
+        end, a sealed record after it: 4-byte big-endian length, then the bytes) of at least min_up
+        bytes is trapped at the chunk that starts it: with "down", the chunk goes on and nothing
+        more comes back (the request reached the peer, its answer is held); with "both", it is held
+        and nothing more flows either way (a stall); "trapped" in the stats says when
+    {"op": "cut_trapped"}  reset the trapped connection
+    {"op": "release"}      let the trapped connection flow again: what it held is delivered, in order
+    {"op": "replay"}       an on-path attacker's replay: every byte the trapped connection's client
+        sent up to its trap, sent again on a fresh connection to its target; the reply says what
+        came back (the frames before the handshake's end, decoded) and whether the target closed it
+    {"op": "refuse", "route": 0}   reset every connection of the route now, and each later one as soon as its
+        client sends (its AUTH, after the target's HELLO came back): a path that breaks in the handshake
     {"op": "exit"}
 
 --record FILE appends every byte relayed, both ways, to FILE (what an eavesdropper on the path sees).
@@ -27,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -34,8 +48,36 @@ import struct
 import sys
 import time
 
+import msgpack
+
 CHUNK = 65536
 MAX_HELD = 8 << 20  # bytes a stalled direction keeps before it stops reading
+MAX_KEPT = 1 << 20  # bytes of a connection's client kept for a replay
+REPLAY_S = 5.0  # a replay waits this long at most for its target to answer and close
+
+
+class Units:
+    """One direction's bytes cut into its units: a 4-byte big-endian length, then that many bytes (the
+    handshake's frames, then the secure channel's records, ADR 0008)."""
+
+    def __init__(self) -> None:
+        self.header = b""
+        self.left = 0  # bytes of the current unit still to come
+
+    def feed(self, data: bytes) -> list[int]:
+        """The lengths of the units that start in `data`."""
+        sizes, at = [], 0
+        while at < len(data):
+            if self.left:
+                step = min(self.left, len(data) - at)
+                self.left, at = self.left - step, at + step
+                continue
+            take = 4 - len(self.header)
+            self.header, at = self.header + data[at:at + take], at + take
+            if len(self.header) == 4:
+                self.left, self.header = int.from_bytes(self.header, "big"), b""
+                sizes.append(self.left)
+        return sizes
 
 
 class Pipe:
@@ -49,6 +91,9 @@ class Pipe:
         self.opened = self.active = time.monotonic()
         self.bytes = {"up": 0, "down": 0}
         self.stalled = False
+        self.held = {"up": False, "down": False}  # a trap's hold, one direction or both
+        self.units = Units()  # the client's units (what a trap looks for)
+        self.sent = bytearray()  # the client's bytes up to its trap (MAX_KEPT at most): what a replay sends
         self.closed = False
         self.tasks: list[asyncio.Task] = []
 
@@ -65,13 +110,19 @@ class Pipe:
         try:
             held = 0
             while not self.closed:
-                if self.stalled and held > MAX_HELD:
+                if (self.stalled or self.held[direction]) and held > MAX_HELD:
                     await asyncio.sleep(0.05)
                     continue
                 data = await reader.read(CHUNK)
                 if not data:
                     break
-                held += len(data) if self.stalled else 0
+                if direction == "up" and self.route in self.relay.refused:  # the peer's HELLO came: a broken handshake
+                    self.relay.cuts[self.route] += 1
+                    self.cut()
+                    break
+                if direction == "up":
+                    self.check_trap(data)
+                held += len(data) if self.stalled or self.held[direction] else 0
                 queue.put_nowait((time.monotonic() + self.relay.delay, data))
             queue.put_nowait((time.monotonic() + self.relay.delay, b""))
             await sender
@@ -86,7 +137,7 @@ class Pipe:
             wait = due - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
-            while self.stalled and not self.closed:
+            while (self.stalled or self.held[direction]) and not self.closed:
                 await asyncio.sleep(0.05)
             if not data or self.closed:
                 return
@@ -98,6 +149,20 @@ class Pipe:
             self.bytes[direction] += len(data)
             self.relay.bytes[direction] += len(data)
             await writer.drain()
+
+    def check_trap(self, data: bytes) -> None:
+        """Keep the client's bytes (for a replay) until its trap; spring the route's trap (`Relay.traps`) when
+        a unit of its size starts in `data` (within the connection's first MAX_KEPT bytes)."""
+        trap = self.relay.traps.get(self.route)
+        if self.relay.trapped is self or len(self.sent) + len(data) > MAX_KEPT:
+            return
+        self.sent += data
+        sizes = self.units.feed(data)  # always: a trap armed later must find the units' boundaries
+        if trap is None or not any(size >= trap["min_up"] for size in sizes):
+            return
+        del self.relay.traps[self.route]
+        self.relay.trapped = self
+        self.held = {"up": trap["hold"] == "both", "down": True}
 
     def cut(self) -> None:
         """Reset both sides, as a broken path would (RST, not a polite FIN)."""
@@ -136,6 +201,9 @@ class Relay:
         self.stalls = [0] * len(routes)
         self.connect_failures = 0
         self.chaos_task: asyncio.Task | None = None
+        self.traps: dict[int, dict] = {}  # route -> {"min_up", "hold"}: armed, not sprung yet
+        self.trapped: Pipe | None = None  # the connection the last trap caught
+        self.refused: set[int] = set()  # routes whose connections are reset at their client's first bytes
 
     async def start(self) -> list[int]:
         ports = []
@@ -185,9 +253,40 @@ class Relay:
                 cuts += 1
                 self.cuts[pipe.route] += 1
 
+    async def replay(self, trapped: Pipe) -> dict:
+        """Send what the trapped connection's client sent, on a fresh connection to its target: what came back."""
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.routes[trapped.route][1]), 5)
+        writer.write(bytes(trapped.sent))
+        received, closed = bytearray(), False
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+            async with asyncio.timeout(REPLAY_S):
+                while data := await reader.read(CHUNK):
+                    received += data
+                closed = True
+        writer.transport.abort()
+        return {"sent": len(trapped.sent), "received": len(received), "closed": closed,
+                "frames": handshake_frames(bytes(received))}
+
     def stats(self) -> dict:
+        trapped = self.trapped
         return {"connections": self.connections, "cuts": self.cuts, "stalls": self.stalls, "bytes": self.bytes,
-                "open": len(self.pipes), "connect_failures": self.connect_failures, "delay_ms": self.delay * 1000}
+                "open": len(self.pipes), "connect_failures": self.connect_failures, "delay_ms": self.delay * 1000,
+                "trapped": None if trapped is None else {"route": trapped.route, "closed": trapped.closed,
+                                                         "held": trapped.held, "bytes": trapped.bytes}}
+
+
+def handshake_frames(data: bytes) -> list:
+    """The frames in `data` that are msgpack maps (the handshake's, in clear), their "t" and "code" only."""
+    frames, at = [], 0
+    while at + 4 <= len(data):
+        size = int.from_bytes(data[at:at + 4], "big")
+        try:
+            frame = msgpack.unpackb(data[at + 4:at + 4 + size])
+        except ValueError:
+            break
+        frames.append({k: frame[k] for k in ("t", "code") if k in frame} if isinstance(frame, dict) else None)
+        at += 4 + size
+    return frames
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -232,6 +331,20 @@ async def main_async(args) -> None:
                 relay.cuts[pipe.route] += 1
         elif op == "delay":
             relay.delay = float(request["ms"]) / 1000.0
+        elif op == "trap":
+            relay.traps[int(request["route"])] = {"min_up": int(request["min_up"]), "hold": request["hold"]}
+        elif op == "cut_trapped" and relay.trapped is not None:
+            relay.trapped.cut()
+            relay.cuts[relay.trapped.route] += 1
+        elif op == "release" and relay.trapped is not None:
+            relay.trapped.held = {"up": False, "down": False}
+        elif op == "replay" and relay.trapped is not None:
+            reply["replay"] = await relay.replay(relay.trapped)
+        elif op == "refuse":
+            relay.refused.add(int(request["route"]))
+            for pipe in [p for p in relay.pipes if p.route in relay.refused]:
+                pipe.cut()
+                relay.cuts[pipe.route] += 1
         reply["stats"] = relay.stats()
         print(json.dumps(reply), flush=True)
         if op == "exit":
