@@ -883,7 +883,7 @@ def _measured(status: dict[str, int] | None, tree_peak: int | None) -> Peak | No
     if tree_peak is not None:
         return tree_peak, "cgroup"
     maxrss = status.get("maxrss")
-    return (maxrss, "largest-process") if isinstance(maxrss, int) and maxrss >= 0 else None
+    return (maxrss, "largest-process") if maxrss is not None and maxrss >= 0 else None
 
 
 def _larger(a: Peak | None, b: Peak | None) -> Peak | None:
@@ -906,11 +906,15 @@ def _signal_name(number: int) -> str:
 
 
 def _read_status(path: Path) -> dict[str, int] | None:
+    """The supervisor's status file; None if there is none, or if it is not a map of whole numbers that SQLite
+    can hold (the file is within the job's reach: its process may have written it)."""
     try:
         status = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return status if isinstance(status, dict) else None
+    if not isinstance(status, dict) or not all(type(v) is int and -1 << 63 <= v < 1 << 63 for v in status.values()):
+        return None
+    return status
 
 
 def _signal(run: Run, sig: int) -> None:

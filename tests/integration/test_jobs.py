@@ -212,8 +212,8 @@ def peak_source_here(cgroups: str) -> str:
 @pytest.mark.parametrize("cgroups", ["1", "0"])
 def test_a_jobs_peak_memory_and_how_its_peer_holds_jobs_are_shown(jobs_peer, cgroups):
     """A job that fills 200 MiB: once it ended, its peak memory (at least that, well under 2 GB) and what measured
-    it are in its Job, `gpulayer jobs --json` and the table; `gpulayer peers` shows how the peer holds a job's
-    processes (a cgroup each, or a process group only, and why)."""
+    it are in its Job, `gpulayer jobs --json` and the table; a job that forged its status file has none;
+    `gpulayer peers` shows how the peer holds a job's processes (a cgroup each, or a process group only, and why)."""
     from gpulayer.peer_table import format_bytes, format_peers
 
     if cgroups == "1":
@@ -229,6 +229,10 @@ def test_a_jobs_peak_memory_and_how_its_peer_holds_jobs_are_shown(jobs_peer, cgr
     header, *lines = gpulayer("jobs", key=key).stdout.splitlines()
     assert header.endswith("PEAK MEM")
     assert next(line for line in lines if line.startswith(job.id)).endswith(format_bytes(job.peak_memory))
+    # a status file that the job forged (no supervisor's, which it killed) is no status; the peer records the end
+    forged = jobs.submit(["sh", "-c", f"echo '{{\"code\": 0, \"maxrss\": {10 ** 30}}}' > ../exit.json; kill -9 $PPID"],
+                         None, _cpu())
+    assert forged.wait(60) == "failed" and "without a status" in forged.reason and forged.peak_memory is None
     rows = [r for r in jobs.client.peers(wait=0.2) if r["name"] == peer.name]  # the rows of `gpulayer peers`
     if cgroups == "1":
         assert [(r["job_isolation"], r["job_isolation_reason"]) for r in rows] == [("cgroup", "")]
