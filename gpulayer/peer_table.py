@@ -36,14 +36,17 @@ def format_peers(rows: list[dict[str, Any]], grey: bool = False) -> str:
     FOUND how this submitter heard of it: mdns, static (GPULAYER_PEERS), gossip (ADR 0017) or cache. JOBS how
     the peer holds a job's processes: in a cgroup of the job's own, or its process group only (`--json` says why).
     A peer of another cluster (a row with "cluster") shows its ids only, greyed when `grey` (a terminal)."""
-    header = ("NAME", "ADDRESS", "VERIFIED", "FOUND", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "JOBS", "STATE")
+    header = ("NAME", "ADDRESS", "VERIFIED", "FOUND", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "JOBS",
+              "STATE")
     lines = [header]
     for r in rows:
         if "cluster" in r:
-            lines.append((r["peer_id"], "-", "no", "mdns", "?", "?", "?", "?", "-", "-", "?", f"other cluster {r['cluster']}"))
+            lines.append((r["peer_id"], "-", "no", "mdns", "?", "?", "?", "?", "-", "-", "?",
+                          f"other cluster {r['cluster']}"))
             continue
         if "accelerator" not in r:  # an unreachable static peer
-            lines.append((r["name"], r["address"], "no", "static", "?", "?", "?", "?", "-", "-", "?", f"down: {r['error']}"))
+            lines.append((r["name"], r["address"], "no", "static", "?", "?", "?", "?", "-", "-", "?",
+                          f"down: {r['error']}"))
             continue
         mem = r["device_memory_gb"]
         memory = f"{max(mem):g} GB {r['memory_kind']}" if mem else f"{r['ram_gb']:g} GB host"
