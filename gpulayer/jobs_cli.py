@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from .errors import ConfigError
+from .peer_table import format_bytes
 from .taskenv import check_env
 
 
@@ -97,11 +98,12 @@ def _list(args: argparse.Namespace) -> int:
     if not rows:
         print("no jobs")
         return 0
-    header = ("ID", "NAME", "STATE", "PRI", "PEER", "SUBMITTER", "SUBMITTED", "STARTED", "ENDED", "EXIT")
+    header = ("ID", "NAME", "STATE", "PRI", "PEER", "SUBMITTER", "SUBMITTED", "STARTED", "ENDED", "EXIT", "PEAK MEM")
     table = [header] + [(str(r.get("id")), str(r.get("name") or "")[:24], str(r.get("state")),
                          str(r.get("priority") or 0), str(r.get("peer")), str(r.get("submitter") or "")[:24],
                          _when(r.get("submitted")), _when(r.get("started")), _when(r.get("ended")),
-                         "" if r.get("exit_code") is None else str(r.get("exit_code"))) for r in _ganged(_grouped(rows))]
+                         "" if r.get("exit_code") is None else str(r.get("exit_code")),
+                         format_bytes(r.get("peak_memory_bytes"))) for r in _ganged(_grouped(rows))]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
@@ -129,7 +131,7 @@ def _grouped(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row.update(id=f"{row['array']}[{indices[0]}-{indices[-1]}]",
                        state=", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states)),
                        started=min((m["started"] for m in members if m.get("started")), default=None),
-                       ended=None if None in ended else max(ended), exit_code=None)
+                       ended=None if None in ended else max(ended), exit_code=None, peak_memory_bytes=None)
     return shown
 
 

@@ -33,16 +33,20 @@ GREY, PLAIN = "\x1b[2m", "\x1b[0m"
 def format_peers(rows: list[dict[str, Any]], grey: bool = False) -> str:
     """One line per row under a header, columns padded to their widest cell. VERIFIED says whether a
     handshake with the cluster key proved the row's peer at its address (else it is an advert's claim);
-    FOUND how this submitter heard of it: mdns, static (GPULAYER_PEERS), gossip (ADR 0017) or cache.
+    FOUND how this submitter heard of it: mdns, static (GPULAYER_PEERS), gossip (ADR 0017) or cache. JOBS how
+    the peer holds a job's processes: in a cgroup of the job's own, or its process group only (`--json` says why).
     A peer of another cluster (a row with "cluster") shows its ids only, greyed when `grey` (a terminal)."""
-    header = ("NAME", "ADDRESS", "VERIFIED", "FOUND", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "STATE")
+    header = ("NAME", "ADDRESS", "VERIFIED", "FOUND", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL", "HELD", "JOBS",
+              "STATE")
     lines = [header]
     for r in rows:
         if "cluster" in r:
-            lines.append((r["peer_id"], "-", "no", "mdns", "?", "?", "?", "?", "-", "-", f"other cluster {r['cluster']}"))
+            lines.append((r["peer_id"], "-", "no", "mdns", "?", "?", "?", "?", "-", "-", "?",
+                          f"other cluster {r['cluster']}"))
             continue
         if "accelerator" not in r:  # an unreachable static peer
-            lines.append((r["name"], r["address"], "no", "static", "?", "?", "?", "?", "-", "-", f"down: {r['error']}"))
+            lines.append((r["name"], r["address"], "no", "static", "?", "?", "?", "?", "-", "-", "?",
+                          f"down: {r['error']}"))
             continue
         mem = r["device_memory_gb"]
         memory = f"{max(mem):g} GB {r['memory_kind']}" if mem else f"{r['ram_gb']:g} GB host"
@@ -56,7 +60,7 @@ def format_peers(rows: list[dict[str, Any]], grey: bool = False) -> str:
         lines.append((r["name"], r["address"], "yes" if r.get("verified") else "no", r.get("source", "?"), r["accelerator"],
                       memory, frameworks,
                       f"{busy}/{r['slots']}{queued}{actors}", format_util(r.get("util")),
-                      format_bytes(r.get("held_bytes")), state))
+                      format_bytes(r.get("held_bytes")), r.get("job_isolation") or "?", state))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
     greyed = [False] + ["cluster" in r and grey for r in rows]

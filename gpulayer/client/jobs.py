@@ -433,6 +433,12 @@ class Job:
         return self.info.get("exit_code")
 
     @property
+    def peak_memory(self) -> int | None:
+        """The most memory the job used at once, in bytes, once it ended (None before, and for a job lost with
+        its peer); `info["peak_memory_source"]` says what measured it (docs/jobs.md, "Peak memory")."""
+        return self.info.get("peak_memory_bytes")
+
+    @property
     def reason(self) -> str:
         return str(self.info.get("reason") or "")
 

@@ -315,13 +315,15 @@ class Pool:
                "device": a.device_name, "memory_kind": a.memory_kind, "device_memory_gb": list(a.device_memory_gb),
                "ram_gb": a.ram_gb, "frameworks": dict(a.frameworks), "capabilities": sorted(a.capabilities),
                "slots": a.slots, "busy": None, "queued": None, "util": None, "source": record.source,
-               "verified": record.verified, "state": "up" if record.up else "down", "error": record.error}
+               "verified": record.verified, "state": "up" if record.up else "down", "error": record.error,
+               "job_isolation": None, "job_isolation_reason": ""}
         if status is not None:
             row["busy"], row["queued"] = status["load"][:2]
             row["actors"] = len(status.get("actors") or [])  # slots that actors hold
             row["util"] = clean_sample(status.get("util"))
             held_bytes = status.get("held_bytes")  # untrusted: a whole number of bytes, or unknown
             row["held_bytes"] = held_bytes if type(held_bytes) is int and held_bytes >= 0 else None
+            row.update(job_isolation(status))
             row["state"], row["error"] = "up", ""
         elif error:
             row["state"], row["error"] = "down", error
@@ -358,3 +360,12 @@ def silent_for(conns: list[PeerConnection], own: dict[str, PeerConnection], now:
         if since is not None and conn.beats:
             silent[conn] = now - max(conn.last_heard, since)
     return silent
+
+
+def job_isolation(status: dict[str, Any]) -> dict[str, Any]:
+    """How a peer's STATUS says it holds a job's processes (untrusted): "cgroup", or "process-group" with
+    why it has no cgroups for jobs; None from a peer that does not say."""
+    isolation = status.get("job_isolation")
+    reason = status.get("job_isolation_reason")
+    return {"job_isolation": isolation if isolation in ("cgroup", "process-group") else None,
+            "job_isolation_reason": messages.printable(reason) if isinstance(reason, str) else ""}

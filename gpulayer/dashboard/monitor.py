@@ -195,6 +195,7 @@ def _peer_row(view: PeerView) -> dict[str, Any]:
             "slots": a.slots, "busy": s.get("busy"), "queued": s.get("queued"), "done": s.get("done"),
             "draining": s.get("draining", False), "state": view.state, "error": view.error,
             "held_bytes": s.get("held_bytes", 0), "held": s.get("held", 0),
+            "job_isolation": s.get("job_isolation"), "job_isolation_reason": s.get("job_isolation_reason", ""),
             "cpu_percent": util["cpu_percent"] if util else None,
             "ram_available_gb": util["ram_available_gb"] if util else None,
             "util_source": util["source"] if util else None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..client.pool import job_isolation
 from ..resources.utilisation import MAX_GB, Sample, clean_sample, finite
 
 RUNNING_MAX = 1024  # running tasks, actors and devices kept of one reply
@@ -75,6 +76,7 @@ def _job(entry: dict[str, Any]) -> dict[str, Any] | None:
             "submitter": text(entry.get("submitter")), "submitted": submitted,
             "started": number(entry.get("started")), "ended": number(entry.get("ended")),
             "exit_code": number(entry.get("exit_code"), -255, 255), "reason": text(entry.get("reason"), MESSAGE_MAX),
+            "peak_memory_bytes": _count(entry.get("peak_memory_bytes")) or None,
             "tail": "".join(ch for ch in tail[-TAIL_MAX:] if ch.isprintable() or ch == "\n")
             if isinstance(tail, str) else ""}
 
@@ -117,4 +119,5 @@ def clean_status(msg: Any) -> dict[str, Any]:
         "util": util,
         "unreserved_gb": _unreserved(msg.get("unreserved_gb")),
         "held_bytes": _count(msg.get("held_bytes")), "held": _count(msg.get("held")),
+        **job_isolation(msg),
     }

@@ -3,7 +3,8 @@
 The peer's own cgroup v2 folder is found from /proc/self/cgroup and /proc/self/mountinfo. If the peer
 may make a folder there (root, or a delegated cgroup), its jobs' cgroups are
 `<peer's cgroup>/gpulayer-<holder>/job-<job id>`: `gpulayer-<holder>` holds no process (cgroup v2's
-"no internal processes" rule), and no controller is enabled. The supervisor enters the job's cgroup,
+"no internal processes" rule), and no controller is enabled but memory, where the peer's cgroup has it
+(its `memory.peak`, Linux 5.19+, is the job's peak memory: `Cgroups.end`). The supervisor enters the job's cgroup,
 starts the command there and steps back out (jobs/shim.py), so every descendant of the command is in
 it whatever it does (setsid, a double fork, a daemon), and the peer kills what is left in it when the
 job ends, and removes it. Elsewhere (no cgroup v2, not
@@ -61,6 +62,8 @@ class Cgroups:
                 return f"{base}/cgroup.procs is not writable"
         except OSError as exc:
             return f"cannot make {base}: {exc.strerror or exc}"
+        if "memory" in _read(os.path.join(base, "cgroup.controllers")).split():  # each job's memory.peak
+            _write(os.path.join(base, "cgroup.subtree_control"), "+memory")
         return cls(base)
 
     def path(self, job_id: str) -> str:
@@ -71,6 +74,13 @@ class Cgroups:
         self.remove(job_id)
         os.mkdir(self.path(job_id))
         return self.path(job_id)
+
+    def end(self, job_id: str) -> int | None:
+        """The job ended: its cgroup's peak memory in bytes (None without the memory controller's memory.peak,
+        Linux 5.19+), read before what is left in it is killed and it is removed."""
+        peak = _read(os.path.join(self.path(job_id), "memory.peak")).strip()
+        self.remove(job_id)
+        return int(peak) if peak.isdigit() else None
 
     def remove(self, job_id: str) -> None:
         """Kill what is left in the job's cgroup and remove it (nothing happens if it is not there)."""

@@ -11,7 +11,8 @@ of the job's whole process tree: on Linux it is a child subreaper, so a descenda
 exits (one started with `setsid` and left behind, say) is re-parented to it, not to init. When
 COMMAND ends, or on SIGTERM (the peer's stop or timeout), every descendant gets SIGTERM, and
 SIGKILL after the seconds that GRACE_FILE holds (DEFAULT_GRACE_S when it holds none: the peer writes
-it before a stop); then it writes {"code": N} or {"signal": N} to STATUS and exits. Stopped before it
+it before a stop); then it writes {"code": N} or {"signal": N} to STATUS, with "maxrss" (largest_rss: the peak
+resident memory of the largest process of the tree it waited for, in bytes), and exits. Stopped before it
 started COMMAND, it writes {} and never starts it.
 
 **Standby** (`--standby`, docs/jobs.md "How a job starts"): the peer starts it before a job needs it, in a
@@ -77,6 +78,15 @@ def signal_tree(sig: int) -> None:
                 pass
         if sig != SIGKILL:
             return
+
+
+def largest_rss() -> int:
+    """The peak resident memory, in bytes, of the largest single process this one waited for, counting what
+    each of them waited for in turn (ru_maxrss of RUSAGE_CHILDREN: KiB on Linux, bytes on macOS)."""
+    import resource  # here: paid once the job ended, not on the way to its first line
+
+    maxrss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)
 
 
 def has_children() -> bool:
@@ -204,7 +214,7 @@ class Supervisor:
                 if has_children():
                     self.end()  # what it left behind goes too
         signal.setitimer(signal.ITIMER_REAL, 0)
-        return _write_status(status_file, status or {"code": 127})
+        return _write_status(status_file, {**status, "maxrss": largest_rss()} if status else {"code": 127})
 
 
 def _write_status(path: str, status: dict[str, int]) -> int:

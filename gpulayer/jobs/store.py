@@ -129,6 +129,8 @@ class JobRow:
     folder_bytes: int = 0
     restarts: int = 0  # how often it was preempted and queued again (GPULAYER_RESTARTS)
     moved: str = ""  # the holder it moved to (moving, moved) or came from (a pulled job)
+    peak_memory_bytes: int | None = None  # the most memory its runs used at once; None while unknown
+    peak_memory_source: str = ""  # what measured it: "cgroup" (its whole tree) or "largest-process"
 
     def public(self) -> dict[str, Any]:
         """What a JOB_INFO reply carries for this job (no pid)."""
@@ -138,7 +140,8 @@ class JobRow:
                 "index": self.spec.index, "preemptible": self.spec.preemptible, "restarts": self.restarts,
                 "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "exit_code": self.exit_code, "attempts": self.attempts, "folder_bytes": self.folder_bytes,
-                "moved": self.moved, "gang": self.spec.gang}
+                "moved": self.moved, "gang": self.spec.gang, "peak_memory_bytes": self.peak_memory_bytes,
+                "peak_memory_source": self.peak_memory_source or None}
 
 
 class StateDirInUse(Exception):
@@ -170,7 +173,8 @@ class JobStore:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(_SCHEMA)
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}
-        for column, kind in (("restarts", "INTEGER NOT NULL DEFAULT 0"), ("moved", "TEXT NOT NULL DEFAULT ''")):
+        for column, kind in (("restarts", "INTEGER NOT NULL DEFAULT 0"), ("moved", "TEXT NOT NULL DEFAULT ''"),
+                             ("peak_memory_bytes", "INTEGER"), ("peak_memory_source", "TEXT NOT NULL DEFAULT ''")):
             if column not in columns:  # a state folder of an earlier release
                 with self.db:
                     self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
@@ -293,7 +297,8 @@ class JobStore:
         return [_row(r) for r in self.db.execute(query, wanted)]
 
     def update(self, job_id: str, **values: Any) -> None:
-        """Change a job's columns (state, reason, started, ended, exit_code, attempts, pid, pid_started, restarts)."""
+        """Change a job's columns (state, reason, started, ended, exit_code, attempts, pid, pid_started, restarts,
+        peak_memory_bytes, peak_memory_source)."""
         names = ", ".join(f"{name} = ?" for name in values)
         with self.db:
             self.db.execute(f"UPDATE jobs SET {names} WHERE id = ?", (*values.values(), job_id))
@@ -336,7 +341,7 @@ class JobStore:
 
 
 _COLUMNS = ("id, spec, state, reason, submitted, started, ended, exit_code, attempts, pid, pid_started, folder_bytes, "
-            "restarts, moved")
+            "restarts, moved, peak_memory_bytes, peak_memory_source")
 
 
 def _row(values: tuple[Any, ...]) -> JobRow:

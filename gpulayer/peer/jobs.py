@@ -182,6 +182,9 @@ class Jobs:
         self.janitor.empty_trash()  # and what a crash left in the trash
         found = Cgroups.find(self.holder)
         self.cgroups = found if isinstance(found, Cgroups) else None  # None: why was logged
+        # how a job's process tree is held, for STATUS (`gpulayer peers`, the dashboard)
+        self.isolation: dict[str, str] = {"job_isolation": "cgroup"} if self.cgroups else {
+            "job_isolation": "process-group", "job_isolation_reason": str(found)}
         if self.cgroups is None:
             log.info("jobs run without a cgroup each (%s): a process group and a child subreaper", found)
         else:
@@ -210,7 +213,7 @@ class Jobs:
         for row in self.store.rows([RUNNING]):
             _stop_leftover(row)
             self._append_log(row.id, "gpulayer: the peer stopped or died while this job ran: it is lost\n")
-            self.store.update(row.id, state=LOST, ended=now, pid=None,
+            self.store.update(row.id, state=LOST, ended=now, pid=None, peak_memory_bytes=None, peak_memory_source="",
                               reason="its peer stopped or died while it ran (the log holds its output until then)")
         for row in self.store.rows([PREEMPTED]):  # it was being preempted: it asked for that, so queue it again
             _stop_leftover(row)
@@ -580,6 +583,7 @@ class Jobs:
         home = self.store.folder(job_id)
         env = self._environment(row, slot_env)
         state, reason, code = FAILED, "", None
+        peak = _peak_of(row)  # the largest of its runs' peak memory, (bytes, source); preempted runs' included
         ran = False  # whether a supervisor started (a job stopped before that never ran)
         for attempt in range(row.attempts + 1, row.attempts + row.spec.retries + 2):
             if run.stopping:  # stopped, timed out or preempted before this attempt's supervisor started
@@ -600,18 +604,21 @@ class Jobs:
             if row.spec.timeout:
                 run.timer = self._loop().call_later(row.spec.timeout, self._time_out, job_id)
             await run.proc.wait()
-            if self.cgroups is not None:  # what outlived its supervisor (one killed, say) goes too
-                await self._loop().run_in_executor(None, self.cgroups.remove, job_id)
+            tree_peak = None  # what outlived its supervisor (one killed, say) goes too, its peak memory read first
+            if self.cgroups is not None:
+                tree_peak = await self._loop().run_in_executor(None, self.cgroups.end, job_id)
             if run.timer is not None:
                 run.timer.cancel()
-            state, reason, code = _outcome(_read_status(home / STATUS_FILE), run.stopping, row.spec.timeout)
+            status = _read_status(home / STATUS_FILE)
+            state, reason, code = _outcome(status, run.stopping, row.spec.timeout)
+            peak = _larger(peak, _measured(status, tree_peak))
             if state != FAILED or run.stopping in (LOST, PREEMPTED) or attempt > row.attempts + row.spec.retries:
                 break
             self._append_log(job_id, f"gpulayer: attempt {attempt} {reason}; trying again\n")
             run.stopping = ""  # a timeout: the next run has its own
         self.runs.pop(job_id, None)
         if run.stopping == PREEMPTED:  # its slots go to the job it made way for; it waits again
-            self.store.update(job_id, state=QUEUED, restarts=row.restarts + 1, pid=None)
+            self.store.update(job_id, state=QUEUED, restarts=row.restarts + 1, pid=None, **_peak_columns(peak))
             self.scheduler.job_ended(run.task, PREEMPTED)
             self._limited.pop(job_id, None)  # its array's place is taken again when it is queued again
             return self.requeue(job_id)
@@ -620,7 +627,7 @@ class Jobs:
             return
         if run.stopping == LOST:  # the peer stops: recorded as lost, as after a crash
             state, reason = LOST, "its peer was stopped while it ran (the log holds its output until then)"
-        self._end(job_id, state, reason, code)
+        self._end(job_id, state, reason, code, **_peak_columns(peak))
         self.scheduler.job_ended(run.task, "ok" if state == SUCCEEDED else state)
 
     async def _supervise(self, job_id: str, attempt: int, cwd: str, env: dict[str, str],
@@ -698,8 +705,9 @@ class Jobs:
         _write_private(self.store.folder(row.id) / GRACE_FILE, str(grace).encode())
         _signal(run, signal.SIGTERM)
 
-    def _end(self, job_id: str, state: str, reason: str, code: int | None) -> None:
-        self.store.update(job_id, state=state, reason=reason, ended=time.time(), exit_code=code, pid=None)
+    def _end(self, job_id: str, state: str, reason: str, code: int | None, **figures: Any) -> None:
+        """Record the job ended (with `figures`: more columns, its peak memory), and answer whoever waits."""
+        self.store.update(job_id, state=state, reason=reason, ended=time.time(), exit_code=code, pid=None, **figures)
         log.info("job %s %s%s", job_id, state, f": {reason}" if reason else "")
         self.gone(job_id)
         array = self._limited.pop(job_id, None)
@@ -876,6 +884,32 @@ def _outcome(status: dict[str, int] | None, stopping: str, timeout: float | None
     return FAILED, f"exited with code {code}", code
 
 
+Peak = tuple[int, str]  # a job's peak memory: bytes, and what measured it ("cgroup", "largest-process")
+
+
+def _measured(status: dict[str, int] | None, tree_peak: int | None) -> Peak | None:
+    """A run's peak memory: its cgroup's (`tree_peak`, the whole tree), else the largest process's that its
+    supervisor reported; None for a run whose command never started or whose supervisor left no figure."""
+    if not status:
+        return None
+    if tree_peak is not None:
+        return tree_peak, "cgroup"
+    maxrss = status.get("maxrss")
+    return (maxrss, "largest-process") if maxrss is not None and maxrss >= 0 else None
+
+
+def _larger(a: Peak | None, b: Peak | None) -> Peak | None:
+    return max((p for p in (a, b) if p is not None), key=lambda p: p[0], default=None)
+
+
+def _peak_of(row: JobRow) -> Peak | None:
+    return None if row.peak_memory_bytes is None else (row.peak_memory_bytes, row.peak_memory_source)
+
+
+def _peak_columns(peak: Peak | None) -> dict[str, Any]:
+    return {} if peak is None else {"peak_memory_bytes": peak[0], "peak_memory_source": peak[1]}
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -884,11 +918,15 @@ def _signal_name(number: int) -> str:
 
 
 def _read_status(path: Path) -> dict[str, int] | None:
+    """The supervisor's status file; None if there is none, or if it is not a map of whole numbers that SQLite
+    can hold (the file is within the job's reach: its process may have written it)."""
     try:
         status = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return status if isinstance(status, dict) else None
+    if not isinstance(status, dict) or not all(type(v) is int and -1 << 63 <= v < 1 << 63 for v in status.values()):
+        return None
+    return status
 
 
 def _signal(run: Run, sig: int) -> None:

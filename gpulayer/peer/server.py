@@ -340,7 +340,7 @@ class Peer:
                              "pid": s.worker.pid if s.worker else None} for s in self.slots],
                 **self.scheduler.activity.snapshot(), "util": self.sampler.latest(),
                 "unreserved_gb": self.scheduler.state.free_memory(), "held_bytes": self.held.bytes, "held": len(self.held),
-                "jobs": self.jobs.summary()}
+                "jobs": self.jobs.summary(), **self.jobs.isolation}
 
     # ---- connections --------------------------------------------------------------------------
 

@@ -72,7 +72,7 @@ def test_peers_lists_the_cluster_as_a_table_and_json(peer_factory):
     assert table.returncode == 0
     header, row = table.stdout.splitlines()[:2]
     assert header.split() == ["NAME", "ADDRESS", "VERIFIED", "FOUND", "ACCEL", "MEMORY", "FRAMEWORKS", "SLOTS", "UTIL",
-                              "HELD", "STATE"]
+                              "HELD", "JOBS", "STATE"]
     assert row.startswith("listed") and row.split()[2:4] == ["yes", "mdns"] and row.rstrip().endswith("up")
     assert re.search(r" cpu [0-9]+% ", row), row  # the peer's measured utilisation (a CPU peer: no GPU figure)
     rows = json.loads(gpulayer("peers", "--json", env=env).stdout)

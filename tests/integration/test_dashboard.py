@@ -141,6 +141,9 @@ def test_api_shows_jobs_with_their_state_elapsed_time_and_log_tail(site, tmp_pat
     ended = wait_until(lambda: [j for j in api(dashboard, "tasks")["jobs"]
                                 if j["id"] == job.id and j["state"] == "succeeded"], timeout=60)
     assert ended[0]["exit_code"] == 0 and ended[0]["tail"].endswith("done\n")
+    assert shown[0]["peak_memory_bytes"] is None and ended[0]["peak_memory_bytes"] == job.refresh().peak_memory > 0
+    peers = {p["name"]: p for p in api(dashboard, "peers")}
+    assert peers["dash-cpu"]["job_isolation"] in ("cgroup", "process-group")
 
 
 class Page:
@@ -269,9 +272,11 @@ def test_hostile_status_fields_are_cleaned():
                                                                   "outcome": "\n" * 50}],
         "refusals": [{"t": -1}, {"t": 3.0, "code": None, "message": bad}],
         "actors": {"not": "a list"},
-        "jobs": [{"id": bad, "state": "running", "submitted": 1.0, "tail": "ok\n\x1b[2J" + bad},
+        "jobs": [{"id": bad, "state": "running", "submitted": 1.0, "tail": "ok\n\x1b[2J" + bad,
+                  "peak_memory_bytes": -5},
                  {"id": "x", "state": "exploded", "submitted": 1.0}, {"state": "queued"}],
         "unreserved_gb": {"cuda:0": 8.0, "cuda:1": -3, "\x00": 1.0, 5: 2.0, "cuda:2": "x"},
+        "job_isolation": "<script>", "job_isolation_reason": bad,
         "util": {"t": 1.0, "cpu_percent": 1e9, "ram_total_gb": -4, "source": "<script>",
                  "gpus": [{"index": 0, "util_percent": math.nan, "memory_used_gb": 3}, 5] * 100},
     })
@@ -284,8 +289,11 @@ def test_hostile_status_fields_are_cleaned():
     assert len(clean["refusals"]) == 1 and clean["refusals"][0]["code"] == "?"
     assert len(clean["refusals"][0]["message"]) == 1000 and "\x1b" not in clean["refusals"][0]["message"]
     assert clean["actors"] == [] and clean["unreserved_gb"] == {"cuda:0": 8.0}
+    assert clean["job_isolation"] is None and len(clean["job_isolation_reason"]) == 200
+    assert "\x1b" not in clean["job_isolation_reason"]
     assert len(clean["jobs"]) == 1 and len(clean["jobs"][0]["id"]) == 40
     assert "\x1b" not in clean["jobs"][0]["tail"] and len(clean["jobs"][0]["tail"]) <= 2000
+    assert clean["jobs"][0]["peak_memory_bytes"] is None
     util = clean["util"]
     assert util["cpu_percent"] is None and util["ram_total_gb"] is None and util["source"] is None
     assert len(util["gpus"]) == 32 and util["gpus"][0] == {"index": 0, "util_percent": None, "memory_used_gb": 3.0,

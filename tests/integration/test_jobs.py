@@ -148,6 +148,7 @@ def test_a_peer_killed_with_a_running_and_a_queued_job(jobs_peer, tmp_path):
     release.touch()
     lost = jobs.job(running.id)
     assert lost.state == "lost" and "died while it ran" in lost.reason and "started" in lost.logs()
+    assert lost.peak_memory is None and lost.info["peak_memory_source"] is None  # unknown, not 0
     assert jobs.job(queued.id).wait(60) == "succeeded"
     assert "second done" in jobs.job(queued.id).logs()
 
@@ -194,6 +195,53 @@ def test_what_outlives_a_killed_supervisor_is_killed_with_the_jobs_cgroup(jobs_p
     finally:
         for proc in processes_with(marker):  # what a failure left (on a peer without cgroups)
             proc.kill()
+
+
+def peak_source_here(cgroups: str) -> str:
+    """What measures a job's peak memory on this machine: its cgroup's memory.peak where the peer's jobs get
+    cgroups with the memory controller (given to the peer's cgroup's children; Linux 5.19+), else the largest
+    process of its tree."""
+    from gpulayer.jobs.cgroup import own_cgroup
+
+    own = own_cgroup()
+    release = tuple(int(part) for part in os.uname().release.split(".")[:2])
+    memory = own is not None and "memory" in Path(own, "cgroup.subtree_control").read_text().split()
+    return "cgroup" if cgroups == "1" and memory and release >= (5, 19) else "largest-process"
+
+
+@pytest.mark.parametrize("cgroups", ["1", "0"])
+def test_a_jobs_peak_memory_and_how_its_peer_holds_jobs_are_shown(jobs_peer, cgroups):
+    """A job that fills 200 MiB: once it ended, its peak memory (at least that, well under 2 GB) and what measured
+    it are in its Job, `gpulayer jobs --json` and the table; a job that forged its status file has none;
+    `gpulayer peers` shows how the peer holds a job's processes (a cgroup each, or a process group only, and why)."""
+    from gpulayer.peer_table import format_bytes, format_peers
+
+    if cgroups == "1":
+        cgroups_or_skip()
+    peer, _, key, jobs = jobs_peer(env={"GPULAYER_JOB_CGROUPS": cgroups})
+    job = jobs.submit(["python", "-c", "filled = b'x' * (200 << 20); print(len(filled))"], None, _cpu())
+    assert job.peak_memory is None  # not known before it ends
+    assert job.wait(60) == "succeeded", job.reason
+    assert 200 << 20 <= job.peak_memory < 2 << 30
+    assert job.info["peak_memory_source"] == peak_source_here(cgroups)
+    row = next(r for r in json.loads(gpulayer("jobs", "--json", key=key).stdout) if r["id"] == job.id)
+    assert (row["peak_memory_bytes"], row["peak_memory_source"]) == (job.peak_memory, job.info["peak_memory_source"])
+    header, *lines = gpulayer("jobs", key=key).stdout.splitlines()
+    assert header.endswith("PEAK MEM")
+    assert next(line for line in lines if line.startswith(job.id)).endswith(format_bytes(job.peak_memory))
+    # a status file that the job forged (no supervisor's, which it killed) is no status; the peer records the end
+    forged = jobs.submit(["sh", "-c", f"echo '{{\"code\": 0, \"maxrss\": {10 ** 30}}}' > ../exit.json; kill -9 $PPID"],
+                         None, _cpu())
+    assert forged.wait(60) == "failed" and "without a status" in forged.reason and forged.peak_memory is None
+    rows = [r for r in jobs.client.peers(wait=0.2) if r["name"] == peer.name]  # the rows of `gpulayer peers`
+    if cgroups == "1":
+        assert [(r["job_isolation"], r["job_isolation_reason"]) for r in rows] == [("cgroup", "")]
+    else:
+        assert [(r["job_isolation"], r["job_isolation_reason"]) for r in rows] == [("process-group",
+                                                                                    "GPULAYER_JOB_CGROUPS=0")]
+    header, line = format_peers(rows).splitlines()
+    column = header.index(" JOBS ") + 1  # the cells are padded to the header's columns
+    assert line[column:].split()[0] == rows[0]["job_isolation"]
 
 
 @pytest.mark.parametrize("command, timeout, state, code, reason", [

@@ -89,6 +89,28 @@ def test_a_state_folder_of_an_earlier_release_gets_the_moved_column(tmp_path):
     assert again.get(row.id).moved == "" and again.get(row.id).state == QUEUED
 
 
+def test_a_state_folder_of_an_earlier_release_opens_with_no_peak_memory_and_records_one(tmp_path):
+    """A jobs table without the peak memory columns (before they were added), with an ended job: the store opens,
+    that job reads as having no figure (None, not 0), and a job that ends afterwards records its figure."""
+    import sqlite3
+
+    old = JobStore(tmp_path / "state")
+    ended, later = old.add(JobSpec(["x"]), 0), old.add(JobSpec(["y"]), 0)
+    old.update(ended.id, state=SUCCEEDED, exit_code=0)
+    for column in ("peak_memory_bytes", "peak_memory_source"):
+        old.db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+    old.close()
+    assert not {"peak_memory_bytes", "peak_memory_source"} & {c[1] for c in sqlite3.connect(
+        tmp_path / "state" / "jobs.sqlite3").execute("PRAGMA table_info(jobs)")}
+    again = JobStore(tmp_path / "state")
+    shown = again.get(ended.id).public()
+    assert (shown["state"], shown["peak_memory_bytes"], shown["peak_memory_source"]) == (SUCCEEDED, None, None)
+    again.update(later.id, state=SUCCEEDED, peak_memory_bytes=210 << 20, peak_memory_source="largest-process")
+    again.close()
+    shown = JobStore(tmp_path / "state").get(later.id).public()
+    assert (shown["peak_memory_bytes"], shown["peak_memory_source"]) == (210 << 20, "largest-process")
+
+
 def test_a_state_folder_with_a_half_recorded_row_of_an_earlier_release_opens_and_finds_tokens(tmp_path):
     """Releases before the token wrote a placeholder spec '' first, in a transaction of its own: a crash could
     leave it, and an index over every spec's JSON could then not be made (the store would not open)."""

@@ -35,6 +35,12 @@ function memoryText(peer) {
   ).join("; ") + " " + peer.memory_kind;
 }
 
+function isolation(peer) {  // how its jobs' processes are held; why there is no cgroup, on hover
+  const td = el("td", peer.job_isolation || "?", "isolation");
+  if (peer.job_isolation_reason) td.title = peer.job_isolation_reason;
+  return td;
+}
+
 function renderPeers(peers) {
   const body = document.querySelector("#peers tbody");
   body.replaceChildren(...peers.map(p => {
@@ -51,7 +57,8 @@ function renderPeers(peers) {
     const frameworks = Object.entries(p.frameworks).map(([k, v]) => k + " " + v).join(", ") || "-";
     [el("td", p.name, "name"), el("td", p.address), state, el("td", p.accelerator + (p.device ? " (" + p.device + ")" : "")),
      el("td", memoryText(p), "memory"), util, el("td", pct(p.cpu_percent)), el("td", slots, "slots"),
-     el("td", bytes(p.held_bytes) + (p.held ? " (" + p.held + ")" : ""), "held"), el("td", p.python), el("td", frameworks)].forEach(td => row.appendChild(td));
+     el("td", bytes(p.held_bytes) + (p.held ? " (" + p.held + ")" : ""), "held"), isolation(p), el("td", p.python),
+     el("td", frameworks)].forEach(td => row.appendChild(td));
     return row;
   }));
 }
@@ -79,6 +86,7 @@ function renderJobs(jobs) {
     if (j.reason) state.title = j.reason;
     [el("td", j.id, "job-id"), el("td", j.name), state, el("td", j.peer),
      el("td", j.elapsed_s === null ? "-" : seconds(j.elapsed_s)), el("td", j.exit_code === null ? "" : j.exit_code),
+     el("td", j.peak_memory_bytes === null ? "-" : bytes(j.peak_memory_bytes), "job-peak"),
      el("td", j.tail, "job-tail")].forEach(td => row.appendChild(td));
     return row;
   }));
