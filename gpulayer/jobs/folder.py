@@ -811,7 +811,7 @@ class _Folders:
 def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:
     """Copy one blob into the open folder as `name`, refusing a name that exists already."""
     try:
-        src = os.open(store.path(entry.digest), os.O_RDONLY | os.O_NOFOLLOW)
+        src = os.open(store.blob_path(entry.digest), os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise FolderError(f"{entry.path}: the store lacks its blob {entry.digest[:16]} (not uploaded, or pruned)") \
             from None
