@@ -94,24 +94,28 @@ def _chunks(path: PathLike, size: int, step: int,
 # --- upload: submitter -> peer ------------------------------------------------------------------------
 
 
-def blob_messages(manifest: Manifest, missing: list[str], request_id: int,
-                  chunk: int = CHUNK) -> Iterator[tuple[messages.Message, list[memoryview]]]:
+def blob_messages(manifest: Manifest, missing: list[str], request_id: int, chunk: int = CHUNK,
+                  allocate: Callable[[int], memoryview] | None = None,
+                  ) -> Iterator[tuple[messages.Message, list[memoryview]]]:
     """The BLOB messages of the `missing` digests (a scanned manifest's, read from its sources), with their
-    buffers: small blobs packed together, then each large one in chunks. One read buffer is reused:
-    send each message before asking for the next."""
+    buffers: small blobs packed together, then each large one in chunks. Each message's buffer is a view of
+    `allocate(chunk)` (the event loop's `Pool`, whose buffers come back once sealed), or without it of one
+    read buffer for all (send each message before asking for the next)."""
     sizes, sources = manifest.blobs(), manifest.source_of()
     unknown = [d for d in missing if d not in sizes]
     if unknown:
         raise FolderError(f"the peer asked for {str(unknown[0])[:16]!r}, which is not in the manifest")
-    buf = bytearray(chunk)
-    view = memoryview(buf)
+    if allocate is None:
+        one = memoryview(bytearray(chunk))
+        allocate = lambda n: one[:n]  # noqa: E731
+    view = allocate(chunk)
     pack: list[list[Any]] = []
     used = 0
     for digest in (d for d in missing if sizes[d] <= PACK_MAX):
         size = sizes[digest]
         if used + size > chunk:
             yield messages.blob_pack(request_id, pack), [view[:used]]
-            pack, used = [], 0
+            pack, used, view = [], 0, allocate(chunk)
         fd = _open_sized(sources[digest], size)
         try:
             _read_into(fd, view[used:used + size], sources[digest])
@@ -122,7 +126,7 @@ def blob_messages(manifest: Manifest, missing: list[str], request_id: int,
     if pack:
         yield messages.blob_pack(request_id, pack), [view[:used]] if used else []
     for digest in (d for d in missing if sizes[d] > PACK_MAX):
-        for offset, piece in _chunks(sources[digest], sizes[digest], chunk, lambda n: view[:n]):
+        for offset, piece in _chunks(sources[digest], sizes[digest], chunk, allocate):
             yield messages.blob_chunk(request_id, digest, offset, sizes[digest]), [piece]
 
 

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -226,9 +227,11 @@ class Owner:
             shipped = folder.Manifest.from_wire(json.loads((home / "manifest.json").read_text()), 1 << 62)
             manifest = folder.Manifest(shipped.entries, {e.path: self.jobs.blobs.blob_path(e.digest)
                                                          for e in shipped.entries})
-            for piece, buffers in transfer.blob_messages(manifest, msg.get("need", []), msg["id"]):
-                conn.channel.write(piece, buffers)
-                await conn.channel.drain(0)  # the read buffer is reused for the next piece
+            pool = transfer.Pool()  # each piece read into a buffer that comes back once sealed
+            for piece, buffers in transfer.blob_messages(manifest, msg.get("need", []), msg["id"],
+                                                         allocate=pool.allocate):
+                conn.channel.write(piece, buffers, partial(pool.release, buffers[0]) if buffers else None)
+                await conn.channel.drain(transfer.CHUNK)
                 if conn.channel.closed:
                     return
         except (OSError, ValueError, folder.FolderError) as exc:
