@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -466,6 +467,14 @@ def scan(root: PathLike, excludes: Iterable[str] = (), limit_bytes: int | None =
 # --- the peer's side: blobs, and the job's folder ------------------------------------------------
 
 
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+_TMP_COUNT = itertools.count()  # the names of blobs being written (`BlobStore.tmp_path`)
+
+
+def _not_its_digest(digest: str) -> FolderError:
+    return FolderError(f"blob {digest[:16]} does not match its digest (changed while it was sent?)")
+
+
 class BlobWriter:
     """Receives one blob in pieces; `commit` checks its size and digest, then renames it into the store.
 
@@ -478,8 +487,8 @@ class BlobWriter:
         self.store, self.digest, self.size = store, digest, size
         self.written = 0
         self._hash = None if caller_hashes else new_digest()
-        self._tmp = os.path.join(store.tmp, f"{digest[:16]}.{secrets.token_hex(8)}")
-        self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self._tmp = store.tmp_path(digest)
+        self._fd: int | None = os.open(self._tmp, _NEW_FILE, 0o600)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append a piece; FolderError (and nothing kept) if it goes past the announced size."""
@@ -505,17 +514,10 @@ class BlobWriter:
             raise FolderError(f"blob {self.digest[:16]} is truncated: {self.written} of {self.size} bytes came")
         if (self._hash.hexdigest() if self._hash is not None else hashed) != self.digest:
             self.abort()
-            raise FolderError(f"blob {self.digest[:16]} does not match its digest (changed while it was sent?)")
+            raise _not_its_digest(self.digest)
         os.close(self._fd)
         self._fd = None
-        final = self.store.blob_path(self.digest)
-        try:
-            os.replace(self._tmp, final)
-        except FileNotFoundError:  # the first blob of its two-hex folder
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(os.path.dirname(final), 0o700)
-            os.replace(self._tmp, final)
-        return Path(final)
+        return Path(self.store.move_in(self._tmp, self.digest))
 
     def abort(self) -> None:
         """Drop what was written."""
@@ -577,6 +579,43 @@ class BlobStore:
                 present.update(os.listdir(f"{self._root}/{prefix}"))
         return [digest for digest, size in blobs.items()
                 if digest not in present or not _sized(f"{self._root}/{digest[:2]}/{digest}", size)]
+
+    def tmp_path(self, digest: str) -> str:
+        """A new name in the store's tmp folder for a blob being written (its digest's start, this process, a
+        count: no random bytes to ask the kernel for, per small blob)."""
+        return f"{self.tmp}/{digest[:16]}.{os.getpid()}.{next(_TMP_COUNT)}"
+
+    def move_in(self, tmp: str, digest: str) -> str:
+        """Rename the checked blob at `tmp` into the store (atomic); its path there."""
+        final = self.blob_path(digest)
+        try:
+            os.replace(tmp, final)
+        except FileNotFoundError:  # the first blob of its two-hex folder
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(final), 0o700)
+            os.replace(tmp, final)
+        return final
+
+    def put(self, digest: str, data: memoryview) -> None:
+        """Store a whole blob held in memory (one of a pack's small ones), checked against its digest first:
+        FolderError, and nothing kept, if it does not match. BlobWriter's checks, without its object: 25
+        KiB blobs 52 -> 38 us each here."""
+        self.blob_path(digest)  # FolderError for what is not a digest
+        hasher = new_digest()
+        hasher.update(data)
+        if hasher.hexdigest() != digest:
+            raise _not_its_digest(digest)
+        tmp = self.tmp_path(digest)
+        fd = os.open(tmp, _NEW_FILE, 0o600)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        finally:
+            os.close(fd)
+        self.move_in(tmp, digest)
 
     def writer(self, digest: str, size: int, caller_hashes: bool = False) -> BlobWriter:
         """A writer for one blob of `size` bytes and this digest (`BlobWriter`)."""
@@ -772,7 +811,7 @@ class _Folders:
 def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:
     """Copy one blob into the open folder as `name`, refusing a name that exists already."""
     try:
-        src = os.open(store.path(entry.digest), os.O_RDONLY | os.O_NOFOLLOW)
+        src = os.open(store.blob_path(entry.digest), os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise FolderError(f"{entry.path}: the store lacks its blob {entry.digest[:16]} (not uploaded, or pruned)") \
             from None

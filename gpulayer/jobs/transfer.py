@@ -321,9 +321,7 @@ class BlobReceiver:
     def _store_whole(self, blobs: list[tuple[str, memoryview]], chunk: Any) -> None:
         """Store whole blobs (digest, bytes: views of `chunk`), each checked against its digest."""
         for digest, data in blobs:
-            with self.store.writer(digest, len(data)) as writer:
-                writer.write(data)
-                writer.commit()
+            self.store.put(digest, data)
             if self._stored is not None:
                 self._stored(digest)
         self._sink.release(chunk)
