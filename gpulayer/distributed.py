@@ -13,6 +13,7 @@ Torch-free and MLX-free until `init()` is called: a worker imports this module t
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import json
 import os
 import socket
@@ -45,6 +46,24 @@ def rendezvous(rank: int, addresses: list[str], ports: list[tuple[int, int]]) ->
     return {"RANK": str(rank), "WORLD_SIZE": str(len(addresses)), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": addresses[0], "MASTER_PORT": str(ports[0][0]), "MLX_RANK": str(rank),
             "MLX_HOSTFILE": ring_hostfile(addresses, [ring for _, ring in ports]), RANK_ADDR: addresses[rank]}
+
+
+def rank_addresses(per_peer: list[list[str]]) -> list[str]:
+    """Each rank's peer address as the other ranks reach it, from its addresses (`per_peer`, the one it was
+    reached at first): that one, unless it is a loopback address and some rank lives on another host (then
+    its first other one)."""
+    first = [hosts[0] for hosts in per_peer]
+    if all(loopback(host) for host in first) or not any(loopback(host) for host in first):
+        return first
+    return [next((host for host in hosts if not loopback(host)), hosts[0]) for hosts in per_peer]
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or "localhost")."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def ring_hostfile(addresses: list[str], ports: list[int]) -> str:

@@ -14,7 +14,6 @@ Cancelling the gang's future ends every rank the same way.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -122,7 +121,7 @@ def _run_once(client: Client, fn: Callable[..., Any], args: tuple[Any, ...], kwa
         for created in creations:
             ranks.append(created.result())
         ports = [rank.call("ports", (), {}, None) for rank in ranks]
-        addresses = rank_addresses([_reached(client, rank) for rank in ranks])
+        addresses = distributed.rank_addresses([_reached(client, rank) for rank in ranks])
         rendezvous = [tuple(p.result(CLOSE_TIMEOUT)) for p in ports]
         calls = [rank.call("run", (fn, args, kwargs, distributed.rendezvous(i, addresses, rendezvous)), {}, timeout)
                  for i, rank in enumerate(ranks)]
@@ -178,22 +177,6 @@ def _reached(client: Client, rank: ActorHandle) -> list[str]:
         return advertised
     used = conn.address.rsplit(":", 1)[0]
     return [used, *(host for host in advertised if host != used)]
-
-
-def rank_addresses(per_peer: list[list[str]]) -> list[str]:
-    """Each rank's peer address as the other ranks reach it: the one this submitter reached it at,
-    unless that is a loopback address and some rank lives on another host (then its first other one)."""
-    first = [hosts[0] for hosts in per_peer]
-    if all(_loopback(host) for host in first) or not any(_loopback(host) for host in first):
-        return first
-    return [next((host for host in hosts if not _loopback(host)), hosts[0]) for hosts in per_peer]
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _until_taken(creation: Future[ActorHandle], taken: threading.Event, rank: int, peer: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
+from .. import distributed
 from ..checks import login_user
 from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, local_fetch, transfer
@@ -343,10 +344,12 @@ class Jobs:
         """Record one rank on each of `nodes` distinct matching peers (in peer-id order: rank 0 on the
         lowest), then the gang's own record on rank 0's peer, which watches the ranks from then on
         (peer/gangs.py). A rank that cannot be recorded stops those recorded before it."""
-        from .gangs import choose, rank_addresses
+        from .gangs import choose
 
         chosen = [self.client.directory.get(peer_id)
                   for peer_id in sorted(choose(self.client, req, nodes, messages.JOB_GANG))]
+        assert chosen[0] is not None
+        paths = messages.GANG_PATHS in chosen[0].advert.features  # the watcher takes each rank's id and own addresses
         ranks: list[dict[str, Any]] = []
         try:
             for index, record in enumerate(chosen):
@@ -356,10 +359,12 @@ class Jobs:
                 link.close()
                 at = [list(link.address), *(list(a) for a in record.addresses if a != link.address)]
                 ranks.append({"job": info["job"]["id"], "peer": record.advert.name, "at": at})
-            hosts = rank_addresses([list(dict.fromkeys(host for host, _ in rank["at"])) for rank in ranks])
+                if paths:  # the id its handshake proved, and where the rank's peer says it listens
+                    own = info.get("at") if job_protocol.are_addresses(info.get("at")) else []
+                    ranks[-1].update(peer_id=str(link.hello["peer"]), own=own)
+            hosts = distributed.rank_addresses([list(dict.fromkeys(host for host, _ in rank["at"])) for rank in ranks])
             gang = {"size": nodes, "ranks": [{**rank, "addr": host} for rank, host in zip(ranks, hosts)]}
             with tempfile.TemporaryDirectory(prefix="gpulayer-gang-") as empty:
-                assert chosen[0] is not None
                 watcher = replace(chosen[0], addresses=[tuple(a) for a in ranks[0]["at"]])  # where rank 0 was recorded
                 _, info, link = self._record_on(watcher, replace(spec, gang=gang, token=secrets.token_hex(16)),
                                                 folder.scan(empty), None)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import distributed
+from ..discovery import Address
 from ..errors import GPULayerError
 from ..jobs.store import ENDED, FAILED, LOST, RUNNING, STOPPED, SUCCEEDED, JobRow
 from ..protocol import handshake, jobs as job_protocol, messages
@@ -76,6 +77,7 @@ class Gangs:
         self.key = key
         self.ranks: dict[str, Bound] = {}
         self.watchers: dict[str, Watcher] = {}
+        self.where: Callable[[str], list[Address]] = lambda peer_id: []  # the peer's (server.py `paths`)
 
     # ---- a rank's side ------------------------------------------------------------------------
 
@@ -83,10 +85,22 @@ class Gangs:
         """A gang's record starts its watcher; a rank waits to be claimed by one (for CLAIM_S)."""
         loop = asyncio.get_running_loop()
         if "ranks" in row.spec.gang:
-            watcher = self.watchers[row.id] = Watcher(self, row, loop)
+            paths = [self.paths(row, rank) for rank in row.spec.gang["ranks"]]
+            watcher = self.watchers[row.id] = Watcher(self, row, loop, paths)
             threading.Thread(target=watcher.run, name=f"gpulayer-gang-{row.id}", daemon=True).start()
             return
         self.ranks[row.id] = Bound(loop.call_later(CLAIM_S, self._unclaimed, row.id))
+
+    def paths(self, row: JobRow, rank: dict[str, Any]) -> list[Address]:
+        """Where the watcher of gang `row` dials a rank's peer, best first: where this peer knows that peer id to
+        be (`where`), the addresses the rank's peer gave of itself, then those the submitter reached it at, but
+        their loopback ones only when the submitter is on this host (others are the submitter's own host's).
+        Each is a hint: the handshake there must prove the rank's peer id (when the record names it)."""
+        local = distributed.loopback(row.spec.submitter.rpartition("@")[2].strip("[]"))
+        known = self.where(rank["peer_id"]) if "peer_id" in rank else []
+        told = [(host, port) for host, port in rank.get("own", [])]
+        reached = [(host, port) for host, port in rank["at"] if local or not distributed.loopback(host)]
+        return list(dict.fromkeys([*known, *told, *reached]))
 
     def _unclaimed(self, job_id: str) -> None:
         bound = self.ranks.get(job_id)
@@ -188,8 +202,10 @@ class Member:
     index: int
     job: str
     peer: str
-    at: list[tuple[str, int]]
+    peer_id: str | None  # the id its peer's handshake must prove (None: a record of an older submitter)
+    at: list[Address]  # where to dial its peer, best first (`Gangs.paths`)
     conn: blocking.BlockingConnection | None = None
+    reached: str = ""  # the host its peer was reached at
     pinged: float = 0.0
     ports: tuple[int, int] = (0, 0)
     started: bool = False
@@ -201,11 +217,10 @@ class Watcher:
     """One gang's watcher, on a thread of its own in rank 0's peer: one connection to each rank's peer,
     one reader thread each, and the steps decided here, one event at a time."""
 
-    def __init__(self, gangs: Gangs, row: JobRow, loop: asyncio.AbstractEventLoop):
+    def __init__(self, gangs: Gangs, row: JobRow, loop: asyncio.AbstractEventLoop, paths: list[list[Address]]):
         self.gangs, self.row, self.loop = gangs, row, loop
-        ranks = row.spec.gang["ranks"]
-        self.members = [Member(i, r["job"], r["peer"], [(h, p) for h, p in r["at"]]) for i, r in enumerate(ranks)]
-        self.addresses = [r["addr"] for r in ranks]
+        self.members = [Member(i, r["job"], r["peer"], r.get("peer_id"), at)
+                        for i, (r, at) in enumerate(zip(row.spec.gang["ranks"], paths))]
         self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.pending: dict[tuple[int, int], str] = {}  # (rank, request id) -> what was asked
         self.ids = itertools.count(1)
@@ -263,12 +278,16 @@ class Watcher:
                 errors.append(f"{host}:{port}: {exc.strerror or exc}")
                 continue
             try:
-                handshake.client_handshake(conn, self.gangs.key, f"gang-{self.row.id}")
+                hello = handshake.client_handshake(conn, self.gangs.key, f"gang-{self.row.id}")
             except (OSError, GPULayerError) as exc:
                 conn.close()
                 errors.append(f"{host}:{port}: {exc}")
                 continue
-            member.conn, member.pinged = conn, time.monotonic()
+            if member.peer_id is not None and hello["peer"] != member.peer_id:
+                conn.close()
+                errors.append(f"{host}:{port}: peer {messages.printable(hello['peer'], 64)}, not {member.peer_id}")
+                continue
+            member.conn, member.pinged, member.reached = conn, time.monotonic(), host
             threading.Thread(target=self._read, args=(member, conn), daemon=True,
                              name=f"gpulayer-gang-{self.row.id}-{member.index}").start()
             return
@@ -347,8 +366,10 @@ class Watcher:
                           else "; every rank holds its slots: the gang starts"))
             if following:
                 return self._ask(following[0], "reserve")
+            addresses = distributed.rank_addresses(  # as this peer reached them; a loopback one's host has others
+                [list(dict.fromkeys([m.reached, *(host for host, _ in m.at)])) for m in self.members])
             for other in self.members:  # every rank holds its slots: start them all
-                variables = distributed.rendezvous(other.index, self.addresses, [m.ports for m in self.members])
+                variables = distributed.rendezvous(other.index, addresses, [m.ports for m in self.members])
                 self._ask(other, "start", env=variables)
                 self._ask(other, "wait", timeout=None)
                 other.started = True

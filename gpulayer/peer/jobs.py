@@ -431,8 +431,14 @@ class Jobs:
         rows = self.store.submitted(spec.token)
         if rows:
             log.info("job %s: its submit came again; answered with the job recorded", rows[0].id)
-            conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
+            self._recorded(conn, request_id, rows)
         return bool(rows)
+
+    def _recorded(self, conn: JobConnection, request_id: int, rows: list[JobRow]) -> None:
+        """Answer a submit that recorded `rows`: the first one's JOB_INFO; a gang's rank's names this peer's own
+        addresses ("at"), where its gang's watcher may reach it (peer/gangs.py)."""
+        own = {"at": [list(a) for a in self.gangs.where(self.advert().peer_id)]} if "rank" in rows[0].spec.gang else {}
+        conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows), **own})
 
     def _blob(self, conn: JobConnection, msg: messages.Message, buffers: list[Any]) -> None:
         """A piece of a blob the JOB_NEED asked for: checked here, hashed and written on the upload's disk
@@ -503,7 +509,7 @@ class Jobs:
         kill_point("job-recorded")
         log.info("job %s%s recorded from %s: %s", rows[0].id, f" (an array of {len(rows)})" if upload.array else "",
                  conn.address, shlex.join(upload.spec.command))
-        conn.channel.write({"t": messages.JOB_INFO, "id": request_id, "job": rows[0].public(), "count": len(rows)})
+        self._recorded(conn, request_id, rows)
         for row in rows:
             if row.spec.gang:
                 self.gangs.recorded(row)

@@ -184,6 +184,7 @@ class Peer:
         self._server: socket.socket | None = None
         self._advertiser: mdns.Advertiser | None = None
         self._browser: mdns.Browser | None = None  # the peers that pulling asks, heard over mDNS
+        self._directory: discovery.Directory | None = None  # what the browser heard
         self._loop: asyncio.AbstractEventLoop | None = None
         self._local: LocalLinks | None = None  # shared memory with submitters of this host and user
         self._headroom = memory_headroom()
@@ -193,6 +194,7 @@ class Peer:
                              config.job_retention_days, config.job_retention_gb, config.key)
         except (OSError, StateDirInUse) as exc:
             raise ConfigError(f"the state folder: {exc}") from None
+        self.jobs.gangs.where = self.paths
         self.puller: pull.Puller | None = None  # once started, with --pull (the default)
         self._pre_auth, self._post_auth = self._handlers()
 
@@ -239,7 +241,7 @@ class Peer:
     async def _start_pulling(self) -> None:
         """Pull queued jobs from the peers that mDNS (when it is on) and gossip name (pull.py)."""
         assert self._loop is not None
-        directory = discovery.Directory(self.advert.cluster)
+        directory = self._directory = discovery.Directory(self.advert.cluster)
         if self.config.advertise:
             self._browser = await self._loop.run_in_executor(None, mdns.Browser, directory,
                                                              self.config.interfaces)
@@ -262,6 +264,15 @@ class Peer:
         directory.on_new = heard
         self.scheduler.on_acted = self.puller.changed
         self.scheduler.spawn(self.puller.run())
+
+    def paths(self, peer_id: str) -> list[discovery.Address]:
+        """Where this peer would reach `peer_id`, best first (hints: a handshake there proves the id): itself at
+        the addresses it listens on; another where its gossip verified it, then where mDNS adverts claim it."""
+        if peer_id == self.peer_id:
+            return list(self.gossip.addresses)
+        member = self.gossip.members.get(peer_id)
+        claims = self._directory.claims(peer_id) if self._directory is not None else []
+        return [*(member.addresses if member else []), *(a for claim in claims for a in claim.addresses)]
 
     async def wait_stopped(self) -> None:
         assert self._stopped is not None

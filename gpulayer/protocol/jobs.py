@@ -28,6 +28,7 @@ MAX_FILES = 200_000
 MAX_TAIL = 1_000_000
 MAX_NODES = 256  # ranks of a gang job
 GANG_OPS = ("claim", "reserve", "start")  # a JOB_GANG's steps (peer/gangs.py)
+RANK_FIELDS = {"job", "peer", "at", "addr", "peer_id", "own"}  # a gang record's rank ("peer_id", "own": GANG_PATHS)
 RENDEZVOUS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "MLX_RANK", "MLX_HOSTFILE", "GPULAYER_RANK_ADDR"})  # what a JOB_GANG's start may set
 DEFAULT_GRACE_S = 10.0
@@ -116,7 +117,8 @@ def _text(value: Any, most: int) -> bool:
 
 def check_gang(gang: Any) -> str | None:
     """Why a spec's "gang" is malformed, or None: {} (no gang), a rank's {"rank", "size"}, or the gang's own
-    {"size", "ranks": [{"job", "peer", "at": [[host, port], ...], "addr"}, ...]} (one entry per rank)."""
+    {"size", "ranks": [{"job", "peer", "at": [[host, port], ...], "addr"}, ...]} (one entry per rank; with the
+    GANG_PATHS feature, optionally "peer_id" and "own": [[host, port], ...], the addresses its peer gave)."""
     if gang == {}:
         return None
     shape = (f"a job's 'gang' is {{'rank', 'size'}} or {{'size', 'ranks'}}, with a size from 2 to {MAX_NODES} and "
@@ -129,12 +131,19 @@ def check_gang(gang: Any) -> str | None:
     if set(gang) != {"size", "ranks"} or not isinstance(ranks, list) or len(ranks) != gang["size"]:
         return shape
     for rank in ranks:
-        if not (isinstance(rank, dict) and set(rank) == {"job", "peer", "at", "addr"} and check_job_id(rank["job"]) is None
-                and _text(rank["peer"], 200) and _text(rank["addr"], 100) and isinstance(rank["at"], list)
-                and 0 < len(rank["at"]) <= 16 and all(isinstance(a, list) and len(a) == 2 and _text(a[0], 100)
-                                                      and _count(a[1], 65535) for a in rank["at"])):
+        if not (isinstance(rank, dict) and {"job", "peer", "at", "addr"} <= set(rank) <= RANK_FIELDS
+                and check_job_id(rank["job"]) is None and _text(rank["peer"], 200) and _text(rank["addr"], 100)
+                and are_addresses(rank["at"]) and rank["at"] and are_addresses(rank.get("own", []))
+                and ("peer_id" not in rank or _text(rank["peer_id"], 64))):
             return shape
     return None
+
+
+
+def are_addresses(value: Any) -> bool:
+    """Whether `value` is a list of at most 16 [host, port]."""
+    return isinstance(value, list) and len(value) <= 16 and all(
+        isinstance(a, list) and len(a) == 2 and _text(a[0], 100) and _count(a[1], 65535) for a in value)
 
 
 def check_array(value: Any) -> tuple[range, int] | str | None:

@@ -326,6 +326,42 @@ def test_a_rank_is_bound_to_the_connection_that_claimed_it(gang_cluster, tmp_pat
         client.close()
 
 
+def test_a_ranks_address_where_another_peer_answers_is_not_taken_for_it(gang_cluster, tmp_path):
+    """Each address of a rank is a hint: a gang record naming, for rank 1, a peer id that the peer at its address
+    does not prove fails the gang, rank 1 unreachable with the id that answered there; nothing of it ran."""
+    from dataclasses import replace
+
+    from gpulayer.client import Client
+    from gpulayer.client.jobs import JobLink, Jobs, _submit_over
+    from gpulayer.jobs import folder
+    from gpulayer.jobs.store import JobSpec
+    from gpulayer.matching import Requirements
+
+    key, peers, project = gang_cluster
+    client = Client(key=key.encode(), echo_output=False, interfaces=["127.0.0.1"])
+    spec = JobSpec(["python", "hang.py"], req=Requirements.build(accelerator="cpu").to_wire())
+    ranks = []
+    try:
+        for index, peer in enumerate(peers[:2]):
+            at = [["127.0.0.1", peer.port]]
+            with JobLink(client, [("127.0.0.1", peer.port)]) as link:
+                job = _submit_over(link, replace(spec, gang={"rank": index, "size": 2}), folder.scan(project), None)
+                ranks.append({"job": job["job"]["id"], "peer": peer.name, "at": at, "addr": "127.0.0.1",
+                              "peer_id": link.hello["peer"], "own": at})
+        answered, ranks[1]["peer_id"] = ranks[1]["peer_id"], "0123456789ab"  # no peer's id
+        with JobLink(client, [("127.0.0.1", peers[0].port)]) as link:
+            gang_id = _submit_over(link, replace(spec, gang={"size": 2, "ranks": ranks}), folder.scan(tmp_path),
+                                   None)["job"]["id"]
+        gang = Jobs(client).job(gang_id)
+        assert gang.wait(30) == "failed"
+        assert f"rank 1 on peer {peers[1].name}: its peer was lost: unreachable (127.0.0.1:{peers[1].port}: peer " \
+               f"{answered}, not 0123456789ab)" in gang.reason
+        assert [Jobs(client).job(r["job"]).state for r in ranks] == ["stopped", "queued"]  # rank 1: unclaimed
+        Jobs(client).job(ranks[1]["job"]).stop(0)
+    finally:
+        client.close()
+
+
 def test_a_rank_whose_peer_is_killed_as_it_records_it_is_recorded_once(peer_factory, tmp_path, monkeypatch):
     """kill -9 of a rank's peer with the rank recorded but its submit not acknowledged; the peer restarts
     on its state folder while the submitter sends the rank's submit (its token) again: the rank is

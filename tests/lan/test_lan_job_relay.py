@@ -23,18 +23,19 @@ LAN_PEERS = 2
 LAN_CONCURRENCY = 1
 MIN_UP = 200  # bytes: a JOB_SUBMIT's record (about 250 with an empty folder) and not an AUTH (about 100)
 SILENCE_S = 2.0  # the agent's wait for a silent peer before it sends the submit again (client/jobs.py: 15 s)
+LOOPBACK = "127.0.0.1"  # where the relay's routes to the peers listen, on the agent's host
 
 
 @pytest.fixture(scope="module")
 def relayed(lan):
     """A relay in front of each peer (route i: lan.peers[i]), and an agent that knows the peers only through it.
 
-    The last route is another path to lan.peers[0] (for a peer cache that goes stale).
-    The relay listens on its host's LAN address: a gang's watcher (rank 0's peer) reaches the ranks at the
-    addresses where the submitter recorded them (through the relay too, then)."""
+    The peers' routes listen on the agent's host's loopback (as an SSH tunnel's ports would): addresses valid
+    only there, which a gang's watcher (rank 0's peer) must not dial. The last route is another path to
+    lan.peers[0], on the host's LAN address (for a peer cache that goes stale)."""
     host = lan.add_host("relay-sub")
-    relay = RelayProcess(host, [(f"{host.ip}:0", p.address) for p in [*lan.peers, lan.peers[0]]])
-    static = ",".join(f"{host.ip}:{port}" for port in relay.ports[:-1])
+    relay = RelayProcess(host, [*((LOOPBACK + ":0", p.address) for p in lan.peers), (f"{host.ip}:0", lan.peers[0].address)])
+    static = ",".join(f"{LOOPBACK}:{port}" for port in relay.ports[:-1])
     agent = lan.submitter("relay-jobs", host=host, mdns=False, peers=static)
     assert agent.call("wait_names", present=lan.names, timeout=15)["ok"]
     yield relay, agent
@@ -108,6 +109,26 @@ def test_a_replayed_submit_is_refused_and_records_nothing(lan, relayed, cut_off)
     assert replay["frames"] == [{"t": "hello"}, {"t": "error", "code": "auth"}] and replay["closed"], replay
     assert recorded(lan.peers[0], "cut-single") == [job_id] and came_again(lan.peers[0], job_id) == 1
     assert agent.call("jobs", name="cut-single")["ids"] == [job_id]
+
+
+def test_a_gang_whose_submitter_reaches_its_peers_only_on_its_loopback_runs_each_rank_once(lan, relayed):
+    """The agent knows both peers only at 127.0.0.1 of its own host (the relay's routes): rank 0's peer reaches
+    the ranks by what it knows of their ids, and by what each rank's peer said of itself, never at those; each
+    rank's rendezvous addresses are its peer's LAN address."""
+    _, agent = relayed
+    marker = "loopback-gang"
+    agent.call("submit_job", tag=marker, name=marker, nodes=2,
+               command=["sh", "-c", f"echo {marker} $RANK $MASTER_ADDR $GPULAYER_RANK_ADDR"])
+    gang_id = outcome(agent, marker)["value"]
+    ended = agent.call("job", job_id=gang_id)
+    assert ended["state"] == "succeeded", ended
+    lines = [agent.call("job", job_id=rank)["log"].splitlines() for rank in ended["ranks"]]
+    assert all(len(printed) == 1 for printed in lines), lines  # each rank ran once
+    said = {rank: (master, own) for _, rank, master, own in (printed[0].split() for printed in lines)}
+    assert sorted(said) == ["0", "1"]
+    assert sorted(own for _, own in said.values()) == sorted(p.host.ip for p in lan.peers)
+    assert {master for master, _ in said.values()} == {said["0"][1]}
+    assert sorted(agent.call("jobs", name=marker)["ids"]) == sorted([gang_id, *ended["ranks"]])
 
 
 def test_a_gang_rank_whose_answer_is_cut_off_is_recorded_once(lan, relayed):

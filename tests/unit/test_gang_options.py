@@ -9,7 +9,7 @@ import pytest
 
 import gpulayer as gl
 from gpulayer import distributed
-from gpulayer.client.gangs import rank_addresses
+from gpulayer.distributed import rank_addresses
 from gpulayer.task_options import TaskOptions
 
 

@@ -196,6 +196,12 @@ GANG_RANK = {"job": "0123456789ab-1", "peer": "p", "at": [["127.0.0.1", 7000]], 
     {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "job": "../x"}]},
     {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "at": [["h", 70000]]}]},
     {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "extra": 1}]},
+    {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "own": [["h", 0], ["h"]]}]},  # the rank's peer's addresses
+    {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "own": "h:7000"}]},
+    {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "own": [["h", 7000]] * 17}]},
+    {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "peer_id": ""}]},  # the id its handshake must prove
+    {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "peer_id": 12}]},
+    {"size": 2, "ranks": [GANG_RANK, {**GANG_RANK, "peer_id": "a\nb"}]},
     {"rank": 0, "size": 2, "ranks": []},
     [0, 2],
 ])
@@ -207,6 +213,8 @@ def test_a_gangs_spec_is_taken_whole():
     rank = job_protocol.check_spec({"command": ["x"], "gang": {"rank": 1, "size": 2}}, "me")
     whole = job_protocol.check_spec({"command": ["x"], "gang": {"size": 2, "ranks": [GANG_RANK] * 2}}, "me")
     assert rank.gang == {"rank": 1, "size": 2} and whole.gang["ranks"] == [GANG_RANK] * 2
+    paths = [GANG_RANK, {**GANG_RANK, "peer_id": "0123456789ab", "own": [["10.77.0.2", 7000]]}]  # GANG_PATHS' fields
+    assert job_protocol.check_spec({"command": ["x"], "gang": {"size": 2, "ranks": paths}}, "me").gang["ranks"] == paths
     start = {"t": messages.JOB_GANG, "id": 1, "job": "0123456789ab-1", "op": "start", "env": {"RANK": "1"}}
     assert job_protocol.check_request(start) is None
 
