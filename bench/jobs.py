@@ -316,11 +316,12 @@ class Submitter:
         self.connect(b"Q").close()
 
 
-    def peer_upload(self, address: tuple[str, int]) -> tuple[float, float]:
+    def peer_upload(self, address: tuple[str, int], state_dir: Path) -> tuple[float, float]:
         """Seconds of a real submit of the folder (scanned: its digests cached) to the real peer at `address`,
         to its JOB_INFO, and the longest answer (s) to the JOB_LISTs another connection sent meanwhile, one at
-        a time, 20 ms apart (how long the peer's event loop was held); then the job is waited for (its end lets the peer's
-        retention drop it and its blobs)."""
+        a time, 20 ms apart (how long the peer's event loop was held); then the job is waited for, and the
+        peer's removal of it and of its blobs (the tiny retention's work, on the peer's janitor thread, off the
+        event loop: it would load the next round)."""
         import threading
         from types import SimpleNamespace
 
@@ -356,6 +357,11 @@ class Submitter:
                     raise
                 ended = {"job": None}
         assert ended["job"] is None or ended["job"]["state"] == "succeeded", ended
+        deadline = time.monotonic() + 60
+        while any((state_dir / "trash").iterdir()) or any((state_dir / "blobs").glob("??/*")):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the peer did not remove the ended job and its blobs in 60 s")
+            time.sleep(0.02)
         return seconds, max(answers)
 
 
@@ -431,7 +437,7 @@ def run_submitter(args: argparse.Namespace) -> None:
         store = f"round-{i}"
         for way in rotated(list(up), i):
             if way == "peer":
-                seconds, stall = sub.peer_upload((args.host, int(args.peer_port)))
+                seconds, stall = sub.peer_upload((args.host, int(args.peer_port)), Path(args.peer_state))
                 up[way].append(seconds)
                 peer_stall.append(stall)
                 continue
