@@ -535,7 +535,8 @@ class BlobWriter:
 
 
 class BlobStore:
-    """The peer's file contents, once each, by content digest (BLAKE3): `<dir>/<2 hex>/<digest>` (0700 folders, 0600 files).
+    """The peer's file contents, once each, by content digest (BLAKE3): `<dir>/<2 hex>/<digest>` (0700
+    folders, 0600 files).
 
     Blobs are immutable: a job's folder gets copies (`materialise`), so a job that writes into its
     files never changes the store. `prune` frees what no retained job needs.
