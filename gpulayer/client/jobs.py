@@ -408,6 +408,9 @@ def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest, array:
         return answer
     heard["holder"] = answer.get("holder")
     need = answer.get("need") or []
+    # The peer stops reading while its disk is behind (ADR 0022): a send waits for TCP's window as long as
+    # it takes, not for the last receive's timeout; keepalive and TCP_USER_TIMEOUT notice a peer gone.
+    link.conn.sock.settimeout(None)
     transfer.push_blobs(link.conn, manifest, need, request_id)
     return link.answer(request_id, timeout=None if need else 60.0)
 

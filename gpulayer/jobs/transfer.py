@@ -41,6 +41,7 @@ from typing import Any, NoReturn, Protocol
 from ..protocol import framing, messages
 from .folder import (BlobStore, BlobWriter, FolderError, Manifest, PathLike, check_relpath, files_under,
                      new_digest, resolve_inside)
+from .store import pause_point
 
 BLOB, FILE = messages.BLOB, messages.FILE
 CHUNK = 4 << 20  # bytes a BLOB or FILE message carries at most
@@ -341,6 +342,7 @@ class BlobReceiver:
         """Write the chunk, and hash it at the same time on the disk thread's second thread: the side
         receiving the messages (the peer's event loop, say) only decrypts and parses."""
         assert self._writer is not None
+        pause_point("blob-writing")  # tests only: a disk that falls behind
         hashed = self._sink.beside(partial(hasher.update, chunk))
         try:
             self._writer.write(chunk)

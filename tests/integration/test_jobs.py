@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -359,6 +362,60 @@ def test_a_job_id_of_another_cluster_or_malformed_names_nothing(jobs_peer):
     assert out.returncode == 1 and "a job id is <12 hex digits>-<number>" in out.stderr
 
 
+def _tcp_at(port: int) -> tuple[int, int]:
+    """(bytes waiting unread in their receive queues, bytes received) of the established TCP connections on
+    local `port`, as the kernel counts them (`ss -ti`): what the process that holds them has not read yet,
+    and all that came."""
+    out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    queued = sum(int(line.split()[0]) for line in out.splitlines() if line and not line[0].isspace())
+    return queued, sum(int(n) for n in re.findall(r"bytes_received:(\d+)", out))
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="reads the kernel's TCP counters with ss (iproute2)")
+def test_an_upload_whose_disk_falls_behind_is_held_back_by_tcp_while_the_peer_answers(jobs_peer, tmp_path):
+    """The peer's disk thread stops (its pause point) at the first chunk of a 192 MiB upload: the peer reads
+    that connection until 64 MiB wait for the disk, then stops reading it (`AsyncChannel.hold`), so the
+    bytes wait in the kernel's receive queue and TCP's window holds the sender back, not the peer's memory;
+    its event loop answers another connection meanwhile. Once the disk goes on, the upload completes and
+    the job reads its file whole."""
+    from gpulayer.client.jobs import JobLink
+    from gpulayer.jobs import transfer
+    from gpulayer.protocol import jobs as job_protocol, messages
+
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    (pause / "blob-writing.hold").touch()
+    peer, _, key, jobs = jobs_peer("held", env={"GPULAYER_TEST_PAUSE_IN": str(pause)})
+    project, size = tmp_path / "project", 3 * transfer.BACKLOG
+    project.mkdir()
+    block = secrets.token_bytes(1 << 20)
+    with open(project / "big.bin", "wb") as f:
+        for i in range(size >> 20):
+            f.write(i.to_bytes(8, "big") + block[8:])  # every MiB different
+    expected = blake3((project / "big.bin").read_bytes()).hexdigest()
+    script = "from blake3 import blake3; print(blake3(open('big.bin', 'rb').read()).hexdigest())"
+    with ThreadPoolExecutor(1) as pool:
+        submitted = pool.submit(jobs.submit, ["python", "-c", script], project, _cpu())
+        try:
+            wait_until(lambda: (pause / "blob-writing.reached").exists(), 60)
+            wait_until(lambda: _tcp_at(peer.port)[0] >= 1 << 20, 30)  # bytes wait unread: the peer stopped reading
+            client = type("Client", (), {"key": key.encode(), "submitter_id": "another"})()
+            with JobLink(client, [("127.0.0.1", peer.port)]) as link:  # its event loop is free meanwhile
+                assert link.ask(job_protocol.request(messages.JOB_LIST, 0), timeout=30)["jobs"] == []
+            watched_until = time.monotonic() + 3  # a peer that kept reading would have it all in well under that
+            while time.monotonic() < watched_until:
+                queued, received = _tcp_at(peer.port)
+                assert queued >= 1 << 20 and received < size - transfer.BACKLOG, (queued, received, size)
+                time.sleep(0.1)
+            assert not submitted.done()  # its send waits for TCP's window, however long (not a timeout)
+        finally:
+            (pause / "blob-writing.hold").unlink()  # the disk goes on
+        job = submitted.result(timeout=120)
+    assert job.wait(120) == "succeeded"
+    assert expected in job.logs()
+
+
 def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
     from gpulayer.protocol import handshake, jobs as job_protocol, messages
     from gpulayer.transport import blocking
@@ -594,7 +651,6 @@ def test_a_stop_racing_the_handover_never_runs_the_command(jobs_peer, tmp_path):
     """The job is handed to a standby that has not read it yet (held with SIGSTOP), and stopped: the SIGTERM
     waits with the handover; let go, the standby ends without running the command, the job is stopped and
     its slot free (the next job runs)."""
-    from concurrent.futures import ThreadPoolExecutor
 
     peer, _, _, jobs = jobs_peer()
     assert jobs.submit(["true"], None, _cpu()).wait(60) == "succeeded"
