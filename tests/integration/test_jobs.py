@@ -403,11 +403,12 @@ def test_an_upload_whose_disk_falls_behind_is_held_back_by_tcp_while_the_peer_an
             client = type("Client", (), {"key": key.encode(), "submitter_id": "another"})()
             with JobLink(client, [("127.0.0.1", peer.port)]) as link:  # its event loop is free meanwhile
                 assert link.ask(job_protocol.request(messages.JOB_LIST, 0), timeout=30)["jobs"] == []
-            watched_until = time.monotonic() + 3  # a peer that kept reading would have it all in well under that
-            while time.monotonic() < watched_until:
+            def read_on() -> bool:
                 queued, received = _tcp_at(peer.port)
-                assert queued >= 1 << 20 and received < size - transfer.BACKLOG, (queued, received, size)
-                time.sleep(0.1)
+                return queued < 1 << 20 or received >= size - transfer.BACKLOG
+
+            with pytest.raises(AssertionError, match="not met"):  # for 3 s: a peer that kept reading would
+                wait_until(read_on, 3)  # have all of it in well under that
             assert not submitted.done()  # its send waits for TCP's window, however long (not a timeout)
         finally:
             (pause / "blob-writing.hold").unlink()  # the disk goes on
