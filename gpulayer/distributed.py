@@ -59,9 +59,9 @@ def rank_addresses(per_peer: list[list[str]]) -> list[str]:
 
 
 def loopback(host: str) -> bool:
-    """Whether `host` is a loopback address (or "localhost")."""
+    """Whether `host` (a name, an address, or an IPv6 one in brackets) is this machine's loopback."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host == "localhost"
 

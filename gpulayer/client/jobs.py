@@ -348,8 +348,6 @@ class Jobs:
 
         chosen = [self.client.directory.get(peer_id)
                   for peer_id in sorted(choose(self.client, req, nodes, messages.JOB_GANG))]
-        assert chosen[0] is not None
-        paths = messages.GANG_PATHS in chosen[0].advert.features  # the watcher takes each rank's id and own addresses
         ranks: list[dict[str, Any]] = []
         try:
             for index, record in enumerate(chosen):
@@ -358,13 +356,13 @@ class Jobs:
                 _, info, link = self._record_on(record, rank_spec, manifest, None)  # retried as a single job is
                 link.close()
                 at = [list(link.address), *(list(a) for a in record.addresses if a != link.address)]
-                ranks.append({"job": info["job"]["id"], "peer": record.advert.name, "at": at})
-                if paths:  # the id its handshake proved, and where the rank's peer says it listens
-                    own = info.get("at") if job_protocol.are_addresses(info.get("at")) else []
-                    ranks[-1].update(peer_id=str(link.hello["peer"]), own=own)
+                own = info.get("at") if job_protocol.are_addresses(info.get("at")) else []  # where it says it listens
+                ranks.append({"job": info["job"]["id"], "peer": record.advert.name, "at": at,
+                              "peer_id": str(link.hello["peer"]), "own": own})
             hosts = distributed.rank_addresses([list(dict.fromkeys(host for host, _ in rank["at"])) for rank in ranks])
             gang = {"size": nodes, "ranks": [{**rank, "addr": host} for rank, host in zip(ranks, hosts)]}
             with tempfile.TemporaryDirectory(prefix="gpulayer-gang-") as empty:
+                assert chosen[0] is not None
                 watcher = replace(chosen[0], addresses=[tuple(a) for a in ranks[0]["at"]])  # where rank 0 was recorded
                 _, info, link = self._record_on(watcher, replace(spec, gang=gang, token=secrets.token_hex(16)),
                                                 folder.scan(empty), None)

@@ -16,7 +16,6 @@ a web page elsewhere cannot read the API through DNS rebinding.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..client import Client
+from ..distributed import loopback
 from ..errors import ConfigError
 from .monitor import Monitor
 
@@ -42,19 +42,9 @@ STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/index.html": ("inde
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address) is this machine's loopback."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def check_host(host: str, allow_remote: bool) -> None:
     """Refuse a non-loopback address unless `allow_remote`, saying why."""
-    if not allow_remote and not is_loopback(host):
+    if not allow_remote and not loopback(host):
         raise ConfigError(
             f"refusing to serve the dashboard on {host}: the page shows every task and submitter of the "
             "cluster, and its token would cross the network in clear HTTP. Keep the default 127.0.0.1 (reach "
@@ -185,4 +175,4 @@ def _same(offered: str, token: str) -> bool:
 
 def _loopback_host_header(value: str) -> bool:
     host = value.rsplit(":", 1)[0] if not value.endswith("]") else value
-    return host in LOOPBACK_NAMES or is_loopback(host)
+    return host in LOOPBACK_NAMES or loopback(host)

@@ -96,7 +96,7 @@ class Gangs:
         be (`where`), the addresses the rank's peer gave of itself, then those the submitter reached it at, but
         their loopback ones only when the submitter is on this host (others are the submitter's own host's).
         Each is a hint: the handshake there must prove the rank's peer id (when the record names it)."""
-        local = distributed.loopback(row.spec.submitter.rpartition("@")[2].strip("[]"))
+        local = distributed.loopback(row.spec.submitter.rpartition("@")[2])
         known = self.where(rank["peer_id"]) if "peer_id" in rank else []
         told = [(host, port) for host, port in rank.get("own", [])]
         reached = [(host, port) for host, port in rank["at"] if local or not distributed.loopback(host)]

@@ -28,7 +28,7 @@ MAX_FILES = 200_000
 MAX_TAIL = 1_000_000
 MAX_NODES = 256  # ranks of a gang job
 GANG_OPS = ("claim", "reserve", "start")  # a JOB_GANG's steps (peer/gangs.py)
-RANK_FIELDS = {"job", "peer", "at", "addr", "peer_id", "own"}  # a gang record's rank ("peer_id", "own": GANG_PATHS)
+RANK_FIELDS = {"job", "peer", "at", "addr", "peer_id", "own"}  # a gang record's rank (the last two optional)
 RENDEZVOUS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "MLX_RANK", "MLX_HOSTFILE", "GPULAYER_RANK_ADDR"})  # what a JOB_GANG's start may set
 DEFAULT_GRACE_S = 10.0
@@ -117,8 +117,8 @@ def _text(value: Any, most: int) -> bool:
 
 def check_gang(gang: Any) -> str | None:
     """Why a spec's "gang" is malformed, or None: {} (no gang), a rank's {"rank", "size"}, or the gang's own
-    {"size", "ranks": [{"job", "peer", "at": [[host, port], ...], "addr"}, ...]} (one entry per rank; with the
-    GANG_PATHS feature, optionally "peer_id" and "own": [[host, port], ...], the addresses its peer gave)."""
+    {"size", "ranks": [{"job", "peer", "at": [[host, port], ...], "addr"}, ...]} (one entry per rank; optionally
+    "peer_id", the id its handshake proved, and "own": [[host, port], ...], the addresses its peer gave)."""
     if gang == {}:
         return None
     shape = (f"a job's 'gang' is {{'rank', 'size'}} or {{'size', 'ranks'}}, with a size from 2 to {MAX_NODES} and "

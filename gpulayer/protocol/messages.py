@@ -44,12 +44,9 @@ MESSAGE_TYPES = frozenset({HELLO, AUTH, AUTH_OK, SUBMIT, ACCEPT, REJECT, LOG, RE
                            CANCEL, PING, PONG, STATUS, BYE, ACTOR, CALL, CLOSE, ACTOR_END, FETCH, RELEASE,
                            LOCAL, WITHDRAW, DIRECT, LEASE, LEASE_END, WAIT, BLOB, FILE, INVITE, PAKE, PAKE_CONFIRM,
                            PEERS, *JOB_REQUESTS, JOB_NEED, JOB_INFO, JOB_LOG, JOB_OFFER})
-# a gang record's ranks may name their peer's id and own addresses, which its watcher verifies and prefers
-# (peer/gangs.py): a peer without this feature refuses those fields
-GANG_PATHS = "gang_paths"
-# Messages (and fields) added within one protocol version, that a peer takes only when its advert names them
-# ("ft"): an older peer of the same version refuses an unknown type and closes the connection.
-FEATURES = frozenset({PEERS, JOB_GANG, JOB_PULL, GANG_PATHS})
+# Messages added within one protocol version, that a peer answers only when its advert names them ("ft"):
+# an older peer of the same version refuses an unknown type and closes the connection.
+FEATURES = frozenset({PEERS, JOB_GANG, JOB_PULL})
 
 # The messages (docs/wire.md has the full table). "id" is the task id, or a request id for
 # STATUS and PING; "load" ([busy, queued]) and, on a GPU peer, "free" (GB) ride on the peer's replies.

@@ -213,7 +213,7 @@ def test_a_gangs_spec_is_taken_whole():
     rank = job_protocol.check_spec({"command": ["x"], "gang": {"rank": 1, "size": 2}}, "me")
     whole = job_protocol.check_spec({"command": ["x"], "gang": {"size": 2, "ranks": [GANG_RANK] * 2}}, "me")
     assert rank.gang == {"rank": 1, "size": 2} and whole.gang["ranks"] == [GANG_RANK] * 2
-    paths = [GANG_RANK, {**GANG_RANK, "peer_id": "0123456789ab", "own": [["10.77.0.2", 7000]]}]  # GANG_PATHS' fields
+    paths = [GANG_RANK, {**GANG_RANK, "peer_id": "0123456789ab", "own": [["10.77.0.2", 7000]]}]  # protocol 3's optional fields
     assert job_protocol.check_spec({"command": ["x"], "gang": {"size": 2, "ranks": paths}}, "me").gang["ranks"] == paths
     start = {"t": messages.JOB_GANG, "id": 1, "job": "0123456789ab-1", "op": "start", "env": {"RANK": "1"}}
     assert job_protocol.check_request(start) is None
