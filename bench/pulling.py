@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import secrets
@@ -94,7 +95,8 @@ def spread(values: list[float]) -> dict:
     if not values:
         return {}
     ordered = sorted(values)
-    return {"median": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))],
+    # nearest-rank p90: never below the median, even of two values (the floor of 0.9*(n-1) took the smaller)
+    return {"median": statistics.median(ordered), "p90": ordered[math.ceil(0.9 * len(ordered)) - 1],
             "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
 
 
