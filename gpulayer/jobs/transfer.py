@@ -47,7 +47,7 @@ BLOB, FILE = messages.BLOB, messages.FILE
 CHUNK = 4 << 20  # bytes a BLOB or FILE message carries at most
 IDLE_TIMEOUT = 60.0  # seconds a receiver waits for the next message before it gives up
 MAX_LISTED = 200_000  # files one fetch may bring
-BACKLOG = 64 << 20  # bytes of received chunks that may wait for the disk
+BACKLOG = 16 << 20  # bytes of received chunks that may wait for the disk (ADR 0024: each is fresh memory)
 PACK_MAX = 1 << 20  # blobs of at most this many bytes travel whole, several to a BLOB message
 
 

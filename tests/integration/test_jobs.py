@@ -374,8 +374,8 @@ def _tcp_at(port: int) -> tuple[int, int]:
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="reads the kernel's TCP counters with ss (iproute2)")
 def test_an_upload_whose_disk_falls_behind_is_held_back_by_tcp_while_the_peer_answers(jobs_peer, tmp_path):
-    """The peer's disk thread stops (its pause point) at the first chunk of a 192 MiB upload: the peer reads
-    that connection until 64 MiB wait for the disk, then stops reading it (`AsyncChannel.hold`), so the
+    """The peer's disk thread stops (its pause point) at the first chunk of a 96 MiB upload: the peer reads
+    that connection until 16 MiB (its BACKLOG) wait for the disk, then stops reading it (`AsyncChannel.hold`), so the
     bytes wait in the kernel's receive queue and TCP's window holds the sender back, not the peer's memory;
     its event loop answers another connection meanwhile. Once the disk goes on, the upload completes and
     the job reads its file whole."""
@@ -387,7 +387,7 @@ def test_an_upload_whose_disk_falls_behind_is_held_back_by_tcp_while_the_peer_an
     pause.mkdir()
     (pause / "blob-writing.hold").touch()
     peer, _, key, jobs = jobs_peer("held", env={"GPULAYER_TEST_PAUSE_IN": str(pause)})
-    project, size = tmp_path / "project", 3 * transfer.BACKLOG
+    project, size = tmp_path / "project", 6 * transfer.BACKLOG
     project.mkdir()
     block = secrets.token_bytes(1 << 20)
     with open(project / "big.bin", "wb") as f:
