@@ -86,6 +86,22 @@ def built_or_refused(data) -> str:
     return "built"
 
 
+DUMPS_STACKS = {"PYTHONFAULTHANDLER": "1"}  # in a CLI's environment: `interrupt` can show where it hung
+
+
+def interrupt(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """Ctrl-C to a CLI process (started in text mode, `DUMPS_STACKS` in its environment): its stdout and stderr
+    once it ended. AssertionError if it did not end within `timeout`, with every thread's stack, which
+    faulthandler writes on the SIGABRT that then ends it."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"still running {timeout:g} s after Ctrl-C; its stderr and threads:\n{err[-10000:]}") from None
+
+
 def process_gone(pid: int) -> bool:
     """The process `pid` has ended (a zombie not yet reaped counts as ended): it can do nothing more."""
     import psutil

@@ -12,7 +12,6 @@ import os
 import re
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import new_key, wait_until, write_override
+from support import DUMPS_STACKS, interrupt, new_key, wait_until, write_override
 
 from gpulayer.client import Client
 from gpulayer.dashboard.server import Dashboard, check_host
@@ -327,7 +326,7 @@ print(json.dumps(answers))
 def start_cli_dashboard(key: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`gpulayer dashboard --port 0` of the cluster of `key`, and the URL it printed."""
     proc = subprocess.Popen([sys.executable, "-m", "gpulayer", "dashboard", "--port", "0", *args],
-                            env={**os.environ, "GPULAYER_KEY": key, **(env or {})}, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "GPULAYER_KEY": key, **DUMPS_STACKS, **(env or {})}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline() if ready else ""
@@ -340,12 +339,7 @@ def start_cli_dashboard(key: str, *args: str, env: dict | None = None) -> tuple[
 
 def stop_cli_dashboard(proc: subprocess.Popen) -> str:
     """Ctrl-C, as its user stops it; what it wrote on its standard error."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        return proc.communicate(timeout=20)[1]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate(timeout=10)[1]
+    return interrupt(proc, 30)[1]
 
 
 def test_another_local_user_without_the_token_reads_nothing(peer_factory, other_user):

@@ -25,7 +25,7 @@ import psutil
 import pytest
 from blake3 import blake3
 
-from support import new_key, process_gone, wait_until
+from support import DUMPS_STACKS, interrupt, new_key, process_gone, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -537,11 +537,10 @@ def test_ctrl_c_while_following_detaches_and_the_job_goes_on(jobs_peer, tmp_path
               f"while not os.path.exists({str(release)!r}): time.sleep(0.02)\nprint('after')")
     follower = subprocess.Popen([sys.executable, "-m", "gpulayer.cli", "submit", "-f", "--", "python", "-c", script],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "GPULAYER_KEY": key})
+                                env={**os.environ, "GPULAYER_KEY": key, **DUMPS_STACKS})
     job_id = follower.stdout.readline().strip()
     assert follower.stdout.readline().strip() == "waiting"
-    follower.send_signal(signal.SIGINT)
-    _, err = follower.communicate(timeout=30)
+    _, err = interrupt(follower, 30)
     assert follower.returncode == 130 and f"job {job_id} goes on" in err
     assert jobs.job(job_id).state == "running"
     release.touch()
