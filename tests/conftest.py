@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -14,8 +15,14 @@ os.environ["GPULAYER_CACHE"] = "0"
 os.environ.pop("GPULAYER_PEERS", None)
 os.environ.pop("GPULAYER_KEY", None)
 
+# A session started with SIGINT ignored (a background job of a non-interactive shell, which POSIX has ignore
+# it) hands that on to every process it starts, and Python then never turns Ctrl-C into KeyboardInterrupt:
+# the tests that stop a CLI with Ctrl-C would wait in vain. With Python's own handler here, the processes
+# started from the session begin with SIGINT's default, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# in CI, a skip that CI_SKIPS (tests/support.py) does not allow is an error: at collection, setup or call
+
 # In CI, a skip that support.CI_SKIPS does not allow is an error: at collection, setup or call.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
