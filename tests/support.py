@@ -99,7 +99,8 @@ def interrupt(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGABRT)
         _, err = proc.communicate(timeout=30)
-        raise AssertionError(f"still running {timeout:g} s after Ctrl-C; its stderr and threads:\n{err[-10000:]}") from None
+        raise AssertionError(f"still running {timeout:g} s after Ctrl-C; its stderr and threads:\n"
+                             f"{err[-10000:]}") from None
 
 
 def process_gone(pid: int) -> bool:

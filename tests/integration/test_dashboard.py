@@ -326,8 +326,8 @@ print(json.dumps(answers))
 def start_cli_dashboard(key: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`gpulayer dashboard --port 0` of the cluster of `key`, and the URL it printed."""
     proc = subprocess.Popen([sys.executable, "-m", "gpulayer", "dashboard", "--port", "0", *args],
-                            env={**os.environ, "GPULAYER_KEY": key, **DUMPS_STACKS, **(env or {})}, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env={**os.environ, "GPULAYER_KEY": key, **DUMPS_STACKS, **(env or {})},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline() if ready else ""
     found = re.search(r"http://\S+", line)
