@@ -175,8 +175,10 @@ def test_a_gang_leaves_out_a_peer_held_by_the_submitters_own_actor_or_says_so_at
 
 
 def die_once(folder: str) -> int:
-    """Rank 1 ends its own process the first time; every rank counts its runs."""
+    """Rank 1 ends its own process the first time, once rank 0 has run (else the gang's stop may come before
+    rank 0's call, as it did once in a loaded run); every rank counts its runs."""
     import os
+    import time
 
     rank = int(os.environ["RANK"])
     marker = os.path.join(folder, f"ran-{rank}")
@@ -184,6 +186,9 @@ def die_once(folder: str) -> int:
     with open(marker, "a") as out:
         out.write("x")
     if rank == 1 and runs == 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(folder, "ran-0")) and time.monotonic() < deadline:
+            time.sleep(0.01)
         os._exit(3)
     return runs + 1
 
