@@ -39,7 +39,6 @@ log = logging.getLogger("gpulayer.dashboard")
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8265
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/index.html": ("index.html", "text/html; charset=utf-8"),
           "/app.js": ("app.js", "text/javascript; charset=utf-8"), "/style.css": ("style.css", "text/css; charset=utf-8")}
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 
 def check_host(host: str, allow_remote: bool) -> None:
@@ -175,4 +174,4 @@ def _same(offered: str, token: str) -> bool:
 
 def _loopback_host_header(value: str) -> bool:
     host = value.rsplit(":", 1)[0] if not value.endswith("]") else value
-    return host in LOOPBACK_NAMES or loopback(host)
+    return loopback(host)  # localhost, 127.0.0.0/8, [::1]
