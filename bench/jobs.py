@@ -162,6 +162,7 @@ def serve(workdir: Path, bind: str) -> None:
             sock.sendall(CPU.pack(cpu_seconds() - started))
             recv_exactly(sock, 1)
             shutil.rmtree(dest)
+            sock.sendall(b"c")  # cleaned up: the next measurement does not share the CPU with this removal
         elif mode == b"F":
             (length,) = LENGTH.unpack(recv_exactly(sock, 8))
             path = recv_exactly(sock, length).decode()
@@ -258,6 +259,7 @@ class Submitter:
         (peer_cpu,) = CPU.unpack(recv_exactly(sock, CPU.size))
         seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
         sock.sendall(b"k")
+        recv_exactly(sock, 1)  # the peer removed the files, as `drop` does for GPUlayer's store
         sock.close()
         return seconds, cpu + peer_cpu
 
