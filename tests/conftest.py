@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import signal
 
@@ -45,6 +47,28 @@ def _private_dirs(tmp_path_factory):
     os.environ["XDG_CACHE_HOME"] = str(home / "cache")
     os.environ["XDG_STATE_HOME"] = str(home / "state")  # the peers' jobs (peer/jobs.py)
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _job_cgroups_removed():
+    """The job cgroups left by the peers this session killed with -9 (where a machine died, its cgroups went with
+    it) are removed at its end: the folders of peers that were not there before it, where no process is left."""
+    from gpulayer.jobs.cgroup import own_cgroup
+
+    own = own_cgroup()
+    before = set(_peer_cgroups(own))
+    yield
+    for base in set(_peer_cgroups(own)) - before:
+        for job in glob.glob(os.path.join(base, "job-*")):
+            with contextlib.suppress(OSError):  # a process still in it: left for whoever looks
+                os.rmdir(job)
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+
+
+def _peer_cgroups(own: str | None) -> list[str]:
+    """The peers' folders of job cgroups under this process's cgroup (jobs/cgroup.py)."""
+    return glob.glob(os.path.join(own, "gpulayer-*")) if own else []
 
 
 @pytest.fixture(scope="module")

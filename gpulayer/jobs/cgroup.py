@@ -70,9 +70,10 @@ class Cgroups:
         return os.path.join(self.base, f"job-{job_id}")
 
     def make(self, job_id: str) -> str:
-        """The job's cgroup, made empty (what an earlier attempt left is killed first)."""
+        """The job's cgroup, made empty (what an earlier attempt left is killed first); the peer's folder too, if it
+        was removed meanwhile (by hand, say)."""
         self.remove(job_id)
-        os.mkdir(self.path(job_id))
+        os.makedirs(self.path(job_id))
         return self.path(job_id)
 
     def end(self, job_id: str) -> int | None:

@@ -200,6 +200,57 @@ def test_what_outlives_a_killed_supervisor_is_killed_with_the_jobs_cgroup(jobs_p
             proc.kill()
 
 
+def test_a_peers_cgroup_folder_removed_while_it_runs_is_made_again_for_its_next_job(jobs_peer):
+    """The peer's folder of job cgroups, removed while it runs (by hand, or a sweep of empty cgroups): its next
+    job still gets a cgroup of its own there, made again."""
+    from gpulayer.jobs import cgroup
+
+    cgroups_or_skip()
+    _, _, _, jobs = jobs_peer()
+    first = jobs.submit(["true"], None, _cpu())
+    assert first.wait(60) == "succeeded"
+    base = os.path.join(cgroup.own_cgroup(), f"gpulayer-{first.id.rsplit('-', 1)[0]}")
+    os.rmdir(base)
+    job = jobs.submit(["sh", "-c", "cat /proc/self/cgroup"], None, _cpu())
+    assert job.wait(60) == "succeeded", job.reason
+    assert f"/gpulayer-{first.id.rsplit('-', 1)[0]}/job-{job.id}" in job.logs()
+
+
+def test_without_cgroup_kill_a_cgroup_is_frozen_and_each_of_its_processes_killed(monkeypatch):
+    """Before Linux 5.14 a cgroup has no cgroup.kill: `cgroup.kill` then freezes it (nothing in it can fork
+    meanwhile), sends SIGKILL to each of its processes and thaws it. A real cgroup, real processes (a shell that
+    forks a sleeper every 10 ms, and one in a session of its own); only cgroup.kill is taken away, at the seam,
+    where `_write` fails on it as on such a kernel."""
+    from gpulayer.jobs import cgroup
+
+    cgroups_or_skip()
+    groups = cgroup.Cgroups(os.path.join(cgroup.own_cgroup(), f"gpulayer-test-{secrets.token_hex(4)}"))
+    path = groups.make("frozen")
+    marker = str(secrets.randbelow(10 ** 6) + 10 ** 7)
+    script = f"setsid sleep {marker} & while :; do sleep {marker} & sleep 0.01; done"
+    shell = subprocess.Popen(["sh", "-c", script], preexec_fn=lambda: cgroup.join(path))
+    written = []
+    write = cgroup._write
+
+    def without_kill(file: str, text: str) -> bool:  # a kernel before 5.14: no cgroup.kill to write
+        written.append((os.path.basename(file), text))
+        return not file.endswith("cgroup.kill") and write(file, text)
+
+    monkeypatch.setattr(cgroup, "_write", without_kill)
+    try:
+        wait_until(lambda: len(cgroup.procs(path)) >= 10, 30)
+        cgroup.kill(path)
+        assert [w for w in written if w[0] != "cgroup.kill"] == [("cgroup.freeze", "1"), ("cgroup.freeze", "0")]
+        assert shell.wait(10) == -signal.SIGKILL
+        assert cgroup.procs(path) == [] and "populated 0" in Path(path, "cgroup.events").read_text()
+        assert not processes_with(marker)
+    finally:
+        monkeypatch.undo()
+        groups.remove("frozen")
+        groups.close()
+        assert not os.path.exists(groups.base)
+
+
 def peak_source_here(cgroups: str) -> str:
     """What measures a job's peak memory on this machine: its cgroup's memory.peak where the peer's jobs get
     cgroups with the memory controller (given to the peer's cgroup's children; Linux 5.19+), else the largest
