@@ -11,8 +11,11 @@ Two network namespaces on a bridge (tests/lan/lanlab.py; root only), a "peer" pr
    BlobStore lacks: all of them, a fresh store each round) and the blobs over the secure channel, each
    checked against its digest and stored (gpulayer/jobs/transfer.py), until the peer says all are in.
    Raw: the same files' bytes over a plain TCP socket, written to files on the other side, until it
-   says all are in. The submitter's digests are cached (it scanned the folder before), as for a
-   folder one works in; the scan itself is measured apart, cold (hashing everything) and warm.
+   says all are in (it removes them before the next way starts, as GPUlayer's store is dropped). For
+   both, how many of the machine's cores were busy meanwhile (/proc/stat: both ends, the kernel's
+   network work included), beside the CPU seconds of the two processes. The submitter's digests are
+   cached (it scanned the folder before), as for a folder one works in; the scan itself is measured
+   apart, cold (hashing everything) and warm.
 2. Resubmit unchanged: the same upload to the same store; the bytes its cable carried both ways
    (the namespace's eth0 counters, TCP and the handshake included) against the folder's size.
 3. Fetch of a 1 GiB artifact from the job's folder: GPUlayer's FILE stream against the raw socket,
@@ -183,6 +186,19 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, all) clock ticks of the machine's CPUs so far (/proc/stat: user to steal)."""
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def cores_busy(since: tuple[int, int]) -> float:
+    """How many of the machine's cores were busy on average since `since` (`machine_ticks()`): every process's
+    and the kernel's work, both ends of the veth and their network included."""
+    busy, total = machine_ticks()
+    return (os.cpu_count() or 1) * (busy - since[0]) / max(total - since[1], 1)
+
+
 def key() -> bytes:
     return bytes.fromhex(os.environ[KEY_ENV])
 
@@ -235,6 +251,7 @@ class Submitter:
         self.cache = DigestCache(workdir / "digests.json")
         self.manifest = scan(folder, cache=self.cache)  # the folder was scanned before: its digests are cached
         self.buf = bytearray(PIECE)
+        self.busy = 0.0  # the machine's busy cores during the last upload (`cores_busy`)
 
     def connect(self, mode: bytes) -> socket.socket:
         sock = socket.create_connection(self.address, timeout=TIMEOUT)
@@ -248,8 +265,8 @@ class Submitter:
         return conn
 
     def raw_upload(self) -> tuple[float, float]:
-        """(seconds, CPU seconds of both sides)."""
-        started, cpu = time.perf_counter(), cpu_seconds()
+        """(seconds, CPU seconds of both sides); the machine's busy cores meanwhile in `busy`."""
+        started, cpu, ticks = time.perf_counter(), cpu_seconds(), machine_ticks()
         sock = self.connect(b"R")
         entries = self.manifest.entries
         header = msgpack.packb([[e.path, e.size] for e in entries])
@@ -257,7 +274,7 @@ class Submitter:
         for e in entries:
             send_from_file(sock, self.manifest.sources[e.path], e.size, self.buf)
         (peer_cpu,) = CPU.unpack(recv_exactly(sock, CPU.size))
-        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+        seconds, cpu, self.busy = time.perf_counter() - started, cpu_seconds() - cpu, cores_busy(ticks)
         sock.sendall(b"k")
         recv_exactly(sock, 1)  # the peer removed the files, as `drop` does for GPUlayer's store
         sock.close()
@@ -265,9 +282,9 @@ class Submitter:
 
     def upload(self, store: str) -> tuple[float, int, int, float]:
         """(seconds, content bytes sent, bytes through the cable, CPU seconds of both sides) of one upload:
-        scan (cached), connect, send."""
+        scan (cached), connect, send; the machine's busy cores meanwhile in `busy`."""
         cable = cable_bytes()
-        started, cpu = time.perf_counter(), cpu_seconds()
+        started, cpu, ticks = time.perf_counter(), cpu_seconds(), machine_ticks()
         manifest = scan(self.folder, cache=self.cache)
         conn = self.gpulayer()
         conn.send({"t": messages.SUBMIT, "id": 1, "op": "upload", "store": store, "manifest": manifest.to_wire()})
@@ -275,7 +292,7 @@ class Submitter:
         sent = transfer.push_blobs(conn, manifest, reply["missing"], 1)
         done, _ = conn.recv()
         assert done["t"] == messages.ACCEPT
-        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+        seconds, cpu, self.busy = time.perf_counter() - started, cpu_seconds() - cpu, cores_busy(ticks)
         conn.close()
         return seconds, sent, cable_bytes() - cable, cpu + done["cpu"]
 
@@ -433,6 +450,7 @@ def run_submitter(args: argparse.Namespace) -> None:
     sub.drop("warm-up")
     up: dict[str, list[float]] = {"raw": [], "gpulayer": [], "peer": []}
     up_cpu: dict[str, list[float]] = {"raw": [], "gpulayer": []}
+    up_busy: dict[str, list[float]] = {"raw": [], "gpulayer": []}
     peer_stall: list[float] = []
     resubmit: list[dict] = []
     for i in deadline.rounds(args.rounds):
@@ -450,6 +468,7 @@ def run_submitter(args: argparse.Namespace) -> None:
                 assert sent == sub.manifest.total_bytes, (sent, sub.manifest.total_bytes)
             up[way].append(seconds)
             up_cpu[way].append(cpu)
+            up_busy[way].append(sub.busy)
         seconds, sent, cable, _ = sub.upload(store)
         resubmit.append({"seconds": seconds, "content_bytes": sent, "cable_bytes": cable})
         sub.drop(store)
@@ -467,7 +486,7 @@ def run_submitter(args: argparse.Namespace) -> None:
             down_cpu[way].append(cpu)
     sub.peer_stop(peer, job_id)
     sub.close()
-    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "peer_upload_longest_answer_s": peer_stall, "resubmit": resubmit, "fetch_s": down,
+    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "upload_cores_busy": up_busy, "peer_upload_longest_answer_s": peer_stall, "resubmit": resubmit, "fetch_s": down,
                       "fetch_cpu_s": down_cpu, "scan_cold_s": cold, "scan_warm_s": warm,
                       "files": len(sub.manifest.entries), "folder_bytes": sub.manifest.total_bytes}))
 
@@ -744,6 +763,7 @@ def summarize(m: dict) -> dict:
         "scan_cold_s": m["scan_cold_s"], "scan_warm_s": m["scan_warm_s"],
         # CPU seconds both processes spent per GB moved: what a CPU-starved machine's wall time follows
         "upload_cpu_s_per_gb": {w: spread([c / folder * 1e9 for c in v])["median"] for w, v in m["upload_cpu_s"].items()},
+        "upload_cores_busy": {w: spread(v)["median"] for w, v in m["upload_cores_busy"].items()},
         "fetch_cpu_s_per_gb": {w: spread([c / artifact * 1e9 for c in v])["median"] for w, v in m["fetch_cpu_s"].items()},
     }
     s["targets_met"] = {
@@ -806,7 +826,9 @@ def plot(result: dict, path: Path) -> None:
         peer = target.replace("_over_raw", "_peer_over_raw")
         ax.set_title(f"{title}\nGPUlayer / raw = {s[target]:.2f}" + (f", real peer {s[peer]:.2f}" if peer in s else "")
                      + f"\n(GB/s, across the veth); CPU s per GB, both sides\n(the transfer): raw {cpu['raw']:.2f}, "
-                     f"GPUlayer {cpu['gpulayer']:.2f}")
+                     f"GPUlayer {cpu['gpulayer']:.2f}" + (f"\ncores busy meanwhile (of {result['machine']['cpus']}): raw "
+                                                          f"{busy['raw']:.2f}, GPUlayer {busy['gpulayer']:.2f}"
+                                                          if (busy := s.get(key.replace("gb_per_s", "cores_busy"))) else ""))
     ax = axes[2]
     ax.bar(["folder", "resubmit:\ncable bytes"], [s["folder_mb"], s["resubmit_cable_bytes_over_folder"] *
                                                   s["folder_mb"]], color=["tab:gray", "tab:green"])
