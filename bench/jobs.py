@@ -486,7 +486,8 @@ def run_submitter(args: argparse.Namespace) -> None:
             down_cpu[way].append(cpu)
     sub.peer_stop(peer, job_id)
     sub.close()
-    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "upload_cores_busy": up_busy, "peer_upload_longest_answer_s": peer_stall, "resubmit": resubmit, "fetch_s": down,
+    print(json.dumps({"upload_s": up, "upload_cpu_s": up_cpu, "upload_cores_busy": up_busy,
+                      "peer_upload_longest_answer_s": peer_stall, "resubmit": resubmit, "fetch_s": down,
                       "fetch_cpu_s": down_cpu, "scan_cold_s": cold, "scan_warm_s": warm,
                       "files": len(sub.manifest.entries), "folder_bytes": sub.manifest.total_bytes}))
 
@@ -824,11 +825,12 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(loc="lower right")
         cpu = s[key.replace("gb_per_s", "cpu_s_per_gb")]
         peer = target.replace("_over_raw", "_peer_over_raw")
+        busy = s.get(key.replace("gb_per_s", "cores_busy"))  # the upload's only
         ax.set_title(f"{title}\nGPUlayer / raw = {s[target]:.2f}" + (f", real peer {s[peer]:.2f}" if peer in s else "")
                      + f"\n(GB/s, across the veth); CPU s per GB, both sides\n(the transfer): raw {cpu['raw']:.2f}, "
-                     f"GPUlayer {cpu['gpulayer']:.2f}" + (f"\ncores busy meanwhile (of {result['machine']['cpus']}): raw "
-                                                          f"{busy['raw']:.2f}, GPUlayer {busy['gpulayer']:.2f}"
-                                                          if (busy := s.get(key.replace("gb_per_s", "cores_busy"))) else ""))
+                     f"GPUlayer {cpu['gpulayer']:.2f}"
+                     + (f"\ncores busy meanwhile (of {result['machine']['cpus']}): raw {busy['raw']:.2f}, "
+                        f"GPUlayer {busy['gpulayer']:.2f}" if busy else ""))
     ax = axes[2]
     ax.bar(["folder", "resubmit:\ncable bytes"], [s["folder_mb"], s["resubmit_cable_bytes_over_folder"] *
                                                   s["folder_mb"]], color=["tab:gray", "tab:green"])
