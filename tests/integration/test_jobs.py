@@ -217,9 +217,9 @@ def test_a_peers_cgroup_folder_removed_while_it_runs_is_made_again_for_its_next_
 
 
 def test_without_cgroup_kill_a_cgroup_is_frozen_and_each_of_its_processes_killed(monkeypatch):
-    """Before Linux 5.14 a cgroup has no cgroup.kill: `cgroup.kill` then freezes it (nothing in it can fork
-    meanwhile), sends SIGKILL to each of its processes and thaws it. A real cgroup, real processes (a shell that
-    forks a sleeper every 10 ms, and one in a session of its own); only cgroup.kill is taken away, at the seam,
+    """Before Linux 5.14 a cgroup has no cgroup.kill file: `jobs.cgroup.kill` then freezes it (nothing in it can
+    fork meanwhile), sends SIGKILL to each of its processes and thaws it. A real cgroup, real processes (a shell
+    that forks a sleeper every 10 ms, and one in a session of its own); only the file is taken away, at the seam,
     where `_write` fails on it as on such a kernel."""
     from gpulayer.jobs import cgroup
 
