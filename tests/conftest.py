@@ -53,7 +53,7 @@ def _private_dirs(tmp_path_factory):
 def _job_cgroups_removed():
     """The job cgroups left by the peers this session killed with -9 (where a machine died, its cgroups went with
     it) are removed at its end: the folders of peers that were not there before it, where no process is left."""
-    from gpulayer.jobs.cgroup import own_cgroup
+    from gpulayer.jobs.cgroup import Cgroups, own_cgroup
 
     own = own_cgroup()
     before = set(_peer_cgroups(own))
@@ -62,8 +62,7 @@ def _job_cgroups_removed():
         for job in glob.glob(os.path.join(base, "job-*")):
             with contextlib.suppress(OSError):  # a process still in it: left for whoever looks
                 os.rmdir(job)
-        with contextlib.suppress(OSError):
-            os.rmdir(base)
+        Cgroups(base).close()  # the peer's own end: its folder goes if no job's is left in it
 
 
 def _peer_cgroups(own: str | None) -> list[str]:
