@@ -197,7 +197,7 @@ def _jobs() -> JobsApi:
 def submit_job(command: list[str] | str, working_dir: str | None = ".", *, excludes: Iterable[str] = (),
                name: str = "", limit_mb: int | None = None, priority: int = 0,
                array: tuple[int, int, int] | None = None, preemptible: bool = False, grace: float | None = None,
-               keep_link: bool = False, **options: Any) -> Job:
+               keep_link: bool = False, progress: bool | None = None, **options: Any) -> Job:
     """Run `command` (a list of arguments, or one string split as a shell would) as a job on a matching
     peer, in a copy of `working_dir` (honouring .gitignore and `excludes`); returns its `Job` once a peer
     has recorded it. The job goes on when this process ends (docs/jobs.md).
@@ -212,6 +212,8 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
     matching peers, started together with the rendezvous variables of docs/gangs.md; the `Job` returned is
     the gang's (its `ranks`, one merged log; docs/jobs.md, "Gangs"). With `keep_link`, the `Job`'s first
     request (`logs(follow=True)`, say) goes over the submit's connection; `job.close()` closes it unused.
+    The upload's progress bar (bytes sent, rate, time left) is drawn on a terminal once the upload has taken
+    half a second; `progress=True` draws it always, False never (`Job.fetch` takes the same).
     """
     import shlex
 
@@ -226,7 +228,7 @@ def submit_job(command: list[str] | str, working_dir: str | None = ".", *, exclu
                           env=parsed.env, timeout=parsed.timeout, retries=parsed.retries, priority=priority,
                           array=array, preemptible=preemptible, grace=PREEMPT_GRACE_S if grace is None else grace,
                           limit_bytes=(limit_mb << 20) if limit_mb is not None else None, nodes=parsed.nodes or 1,
-                          keep_link=keep_link)
+                          keep_link=keep_link, progress=progress)
 
 
 def job(job_id: str) -> Job:

@@ -1,4 +1,4 @@
-"""The progress bar of `gl.map`: tqdm's, on stderr, drawn only on a terminal unless asked for."""
+"""Progress bars: tqdm's, on stderr, drawn only on a terminal unless asked for (gl.map's tasks, a job's bytes)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,36 @@ import sys
 import threading
 from typing import IO
 
+TRANSFER_DELAY_S = 0.5  # a job's upload or fetch shows its bar (on a terminal) only once it has taken this long
 
-class MapProgressBar:
-    """Tasks done out of `total`, with their rate and the time left; advanced from the futures' threads."""
 
-    def __init__(self, total: int, label: str = "", enabled: bool | None = None, stream: IO[str] | None = None):
-        from tqdm import tqdm  # here, not at import: only gl.map draws a bar
+class ProgressBar:
+    """Work done out of `total`, with its rate and the time left; advanced from any thread. `unit="B"` counts
+    bytes, shown scaled (MB, GB). With `enabled` None the bar is drawn only if `stream` is a terminal, and then
+    only after `delay` seconds (a quick transfer leaves no bar); True draws it at once, False never."""
+
+    def __init__(self, total: int | None, label: str = "", unit: str = "task", enabled: bool | None = None,
+                 stream: IO[str] | None = None, delay: float = 0.0):
+        from tqdm import tqdm  # here, not at import: only a bar drawn needs it
 
         stream = stream or sys.stderr
-        enabled = stream.isatty() if enabled is None else enabled
-        self._bar = tqdm(total=total, desc=label or None, unit="task", file=stream, disable=not enabled,
-                         dynamic_ncols=True, mininterval=0.1)
+        if enabled is None:
+            enabled = stream.isatty()
+        else:
+            delay = 0.0
+        self._bar = tqdm(total=total, desc=label or None, unit=unit, unit_scale=unit == "B", file=stream,
+                         disable=not enabled, dynamic_ncols=True, mininterval=0.1, delay=delay)
         self._lock = threading.Lock()  # futures complete on several threads
 
     def advance(self, n: int = 1) -> None:
         with self._lock:
             self._bar.update(n)
+
+    def reach(self, done: int, total: int | None) -> None:
+        """Set how much of how much is done (a fetch learns its total from its first message)."""
+        with self._lock:
+            self._bar.total = total
+            self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
         with self._lock:

@@ -52,7 +52,7 @@ from ..matching import Requirements, match
 from ..task_options import check_retries
 from ..checks import check_timeout
 from ..taskenv import check_env, task_environment
-from ..progress import MapProgressBar
+from ..progress import ProgressBar
 from ..resources.model import Advert, Resources
 
 LABEL = "gpulayer.io/"  # the prefix of every label `gpulayer ray-node` sets
@@ -659,7 +659,7 @@ class RayBackend:
         """fn(*args) for the args of every call, queued on Ray at once; results in input order; the first failure
         cancels the rest and is raised. A priority is refused, as by `submit`."""
         fn_bytes = serialization.dumps_function(fn)
-        bar = MapProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
+        bar = ProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
         futures: list[RayFuture] = []
         try:
             for args in calls:

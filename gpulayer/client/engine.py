@@ -26,7 +26,7 @@ from ..errors import (ActorDied, ConfigError, GPULayerError, NoMatchingPeer, Pee
 from ..matching import Requirements, match, missing_software
 from ..protocol import framing, messages
 from ..task_options import check_keep, check_retries
-from ..progress import MapProgressBar
+from ..progress import ProgressBar
 from ..resources.model import Advert
 from ..security import cluster_id, load_key
 from ..taskenv import check_env
@@ -95,7 +95,7 @@ class MapWindow:
             self._cond.notify()
 
 
-def _task_finished(window: MapWindow, bar: MapProgressBar, _future: Future[Any]) -> None:
+def _task_finished(window: MapWindow, bar: ProgressBar, _future: Future[Any]) -> None:
     window.release()
     bar.advance()
 
@@ -270,7 +270,7 @@ class Client(Listener):
         cancels the rest and is raised.
         """
         fn_bytes = serialization.dumps_function(fn)
-        bar = MapProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
+        bar = ProgressBar(len(calls), label=getattr(fn, '__name__', 'map'), enabled=progress)
         futures: list[TaskFuture] = []
         window: MapWindow | None = None
         try:

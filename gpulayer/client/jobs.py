@@ -27,6 +27,7 @@ from ..errors import ConfigError, GPULayerError, NoMatchingPeer, PeerLost
 from ..jobs import call, folder, local_fetch, transfer
 from ..jobs.store import ARRIVING, ENDED, MOVED, PREEMPT_GRACE_S, JobSpec, check_job_id, holder_of
 from ..matching import Requirements
+from ..progress import TRANSFER_DELAY_S, ProgressBar
 from ..protocol import jobs as job_protocol, messages
 from ..resources.model import Advert
 from ..transport import blocking, shm
@@ -240,26 +241,27 @@ class Jobs:
                timeout: float | None = None, retries: int = 0, limit_bytes: int | None = None,
                function: bool = False, priority: int = 0, array: tuple[int, int, int] | None = None,
                preemptible: bool = False, grace: float = PREEMPT_GRACE_S, nodes: int = 1,
-               keep_link: bool = False) -> Job:
+               keep_link: bool = False, progress: bool | None = False) -> Job:
         """Ship `working_dir` (none: an empty folder) and record the job on the best matching peer;
         returns once a peer has recorded it. The folder is scanned (and refused) before anything is sent.
         With `array` (first, last, limit): one job per index on that peer, the first one returned (its id
         names the array). With `nodes` > 1: a gang of that many ranks on distinct peers (docs/gangs.md).
         With `keep_link` (not for a gang), the job's first request goes over the submit's connection
-        (`gpulayer submit -f`: one handshake for the submit and the follow; Job.close() when unused)."""
+        (`gpulayer submit -f`: one handshake for the submit and the follow; Job.close() when unused).
+        `progress`: the upload's bar (ProgressBar: None, on a terminal once it takes TRANSFER_DELAY_S)."""
         if nodes > 1 and (array is not None or preemptible or retries or function):
             raise ConfigError("a gang job (nodes > 1) takes no array, preemptible, retries or function (not yet)")
         if working_dir is None:
             with tempfile.TemporaryDirectory(prefix="gpulayer-job-") as empty:
                 return self.submit(command, empty, req, name=name, env=env, timeout=timeout, retries=retries,
                                    function=function, priority=priority, array=array, preemptible=preemptible,
-                                   grace=grace, nodes=nodes, keep_link=keep_link)
+                                   grace=grace, nodes=nodes, keep_link=keep_link, progress=progress)
         manifest = folder.scan(working_dir, excludes, limit_bytes)
         spec = JobSpec(command=list(command), name=name, env=dict(env or {}), req=req.to_wire(), timeout=timeout,
                        retries=retries, function=function, priority=priority, user=login_user(), preemptible=preemptible,
                        grace=grace, pinned=req.peer is not None)
         if nodes > 1:
-            return self._submit_gang(spec, manifest, req, nodes)
+            return self._submit_gang(spec, manifest, req, nodes, progress)
         placement, failures, refused = self.client.placement, dict[str, list[str]](), set[str]()  # refused: peer ids
         self.client.start()
         for attempt in range(2):  # the second after discovery, when every known candidate failed (a stale cache)
@@ -268,7 +270,7 @@ class Jobs:
             for record in placement.ranked(req, refused):
                 try:
                     holder, info, link = self._record_on(record, replace(spec, token=secrets.token_hex(16)),
-                                                         manifest, array)
+                                                         manifest, array, progress)
                 except (PeerLost, JobError) as exc:
                     if isinstance(exc, JobError) and exc.code not in ("no-match", "busy"):
                         raise
@@ -286,8 +288,8 @@ class Jobs:
                 break
         raise NoMatchingPeer(req, {**placement.reasons(req), **failures})
 
-    def _record_on(self, record: Any, spec: JobSpec, manifest: folder.Manifest,
-                   array: tuple[int, int, int] | None) -> tuple[Holder, messages.Message, JobLink]:
+    def _record_on(self, record: Any, spec: JobSpec, manifest: folder.Manifest, array: tuple[int, int, int] | None,
+                   progress: bool | None = False) -> tuple[Holder, messages.Message, JobLink]:
         """The job recorded on the peer of `record`: its holder, JOB_INFO and the open link. When the connection
         breaks after the submit went, the same peer (found again by its holder once its JOB_NEED named it: it may have
         restarted elsewhere) is sent the same submit (the same token) again, with backoff, for SUBMIT_RETRY_S:
@@ -298,7 +300,8 @@ class Jobs:
             try:
                 link = self._link_to(record, addresses)
                 try:
-                    info = _submit_over(link, spec, manifest, array, heard)
+                    info = _submit_over(link, spec, manifest, array, heard,
+                                        _upload_bar(record.advert.name, progress))
                 except BaseException:
                     link.close()
                     raise
@@ -340,7 +343,8 @@ class Jobs:
         self.client.directory.prove(advert, [link.address], record.source)
         return link
 
-    def _submit_gang(self, spec: JobSpec, manifest: folder.Manifest, req: Requirements, nodes: int) -> Job:
+    def _submit_gang(self, spec: JobSpec, manifest: folder.Manifest, req: Requirements, nodes: int,
+                     progress: bool | None) -> Job:
         """Record one rank on each of `nodes` distinct matching peers (in peer-id order: rank 0 on the
         lowest), then the gang's own record on rank 0's peer, which watches the ranks from then on
         (peer/gangs.py). A rank that cannot be recorded stops those recorded before it."""
@@ -353,7 +357,7 @@ class Jobs:
             for index, record in enumerate(chosen):
                 assert record is not None
                 rank_spec = replace(spec, gang={"rank": index, "size": nodes}, token=secrets.token_hex(16))
-                _, info, link = self._record_on(record, rank_spec, manifest, None)  # retried as a single job is
+                _, info, link = self._record_on(record, rank_spec, manifest, None, progress)  # retried as a job is
                 link.close()
                 at = [list(link.address), *(list(a) for a in record.addresses if a != link.address)]
                 own = info.get("at") if job_protocol.are_addresses(info.get("at")) else []  # where it says it listens
@@ -394,10 +398,19 @@ class Jobs:
         return JobLink(self.client, holder.addresses)
 
 
+def _upload_bar(peer: str, progress: bool | None) -> Callable[[int], ProgressBar] | None:
+    """What draws an upload's bar to `peer` of so many bytes (ProgressBar's `enabled`); None for none."""
+    if progress is False:
+        return None
+    return lambda total: ProgressBar(total, f"upload to {peer}", unit="B", enabled=progress, delay=TRANSFER_DELAY_S)
+
+
 def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest, array: tuple[int, int, int] | None,
-                 heard: dict[str, Any] | None = None) -> messages.Message:
-    """JOB_SUBMIT, then the blobs the peer lacks; the peer's JOB_INFO once it recorded the job (at once when
-    it recorded this submission's token before). `heard` gets "sent" and the JOB_NEED's "holder"."""
+                 heard: dict[str, Any] | None = None,
+                 bar: Callable[[int], ProgressBar] | None = None) -> messages.Message:
+    """JOB_SUBMIT, then the blobs the peer lacks (with `bar(their bytes)` advanced as they go, if any are
+    needed); the peer's JOB_INFO once it recorded the job (at once when it recorded this submission's token
+    before). `heard` gets "sent" and the JOB_NEED's "holder"."""
     request_id = link.send(job_protocol.submit(0, spec, manifest.to_wire(), array))
     heard = {} if heard is None else heard
     heard["sent"] = True
@@ -406,10 +419,20 @@ def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest, array:
         return answer
     heard["holder"] = answer.get("holder")
     need = answer.get("need") or []
+    if not isinstance(need, list) or not all(isinstance(digest, str) for digest in need):
+        raise JobError("bad-reply", "the peer's JOB_NEED does not list digests")
     # The peer stops reading while its disk is behind (ADR 0022): a send waits for TCP's window as long as
     # it takes, not for the last receive's timeout; keepalive and TCP_USER_TIMEOUT notice a peer gone.
     link.conn.sock.settimeout(None)
-    transfer.push_blobs(link.conn, manifest, need, request_id)
+    shown = None
+    if bar is not None and need:
+        sizes = manifest.blobs()
+        shown = bar(sum(sizes.get(digest, 0) for digest in need))  # a digest not in it: push_blobs refuses it
+    try:
+        transfer.push_blobs(link.conn, manifest, need, request_id, None if shown is None else shown.advance)
+    finally:
+        if shown is not None:
+            shown.close()
     return link.answer(request_id, timeout=None if need else 60.0)
 
 
@@ -544,26 +567,34 @@ class Job:
         return b"".join(pieces).decode("utf-8", "replace")
 
     def fetch(self, paths: list[str] | None = None, to: str | os.PathLike[str] = ".", force: bool = False,
-              rank: int | None = None) -> list[Path]:
+              rank: int | None = None, progress: bool | None = None) -> list[Path]:
         """Bring files of the job's folder into `to` (default: what the job created or changed); nothing is
         written when one would overwrite a file, unless `force`. Returns the paths written. A gang's: those
-        of its rank `rank` (default 0)."""
+        of its rank `rank` (default 0). `progress`: a bar of the bytes (None: on a terminal, once the fetch
+        takes TRANSFER_DELAY_S; True: always; False: never)."""
         ranks = self.ranks
         if ranks or rank is not None:
             if not 0 <= (rank or 0) < len(ranks):
                 raise JobError("bad-request", f"job {self.id} has {len(ranks)} rank(s): no rank {rank}")
-            return ranks[rank or 0].fetch(paths, to, force)
+            return ranks[rank or 0].fetch(paths, to, force, progress=progress)
         pool = transfer.Pool()  # chunks received into buffers used again, written on a thread of their own
         receiver = local_fetch.Receiver(to, force, transfer.DiskThread(), pool.release)
+        bar = ProgressBar(None, f"fetch from {self.peer}", unit="B", enabled=progress, delay=TRANSFER_DELAY_S)
 
         def attach(link: JobLink) -> bool:
             link.conn.reader.allocate = pool.allocate
             return receiver.attach(link)
 
+        def feed(msg: messages.Message, buffers: list[Any]) -> bool:
+            done = receiver.feed(msg, buffers)
+            bar.reach(receiver.received, receiver.total)
+            return done
+
         try:
-            self._ask(messages.JOB_FETCH, lambda msg, buffers: receiver.feed(msg, buffers), attach, paths=paths)
+            self._ask(messages.JOB_FETCH, feed, attach, paths=paths)
             receiver.finish()
         finally:
+            bar.close()
             receiver.abort()
         log.debug("fetched %d file(s) of job %s, %d by descriptor on a local link", len(receiver.files or []),
                   self.id, receiver.passed)
@@ -577,7 +608,7 @@ class Job:
             raise TimeoutError(f"job {self.id} is still {self.state} after {timeout} s")
         with tempfile.TemporaryDirectory(prefix="gpulayer-result-") as here:
             try:
-                self.fetch([call.OUTCOME_FILE], here)
+                self.fetch([call.OUTCOME_FILE], here, progress=False)
             except JobError:
                 raise JobError("no-result", f"job {self.id} ended {self.state} without a result"
                                             f"{': ' + self.reason if self.reason else ''}") from None

@@ -131,12 +131,17 @@ def blob_messages(manifest: Manifest, missing: list[str], request_id: int, chunk
             yield messages.blob_chunk(request_id, digest, offset, sizes[digest]), [piece]
 
 
-def push_blobs(conn: Connection, manifest: Manifest, missing: list[str], request_id: int) -> int:
-    """Send the blobs the peer lacks (blocking); returns the bytes of content sent."""
+def push_blobs(conn: Connection, manifest: Manifest, missing: list[str], request_id: int,
+               progress: Callable[[int], object] | None = None) -> int:
+    """Send the blobs the peer lacks (blocking); returns the bytes of content sent. `progress(n)`, if given, is
+    told the bytes of each message once sent."""
     sent = 0
     for msg, buffers in blob_messages(manifest, missing, request_id):
         conn.send(msg, buffers)
-        sent += sum(b.nbytes for b in buffers)
+        nbytes = sum(b.nbytes for b in buffers)
+        sent += nbytes
+        if progress is not None:
+            progress(nbytes)
     return sent
 
 
@@ -506,6 +511,7 @@ class FileReceiver:
         self.dest = Path(dest)
         self.force = force
         self.files: list[list[Any]] | None = None
+        self.total: int | None = None  # the bytes of the files listed, once the header came
         self.received = 0
         self._sink = _Sink(disk, release)
         self._next = 0  # the index of the file being received, and how much of it came
@@ -517,6 +523,7 @@ class FileReceiver:
     @property
     def done(self) -> bool:
         return self.files is not None and self._next == len(self.files)
+
 
     def feed(self, msg: messages.Message, buffers: list[Any]) -> bool:
         """Take one FILE message (or the sender's ERROR, which raises FolderError); True when all came."""
@@ -567,7 +574,7 @@ class FileReceiver:
         if existing:
             shown = ", ".join(existing[:5]) + (f" and {len(existing) - 5} more" if len(existing) > 5 else "")
             _refuse(self, f"would overwrite {shown} in {self.dest} (--force overwrites files)")
-        self.files = files
+        self.files, self.total = files, sum(f[1] for f in files)
 
     def _open(self, index: int) -> None:
         assert self.files is not None
