@@ -18,6 +18,7 @@ FIFOs, devices) are skipped.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -26,6 +27,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -687,6 +689,42 @@ def copy_fd(src: int, dst: int, size: int) -> None:
         raise FolderError(f"the copy ended {left} bytes short of {size} (the file shrank)")
 
 
+def _find_fclonefileat() -> Any:
+    """macOS's fclonefileat(2), or None elsewhere (on Linux, copy_file_range makes reflinks where it can)."""
+    if sys.platform != "darwin":
+        return None
+    import ctypes
+
+    try:
+        clone = ctypes.CDLL(None, use_errno=True).fclonefileat
+    except (OSError, AttributeError):  # before macOS 10.12
+        return None
+    clone.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
+    clone.restype = ctypes.c_int
+    return clone
+
+
+_fclonefileat = _find_fclonefileat()
+_CLONE_FLAGS = 0x0001 | 0x0002  # CLONE_NOFOLLOW | CLONE_NOOWNERCOPY (sys/clonefile.h)
+
+
+def clone_file(src: int, folder_fd: int, name: str) -> bool:
+    """Make `name` in the open folder a clone of the file `src`: on APFS a new file that shares the blocks until
+    either is written (so the store's blob stays as it is, and no byte is copied). True if made; False where no
+    clone can be had (not macOS, another filesystem or volume): the caller copies. FileExistsError if `name`
+    exists."""
+    if _fclonefileat is None:
+        return False
+    if _fclonefileat(src, folder_fd, os.fsencode(name), _CLONE_FLAGS) == 0:
+        return True
+    import ctypes
+
+    code = ctypes.get_errno()
+    if code == errno.EEXIST:
+        raise FileExistsError(code, os.strerror(code), name)
+    return False  # ENOTSUP, EXDEV, EINVAL (an older macOS's flags), ...: a copy does instead
+
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
@@ -810,7 +848,7 @@ class _Folders:
 
 
 def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:
-    """Copy one blob into the open folder as `name`, refusing a name that exists already."""
+    """Clone (`clone_file`) or copy one blob into the open folder as `name`, refusing a name that exists already."""
     try:
         src = os.open(store.blob_path(entry.digest), os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -820,8 +858,12 @@ def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:
         if os.fstat(src).st_size != entry.size:
             raise FolderError(f"{entry.path}: the stored blob {entry.digest[:16]} is not {entry.size} bytes")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        mode = 0o700 if entry.executable else 0o600
         try:
-            dst = os.open(name, flags, 0o700 if entry.executable else 0o600, dir_fd=folder_fd)
+            if clone_file(src, folder_fd, name):
+                os.chmod(name, mode, dir_fd=folder_fd)  # the clone has the blob's 0600
+                return
+            dst = os.open(name, flags, mode, dir_fd=folder_fd)
         except FileExistsError:
             raise FolderError(f"{entry.path} comes twice in the manifest") from None
         try:

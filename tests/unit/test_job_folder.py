@@ -383,7 +383,8 @@ def upload_all(manifest: Manifest, store: BlobStore) -> None:
 # --- the job's folder ------------------------------------------------------------------------
 
 
-def test_materialise_rebuilds_the_folder_as_copies(project, tmp_path):
+def _materialised(project: Path, tmp_path: Path) -> tuple[Manifest, BlobStore, Path]:
+    """The project uploaded to a new store and built into a job's folder; checked: every file's bytes and mode."""
     manifest = memory_scan(project)
     store = BlobStore(tmp_path / "store")
     upload_all(manifest, store)
@@ -392,13 +393,47 @@ def test_materialise_rebuilds_the_folder_as_copies(project, tmp_path):
     materialise(manifest, store, job)
     for e in manifest.entries:
         assert (job / e.path).read_bytes() == (project / e.path).read_bytes()
-    assert os.access(job / "train.py", os.X_OK) and (job / "pkg/model.py").stat().st_mode & 0o777 == 0o600
-    assert job.stat().st_mode & 0o777 == 0o700
+        assert (job / e.path).stat().st_mode & 0o777 == (0o700 if e.executable else 0o600)
+    return manifest, store, job
+
+
+def test_materialise_rebuilds_the_folder_as_copies(project, tmp_path):
+    manifest, store, job = _materialised(project, tmp_path)  # on macOS, of clones (the test below)
+    assert os.access(job / "train.py", os.X_OK) and job.stat().st_mode & 0o777 == 0o700
     assert sorted(p.name for p in job.parent.iterdir()) == ["j1"]
     (job / "pkg/model.py").write_text("changed by the job")  # the store is not touched
     assert store.path(sha(b"W = 1\n")).read_bytes() == b"W = 1\n"
     with pytest.raises(FolderError, match="exists already"):
         materialise(manifest, store, job)
+
+
+def test_where_no_clone_can_be_made_each_file_is_copied(project, tmp_path, monkeypatch):
+    """macOS's fclonefileat(2) refuses on another filesystem or volume (ENOTSUP, EXDEV): the file is copied
+    instead. (On Linux there is no clone call: copy_file_range makes a reflink itself where it can.)"""
+    import ctypes
+    import errno
+
+    tried = []
+
+    def refused(src: int, folder_fd: int, name: bytes, flags: int) -> int:
+        tried.append(name.decode())
+        ctypes.set_errno(errno.ENOTSUP)
+        return -1
+
+    monkeypatch.setattr(folder, "_fclonefileat", refused)
+    manifest, _, _ = _materialised(project, tmp_path)
+    assert sorted(tried) == sorted(e.path.rsplit("/", 1)[-1] for e in manifest.entries)
+
+
+@pytest.mark.skipif(sys.platform != "darwin", reason="APFS clones are macOS's (fclonefileat); not run here")
+def test_on_macos_a_jobs_files_are_clones_of_the_stores_blobs(project, tmp_path, monkeypatch):
+    """On APFS (a Mac's temporary folder) every file of the job's folder is a clone; the test above checks that
+    a job writing into one leaves the store's blob as it was."""
+    made = []
+    clone = folder.clone_file
+    monkeypatch.setattr(folder, "clone_file", lambda *args: made.append(clone(*args)) or made[-1])
+    manifest, _, _ = _materialised(project, tmp_path)
+    assert made == [True] * len(manifest.entries)
 
 
 @pytest.mark.parametrize("entries, problem", [
