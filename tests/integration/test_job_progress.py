@@ -22,7 +22,7 @@ import time
 import pytest
 from tqdm import tqdm
 
-from support import new_key, wait_until
+from support import holds_for, new_key, wait_until
 
 BIG = 96 << 20  # over the peer's backlog and both ends' socket buffers: with its disk held, the upload waits
 
@@ -82,8 +82,8 @@ def test_an_upload_and_a_fetch_draw_their_bars_when_asked_for_and_a_resubmit_non
 
 
 def _on_a_terminal(argv: list[str], cwd, key: str, until=None) -> tuple[int, str, str]:
-    """Run `argv` with its stderr on a pseudo-terminal (stdout on a pipe); `until()` is called once it runs.
-    Its exit code, stdout and what it drew on the terminal."""
+    """Run `argv` with its stderr on a pseudo-terminal (stdout on a pipe); `until(process)` is called once it
+    runs. Its exit code, stdout and what it drew on the terminal."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 columns, as a terminal has
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=slave,
@@ -92,7 +92,7 @@ def _on_a_terminal(argv: list[str], cwd, key: str, until=None) -> tuple[int, str
     drawn = b""
     try:
         if until is not None:
-            until()
+            until(proc)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if select.select([master], [], [], 0.1)[0]:
@@ -119,10 +119,10 @@ def test_gpulayer_submit_on_a_terminal_draws_its_upload_bar_once_it_takes_half_a
     (pause / "blob-writing.hold").touch()
     (pause / "blob-writing.reached").unlink(missing_ok=True)
 
-    def hold_the_disk_a_second() -> None:
+    def hold_the_disk_a_second(submitter: subprocess.Popen) -> None:
         try:
             wait_until(lambda: (pause / "blob-writing.reached").exists(), 60)
-            time.sleep(1.0)
+            holds_for(lambda: submitter.poll() is None, 1.0)  # its upload waits for the disk meanwhile
         finally:
             (pause / "blob-writing.hold").unlink()
 

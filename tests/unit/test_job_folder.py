@@ -425,10 +425,10 @@ def test_where_no_clone_can_be_made_each_file_is_copied(project, tmp_path, monke
     assert sorted(tried) == sorted(e.path.rsplit("/", 1)[-1] for e in manifest.entries)
 
 
-@pytest.mark.skipif(sys.platform != "darwin", reason="APFS clones are macOS's (fclonefileat); not run here")
+@pytest.mark.skipif(sys.platform != "darwin", reason="macos only: APFS clones (fclonefileat)")
 def test_on_macos_a_jobs_files_are_clones_of_the_stores_blobs(project, tmp_path, monkeypatch):
-    """On APFS (a Mac's temporary folder) every file of the job's folder is a clone; the test above checks that
-    a job writing into one leaves the store's blob as it was."""
+    """On APFS (a Mac's temporary folder) every file of the job's folder is a clone; that a job writing into one
+    leaves the store's blob as it was is test_materialise_rebuilds_the_folder_as_copies's to check."""
     made = []
     clone = folder.clone_file
     monkeypatch.setattr(folder, "clone_file", lambda *args: made.append(clone(*args)) or made[-1])
