@@ -524,7 +524,6 @@ class FileReceiver:
     def done(self) -> bool:
         return self.files is not None and self._next == len(self.files)
 
-
     def feed(self, msg: messages.Message, buffers: list[Any]) -> bool:
         """Take one FILE message (or the sender's ERROR, which raises FolderError); True when all came."""
         _check(self, msg, len(buffers), FILE, messages.check_file, "the peer stopped the fetch")
