@@ -300,8 +300,7 @@ class Jobs:
             try:
                 link = self._link_to(record, addresses)
                 try:
-                    info = _submit_over(link, spec, manifest, array, heard,
-                                        _upload_bar(record.advert.name, progress))
+                    info = _submit_over(link, spec, manifest, array, heard, progress, record.advert.name)
                 except BaseException:
                     link.close()
                     raise
@@ -398,17 +397,10 @@ class Jobs:
         return JobLink(self.client, holder.addresses)
 
 
-def _upload_bar(peer: str, progress: bool | None) -> Callable[[int], ProgressBar] | None:
-    """What draws an upload's bar to `peer` of so many bytes (ProgressBar's `enabled`); None for none."""
-    if progress is False:
-        return None
-    return lambda total: ProgressBar(total, f"upload to {peer}", unit="B", enabled=progress, delay=TRANSFER_DELAY_S)
-
-
 def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest, array: tuple[int, int, int] | None,
-                 heard: dict[str, Any] | None = None,
-                 bar: Callable[[int], ProgressBar] | None = None) -> messages.Message:
-    """JOB_SUBMIT, then the blobs the peer lacks (with `bar(their bytes)` advanced as they go, if any are
+                 heard: dict[str, Any] | None = None, progress: bool | None = False,
+                 peer: str = "") -> messages.Message:
+    """JOB_SUBMIT, then the blobs the peer lacks (their bar, ProgressBar's `enabled` = `progress`, if any are
     needed); the peer's JOB_INFO once it recorded the job (at once when it recorded this submission's token
     before). `heard` gets "sent" and the JOB_NEED's "holder"."""
     request_id = link.send(job_protocol.submit(0, spec, manifest.to_wire(), array))
@@ -424,15 +416,13 @@ def _submit_over(link: JobLink, spec: JobSpec, manifest: folder.Manifest, array:
     # The peer stops reading while its disk is behind (ADR 0022): a send waits for TCP's window as long as
     # it takes, not for the last receive's timeout; keepalive and TCP_USER_TIMEOUT notice a peer gone.
     link.conn.sock.settimeout(None)
-    shown = None
-    if bar is not None and need:
-        sizes = manifest.blobs()
-        shown = bar(sum(sizes.get(digest, 0) for digest in need))  # a digest not in it: push_blobs refuses it
+    sizes = manifest.blobs() if need else {}  # a digest not in it: push_blobs refuses it
+    bar = ProgressBar(sum(sizes.get(digest, 0) for digest in need), f"upload to {peer}", unit="B",
+                      enabled=progress if need else False, delay=TRANSFER_DELAY_S)
     try:
-        transfer.push_blobs(link.conn, manifest, need, request_id, None if shown is None else shown.advance)
+        transfer.push_blobs(link.conn, manifest, need, request_id, bar.advance)
     finally:
-        if shown is not None:
-            shown.close()
+        bar.close()
     return link.answer(request_id, timeout=None if need else 60.0)
 
 
