@@ -43,15 +43,16 @@ def new_key() -> str:
     return "test-" + secrets.token_hex(16)
 
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
-    """Poll until predicate() is truthy and return its value; fail after `timeout` seconds."""
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02, detail=None):
+    """Poll until predicate() is truthy and return its value; fail after `timeout` seconds (saying what
+    `detail()` returns then, if given)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
+    raise AssertionError(f"condition not met within {timeout} s" + (f": {detail()}" if detail else ""))
 
 
 def holds_for(predicate, seconds: float, interval: float = 0.05) -> None:

@@ -1,5 +1,6 @@
 """Peers pull waiting work across the bridge (issue 28, ADR 0019): jobs queued on one host are taken over by
-peers on hosts that join later, found over real mDNS multicast between namespaces; each job runs once
+peers on hosts that join later, found over real mDNS multicast between namespaces (every job holds its slot
+until the test releases it, so each joiner takes one however late it hears of the owner); each job runs once
 (read from the jobs' own output), the pinned ones stay, and `gpulayer jobs` shows where each one ran."""
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from gpulayer.matching import Requirements
 out, release, key = sys.argv[1], sys.argv[2], sys.argv[3].encode()
 client = Client(key=key, echo_output=False)
 jobs = Jobs(client)
-write = ["sh", "-c", f'echo "$GPULAYER_JOB_ID $GPULAYER_PEER_NAME" >> {out}']
+held = f"while [ ! -e {release} ]; do sleep 0.05; done"
+write = ["sh", "-c", f'echo "$GPULAYER_JOB_ID $GPULAYER_PEER_NAME" >> {out}; {held}']
 pinned = Requirements.build(accelerator="cpu", peer="p1")
-blocker = jobs.submit(["sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done"], None, pinned)
+blocker = jobs.submit(["sh", "-c", held], None, pinned)
 ids = [jobs.submit(write, None, pinned).id for _ in range(2)]
 ids += [jobs.submit(write, None, Requirements.build(accelerator="cpu")).id for _ in range({jobs})]
 print(json.dumps({"blocker": blocker.id, "pinned": ids[:2], "ids": ids, "peers": sorted({blocker.peer})}))
@@ -48,9 +50,9 @@ def test_jobs_queued_on_one_host_are_pulled_by_hosts_that_join(lan, tmp_path):
     def ran() -> list[list[str]]:
         return [line.split() for line in out.read_text().splitlines()] if out.exists() else []
 
-    wait_until(lambda: {peer for _, peer in ran()} == {"p2", "p3"}, 120)  # while p1's slot is still held
+    wait_until(lambda: {peer for _, peer in ran()} == {"p2", "p3"}, 120, detail=ran)  # p1's slot is still held
     release.touch()
-    wait_until(lambda: len(ran()) >= len(plan["ids"]), 180)
+    wait_until(lambda: len(ran()) >= len(plan["ids"]), 180, detail=ran)
     where = dict(ran())
     assert sorted(job_id for job_id, _ in ran()) == sorted(plan["ids"])  # each exactly once
     assert {where[job_id] for job_id in plan["pinned"]} == {"p1"}
