@@ -20,13 +20,19 @@ def _cpu(peer: str | None = None):
     return Requirements.build(accelerator="cpu", peer=peer)
 
 
-def _writes(out: Path) -> list[str]:
-    """A job that appends "<its id> <the peer it ran on>" to `out` (one short write: O_APPEND keeps lines whole)."""
-    return ["sh", "-c", f'echo "$GPULAYER_JOB_ID $GPULAYER_PEER_NAME" >> {out}']
+def _held(release: Path) -> str:
+    return f"while [ ! -e {release} ]; do sleep 0.05; done"
+
+
+def _writes(out: Path, release: Path | None = None) -> list[str]:
+    """A job that appends "<its id> <the peer it ran on>" to `out` (one short write: O_APPEND keeps lines whole),
+    then, given `release`, holds its slot until that file exists."""
+    return ["sh", "-c", f'echo "$GPULAYER_JOB_ID $GPULAYER_PEER_NAME" >> {out}' + (f"; {_held(release)}"
+                                                                                   if release else "")]
 
 
 def _blocker(release: Path) -> list[str]:
-    return ["sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done"]
+    return ["sh", "-c", _held(release)]
 
 
 def _ran(out: Path) -> list[tuple[str, str]]:
@@ -70,14 +76,15 @@ def test_peers_that_join_pull_the_queued_jobs_each_runs_once_and_pinned_ones_sta
     blocker = jobs.submit(_blocker(release), None, _cpu(peer="owner"))
     wait_until(lambda: blocker.refresh().state == "running", 60)
     pinned = [jobs.submit(_writes(out), None, _cpu(peer="owner"), name="pinned") for _ in range(5)]
-    loose = [jobs.submit(_writes(out), None, _cpu(), name="loose") for _ in range(200)]
+    # each holds its slot until released: a joiner that hears of the owner late still takes one
+    loose = [jobs.submit(_writes(out, release), None, _cpu(), name="loose") for _ in range(200)]
     assert {j.peer for j in pinned + loose} == {"owner"} and not out.exists()  # all queued behind the blocker
     owner_holder = blocker.id.split("-")[0]
     joiners = [cluster_of_jobs(f"joiner{n}", wait=False) for n in range(4)]
     for peer in joiners:
         peer.wait_ready()
     # all four run jobs pulled from the owner while its only slot is still held
-    wait_until(lambda: {peer for _, peer in _ran(out)} == {p.name for p in joiners}, 120)
+    wait_until(lambda: {peer for _, peer in _ran(out)} == {p.name for p in joiners}, 120, detail=lambda: _ran(out))
     release.touch()
     every = pinned + loose
     wait_until(lambda: len(_ran(out)) >= len(every), 180)
@@ -257,8 +264,9 @@ def test_an_arriving_job_whose_owner_never_comes_back_is_lost_on_the_puller_and_
 def _hand_over_faults(actions: list[str]):
     """The proxy's hook: the next of `actions` hits each JOB_TAKE "commit" that follows a "need" on its
     connection (a hand-over's own commit, not one asked again for an arriving job): "cut" resets the
-    connection before the commit passes, "answer" lets it pass and resets before the owner's answer. Records are told apart by size (ids of one length): a
-    JOB_PULL carries an advert (over 200 bytes), a "need" is a few bytes longer than a "commit"."""
+    connection before the commit passes, "answer" lets it pass and resets before the owner's answer. Records
+    are told apart by size (ids of one length): a JOB_PULL carries an advert (over 200 bytes), a "need" is a
+    few bytes longer than a "commit"."""
     import socket
     import struct
 
