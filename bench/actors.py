@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import psutil
+from output import PLOT_HELP, plot_beside  # this folder's
 from overhead import latencies, machine  # this folder's: the same measurement as for tasks
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     parser.add_argument("--json", type=Path, default=RESULTS / "actors.json")
-    parser.add_argument("--plot", type=Path, default=RESULTS / "actors.png")
+    parser.add_argument("--plot", default=None, help=PLOT_HELP)
     args = parser.parse_args(argv)
     n, calls, repeats = (200, 500, 2) if args.quick else (2000, 10_000, 5)
     if not os.environ.get("GPULAYER_KEY"):
@@ -200,7 +201,9 @@ def main(argv=None) -> int:
     result["summary"] = summarize(result["gpulayer"], result["ray"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    plot(result, args.plot)
+    where = plot_beside(args.json, args.plot)
+    if where is not None:
+        plot(result, where)
     print(json.dumps(result["summary"], indent=2))
     return 0
 

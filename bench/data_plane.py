@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[1:1] = [str(ROOT / "tests"), str(ROOT / "tests" / "lan")]  # after bench/; no gpulayer in either
 
 from lanlab import Agent, Lan, start_peers, why_unavailable  # noqa: E402
+from output import PLOT_HELP  # noqa: E402  this folder's
 from overhead import RawClient, latencies, machine, raw_server, write_results  # noqa: E402  this folder's
 from support import PeerProcess  # noqa: E402
 
@@ -519,7 +520,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (a smoke run)")
     parser.add_argument("--json", default=str(RESULTS / "data_plane.json"))
-    parser.add_argument("--plot", default=str(RESULTS / "data_plane.png"))
+    parser.add_argument("--plot", default=None, help=PLOT_HELP)
     parser.add_argument("--max-minutes", type=float, default=40.0, help="rounds stop early past this")
     parser.add_argument("--raw-server", help=argparse.SUPPRESS)
     parser.add_argument("--bind", default="127.0.0.1", help=argparse.SUPPRESS)

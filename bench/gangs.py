@@ -40,6 +40,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from output import PLOT_HELP, plot_beside  # this folder's
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 RANK_SCRIPT = "import os, time; open(os.path.join({folder!r}, os.environ['RANK']), 'w').write(repr(time.time()))\n"
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bandwidth", action="store_true")
     parser.add_argument("--nccl", action="store_true", help="the NCCL comparison on this host's 2 GPUs (issue 31)")
     parser.add_argument("--json", default=str(RESULTS / "gangs.json"))
-    parser.add_argument("--plot", default=str(RESULTS / "gangs.png"))
+    parser.add_argument("--plot", default=None, help=PLOT_HELP)
     parser.add_argument("--submitter", nargs=2, type=int, help=argparse.SUPPRESS)  # size, rounds: inside the LAN
     parser.add_argument("--plain", nargs=3, help=argparse.SUPPRESS)  # framework, size, rounds: a rank by hand
     args = parser.parse_args(argv)
@@ -357,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         result["nccl"] = nccl_bandwidth(args.mib, args.rounds)
     print(json.dumps(result, indent=2))
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
-        draw(result, Path(args.plot))
+    where = plot_beside(args.json, args.plot)
+    if where is not None:
+        draw(result, where)
     return 0
 
 

@@ -67,6 +67,7 @@ sys.path[1:1] = [str(ROOT / "tests"), str(ROOT / "tests" / "lan")]  # after benc
 import msgpack  # noqa: E402
 from data_plane import Deadline, rotated, spread, wait_for_file  # noqa: E402  this folder's
 from lanlab import Lan, why_unavailable  # noqa: E402
+from output import PLOT_HELP  # noqa: E402
 from overhead import machine, write_results  # noqa: E402
 
 from gpulayer import security  # noqa: E402
@@ -862,7 +863,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (a smoke run)")
     parser.add_argument("--json", default=str(RESULTS / "jobs.json"))
-    parser.add_argument("--plot", default=str(RESULTS / "jobs.png"))
+    parser.add_argument("--plot", default=None, help=PLOT_HELP)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=SECTIONS, help="run this section alone (default: all of them)")
     parser.add_argument("--max-minutes", type=float, default=20.0, help="rounds stop early past this")

@@ -36,6 +36,7 @@ from pathlib import Path
 import cloudpickle
 import msgpack
 import numpy as np
+from output import PLOT_HELP, plot_beside  # this folder's
 
 try:
     from gpulayer.protocol.framing import receive_buffer
@@ -488,7 +489,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     parser.add_argument("--json", default=str(RESULTS / "overhead.json"))
-    parser.add_argument("--plot", default=str(RESULTS / "overhead.png"))
+    parser.add_argument("--plot", default=None, help=PLOT_HELP)
     parser.add_argument("--raw-server", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.raw_server:
@@ -513,12 +514,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_results(result: dict, json_path: str, plot_path: str | None, draw) -> None:
-    """Write a benchmark's JSON, draw its plot (`draw(result, path)`) when asked, and print its summary."""
+def write_results(result: dict, json_path: str, plot: str | None, draw) -> None:
+    """Write a benchmark's JSON, draw its plot (`draw(result, path)`, where `plot_beside` says), and print its
+    summary."""
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2))
-    if plot_path:
-        draw(result, Path(plot_path))
+    where = plot_beside(json_path, plot)
+    if where is not None:
+        draw(result, where)
     print(json.dumps(result["summary"], indent=2))
 
 

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[1:1] = [str(ROOT / "tests"), str(ROOT / "tests" / "lan")]  # after bench/; no gpulayer in either
 
 from lanlab import Lan, why_unavailable  # noqa: E402
+from output import PLOT_HELP  # noqa: E402
 from overhead import machine, write_results  # noqa: E402
 from support import PeerProcess, wait_until  # noqa: E402
 
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 peers, a dozen jobs, one round (a smoke run)")
     parser.add_argument("--json", default=str(RESULTS / "queue.json"))
-    parser.add_argument("--plot", default=str(RESULTS / "queue.png"))
+    parser.add_argument("--plot", default=None, help=PLOT_HELP)
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     result: dict = {"machine": {**machine(), "load_before": os.getloadavg()},

@@ -27,6 +27,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "tests" / "lan"))
 
 from lanreport import merge, read_report, write_report  # noqa: E402
+from output import PLOT_HELP, plot_beside  # noqa: E402  this folder's
 
 
 def run_suite(pytest_args: list[str], report: Path) -> int:
@@ -85,7 +86,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=str(RESULTS / "reliability.json"))
-    parser.add_argument("--plot", default=str(RESULTS / "reliability.png"), help="'' for none")
+    parser.add_argument("--plot", default=None, help=PLOT_HELP)
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from --json")
     args, pytest_args = parser.parse_known_args(argv)
     target = Path(args.json)
@@ -105,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             return code or 1
         report = merge(read_report(target), run)
         write_report(target, report)
-    if args.plot:
-        plot(report, Path(args.plot))
+    where = plot_beside(target, args.plot)
+    if where is not None:
+        plot(report, where)
     print(json.dumps({k: report.get(k) for k in ("written", "totals", "detection_times_s", "outcomes")}, indent=2))
-    written = ([] if args.replot else [str(target)]) + ([args.plot] if args.plot else [])
+    written = ([] if args.replot else [str(target)]) + ([str(where)] if where is not None else [])
     if written:
         print("wrote " + " and ".join(written))
     return code

@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gpulayer.resources import utilisation
+from output import PLOT_HELP, plot_beside  # this folder's
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -82,7 +83,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (a check, not a measurement)")
     parser.add_argument("--json", type=Path, default=RESULTS / "sampling.json")
-    parser.add_argument("--plot", type=Path, default=RESULTS / "sampling.png")
+    parser.add_argument("--plot", default=None, help=PLOT_HELP)
     args = parser.parse_args()
     count, calls, thread_s = (3, 20, 3.0) if args.quick else (15, 200, 30.0)
 
@@ -107,13 +108,15 @@ def main() -> int:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.plot)
+    where = plot_beside(args.json, args.plot)
+    if where is not None:
+        plot(report, where)
     for name, part in parts.items():
         print(f"{name:38s} {1e6 * part['median_s']:9.1f} µs CPU per sample "
               f"(quartiles {1e6 * part['q1_s']:.1f}-{1e6 * part['q3_s']:.1f}) = "
               f"{part['percent_of_a_core_at_1hz']:.3f}% of a core at 1 Hz")
     print(f"Sampler thread at 1 Hz over {thread['seconds']:.0f} s: {thread['percent_of_a_core']:.3f}% of a core "
-          f"(budget {BUDGET_PERCENT}%); wrote {args.json} and {args.plot}")
+          f"(budget {BUDGET_PERCENT}%); wrote {args.json}" + (f" and {where}" if where is not None else ""))
     return 0
 
 

@@ -90,12 +90,12 @@ def test_bench_without_peers_says_so_and_fails(key):
 
 
 def quick_bench(name: str, tmp_path: Path) -> dict:
-    """`bench/<name>.py --quick` with its JSON and plot in `tmp_path`: its figures (its plot a PNG); nothing of
-    bench/results is written."""
+    """`bench/<name>.py --quick` with its JSON in `tmp_path`: its figures (its plot a PNG, drawn beside the JSON
+    by default); nothing of bench/results is written."""
     results = REPO / "bench" / "results"
     before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
     report, png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
-    out = subprocess.run([sys.executable, f"bench/{name}.py", "--quick", "--json", str(report), "--plot", str(png)],
+    out = subprocess.run([sys.executable, f"bench/{name}.py", "--quick", "--json", str(report)],
                          cwd=REPO, capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
