@@ -27,8 +27,8 @@ def _held(release: Path) -> str:
 def _writes(out: Path, release: Path | None = None) -> list[str]:
     """A job that appends "<its id> <the peer it ran on>" to `out` (one short write: O_APPEND keeps lines whole),
     then, given `release`, holds its slot until that file exists."""
-    return ["sh", "-c", f'echo "$GPULAYER_JOB_ID $GPULAYER_PEER_NAME" >> {out}' + (f"; {_held(release)}"
-                                                                                   if release else "")]
+    hold = f"; {_held(release)}" if release else ""
+    return ["sh", "-c", f'echo "$GPULAYER_JOB_ID $GPULAYER_PEER_NAME" >> {out}{hold}']
 
 
 def _blocker(release: Path) -> list[str]:
