@@ -49,7 +49,9 @@ def head(lan):
     return host
 
 
-RAY_SERVER_FAILED = "Starting Ray client server failed"  # Ray's own failure to start, not a refusal
+# Ray's own failures to start its per-client server, not a refusal: its message, and its proxier's traceback
+# (under load its psutil met the new server as a zombie: ZombieProcess in start_specific_server)
+RAY_SERVER_FAILED = ("Starting Ray client server failed", "in start_specific_server")
 
 
 def attempts(lan, key: str | None, via: str, addresses: list[str]) -> dict[str, tuple[dict, bool]]:
@@ -64,7 +66,7 @@ def attempts(lan, key: str | None, via: str, addresses: list[str]) -> dict[str, 
                            timeout=CLIENT_TIMEOUT, env=ray_env(lan, key, host.label))
             assert out.returncode == 0 and out.stdout.strip(), out.stdout + out.stderr
             report = json.loads(out.stdout.strip().splitlines()[-1])
-            if not any(RAY_SERVER_FAILED in line for line in report.get("error", [])):
+            if not any(failed in line for line in report.get("error", []) for failed in RAY_SERVER_FAILED):
                 break
         return report, marker.exists()
 
