@@ -5,9 +5,11 @@ executable bit, BLAKE3 digest of the content), honouring `.gitignore` files (roo
 through `pathspec`) and `--exclude` patterns, never shipping `.git`, and refusing a symlink that leaves
 the folder or a folder over the size limit before anything is sent. The peer keeps file contents once,
 by digest, in a `BlobStore`; the submitter sends only the blobs it lacks (`BlobStore.missing`), each
-verified before it is stored, and `materialise` copies the manifest's files out of the store into the
-job's own folder. After the job, `changed_files` says what it created or changed, and `resolve_inside`
-keeps every fetched path inside the job's folder.
+verified before it is stored. A blob received for a job becomes a file of that job's folder itself (a hard
+link: its bytes are written once); every other file of a job's folder is a copy (`materialise`). The store
+notes each blob's identity, so a blob that a job wrote into through its link counts as missing from then
+on (ADR 0025). After the job, `changed_files` says what it created or changed, and `resolve_inside` keeps
+every fetched path inside the job's folder.
 
 Symlinks: one inside the folder that points to a file or folder inside it ships as a copy of its
 target (the peer never makes a symlink); a dangling one ships nothing; one whose target is outside the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -28,6 +31,8 @@ import secrets
 import shutil
 import stat
 import sys
+import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -517,9 +522,10 @@ class BlobWriter:
         if (self._hash.hexdigest() if self._hash is not None else hashed) != self.digest:
             self.abort()
             raise _not_its_digest(self.digest)
+        identity = _seal(self._fd)
         os.close(self._fd)
         self._fd = None
-        return Path(self.store.move_in(self._tmp, self.digest))
+        return Path(self.store.move_in(self._tmp, self.digest, identity))
 
     def abort(self) -> None:
         """Drop what was written."""
@@ -538,10 +544,14 @@ class BlobWriter:
 
 class BlobStore:
     """The peer's file contents, once each, by content digest (BLAKE3): `<dir>/<2 hex>/<digest>` (0700
-    folders, 0600 files).
+    folders, 0600 files), and `<dir>/index`, the identity each blob had when it was stored.
 
-    Blobs are immutable: a job's folder gets copies (`materialise`), so a job that writes into its
-    files never changes the store. `prune` frees what no retained job needs.
+    A blob may be the very file of the job it came for (`Builder` links it there): a job that writes into
+    that file changes the blob. So each blob gets a unique mtime as it is stored, and its identity (inode,
+    size, mtime) is noted in memory and appended to the index; a blob whose file no longer has it (written
+    to since, or of an earlier release's store) counts as missing, and a copy out of it (`_place`) is
+    refused. `prune` frees what no retained job needs; `recover`, at the peer's start, removes what is not
+    intact and rewrites the index.
     """
 
     def __init__(self, directory: PathLike):
@@ -550,11 +560,24 @@ class BlobStore:
         self.tmp = str(self.directory / "tmp")
         (self.directory / "tmp").mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.directory, 0o700)
+        self._index = self.directory / INDEX_FILE
+        self._lock = threading.Lock()  # the index: its file and `_known` change together
+        self._known: dict[str, tuple[int, int, int]] = _read_index(self._index)  # digest -> (inode, size, mtime)
+        self._index_file = _append_to(self._index)
 
-    def clean_partial(self) -> None:
-        """Remove the partial uploads of a peer that died (call at the peer's start, with no upload running)."""
+    def close(self) -> None:
+        self._index_file.close()
+
+    def recover(self) -> None:
+        """At the peer's start, with no upload running: remove the partial uploads of a peer that died and the
+        blobs that are not intact (written to by a job, or never noted: a crash between the two, an earlier
+        release's), and write the index afresh."""
         for stale in (self.directory / "tmp").iterdir():
             stale.unlink(missing_ok=True)
+        for digest, size in list(self.blobs()):
+            if not self.intact(digest, size):
+                self.path(digest).unlink(missing_ok=True)
+        self._rewrite_index()
 
     def path(self, digest: str) -> Path:
         return Path(self.blob_path(digest))
@@ -565,11 +588,21 @@ class BlobStore:
             raise FolderError(f"not a {DIGEST} digest: {str(digest)[:80]!r}")
         return f"{self._root}/{digest[:2]}/{digest}"
 
-    def has(self, digest: str, size: int) -> bool:
-        return _sized(self.blob_path(digest), size)
+    def intact(self, digest: str, size: int, st: os.stat_result | None = None) -> bool:
+        """Whether the blob is stored, `size` bytes long, and its file has the identity noted when it was stored
+        (`st`: its stat, if the caller has it)."""
+        known = self._known.get(digest)
+        if known is None or known[1] != size:
+            return False
+        if st is None:
+            try:
+                st = os.stat(self.blob_path(digest))
+            except FileNotFoundError:
+                return False
+        return (st.st_ino, st.st_size, st.st_mtime_ns) == known
 
     def missing(self, blobs: Mapping[str, int]) -> list[str]:
-        """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks, in their order.
+        """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks intact, in their order.
 
         The folders they would be in are listed first, so only blobs present are looked at one by one
         (a resubmit of 1,609 files: 14 -> 9 ms, on the peer's event loop)."""
@@ -580,16 +613,16 @@ class BlobStore:
         for prefix in {digest[:2] for digest in blobs}:
             with contextlib.suppress(FileNotFoundError):
                 present.update(os.listdir(f"{self._root}/{prefix}"))
-        return [digest for digest, size in blobs.items()
-                if digest not in present or not _sized(f"{self._root}/{digest[:2]}/{digest}", size)]
+        return [digest for digest, size in blobs.items() if digest not in present or not self.intact(digest, size)]
 
     def tmp_path(self, digest: str) -> str:
         """A new name in the store's tmp folder for a blob being written (its digest's start, this process, a
         count: no random bytes to ask the kernel for, per small blob)."""
         return f"{self.tmp}/{digest[:16]}.{os.getpid()}.{next(_TMP_COUNT)}"
 
-    def move_in(self, tmp: str, digest: str) -> str:
-        """Rename the checked blob at `tmp` into the store (atomic); its path there."""
+    def move_in(self, tmp: str, digest: str, identity: tuple[int, int, int]) -> str:
+        """Rename the checked blob at `tmp` (sealed: `_seal`'s identity) into the store (atomic), and note its
+        identity; its path there."""
         final = self.blob_path(digest)
         try:
             os.replace(tmp, final)
@@ -597,6 +630,9 @@ class BlobStore:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(os.path.dirname(final), 0o700)
             os.replace(tmp, final)
+        with self._lock:
+            self._known[digest] = identity
+            self._index_file.write(_index_line(digest, identity))
         return final
 
     def put(self, digest: str, data: memoryview) -> None:
@@ -613,12 +649,13 @@ class BlobStore:
         try:
             while data:
                 data = data[os.write(fd, data):]
+            identity = _seal(fd)
         except BaseException:
             os.unlink(tmp)
             raise
         finally:
             os.close(fd)
-        self.move_in(tmp, digest)
+        self.move_in(tmp, digest, identity)
 
     def writer(self, digest: str, size: int, caller_hashes: bool = False) -> BlobWriter:
         """A writer for one blob of `size` bytes and this digest (`BlobWriter`)."""
@@ -641,9 +678,9 @@ class BlobStore:
 
     def prune(self, keep: Collection[str],
               lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()) -> int:
-        """Remove every blob not in `keep` (the digests of the jobs retained and of uploads in progress);
-        returns the bytes freed. `keep` is looked at under `lock` right before each removal: what another
-        thread adds to it under `lock` while this runs is kept (peer/janitor.py)."""
+        """Remove every blob not in `keep` (the digests of the jobs retained and of uploads in progress), and
+        write the index afresh; returns the bytes freed. `keep` is looked at under `lock` right before each
+        removal: what another thread adds to it under `lock` while this runs is kept (peer/janitor.py)."""
         freed = 0
         for digest, size in list(self.blobs()):
             with lock:
@@ -651,15 +688,61 @@ class BlobStore:
                     continue
                 self.path(digest).unlink(missing_ok=True)
             freed += size
+        self._rewrite_index()
         return freed
 
+    def _rewrite_index(self) -> None:
+        """The index with one line per blob stored and intact (written beside it, then renamed over it)."""
+        with self._lock:
+            self._known = {digest: self._known[digest] for digest, size in self.blobs()
+                           if self.intact(digest, size)}
+            tmp = f"{self._index}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"".join(_index_line(digest, identity) for digest, identity in self._known.items()))
+            finally:
+                os.close(fd)
+            os.replace(tmp, self._index)
+            self._index_file.close()
+            self._index_file = _append_to(self._index)
 
-def _sized(path: str, size: int) -> bool:
-    """Whether the file `path` is there and `size` bytes long."""
+
+INDEX_FILE = "index"
+_SEALED = itertools.count()  # makes each blob's mtime unique within this process
+
+
+def _seal(fd: int) -> tuple[int, int, int]:
+    """Give the blob being stored (open as `fd`) an mtime of its own, and return its identity (inode, size,
+    mtime_ns). A write into it later sets its mtime to the time of that write; copying another blob's mtime
+    onto it (`cp -p`) gives it that blob's, which is not its own either."""
+    stamp = time.time_ns() // 1000 * 1000 + next(_SEALED) % 1000  # a count in the nanoseconds
+    os.utime(fd, ns=(stamp, stamp))
+    st = os.fstat(fd)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _append_to(path: Path) -> io.FileIO:
+    """The file `path` (made 0600 if missing), open for appends: each write one system call, at its end."""
+    return open(path, "ab", buffering=0, opener=lambda name, flags: os.open(name, flags, 0o600))  # noqa: SIM115
+
+
+def _index_line(digest: str, identity: tuple[int, int, int]) -> bytes:
+    return f"{digest} {identity[0]} {identity[1]} {identity[2]}\n".encode()
+
+
+def _read_index(path: Path) -> dict[str, tuple[int, int, int]]:
+    """The identities an index file notes (the last line of a digest wins); lines that do not parse are left
+    out (their blobs count as missing)."""
+    known: dict[str, tuple[int, int, int]] = {}
     try:
-        return os.stat(path).st_size == size
+        text = path.read_text(errors="replace")
     except FileNotFoundError:
-        return False
+        return known
+    for line in text.splitlines():
+        parts = line.split(" ")
+        if len(parts) == 4 and is_digest(parts[0]) and all(p.isdigit() for p in parts[1:]):
+            known[parts[0]] = (int(parts[1]), int(parts[2]), int(parts[3]))
+    return known
 
 
 def copy_fd(src: int, dst: int, size: int) -> None:
@@ -728,25 +811,32 @@ def clone_file(src: int, folder_fd: int, name: str) -> bool:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
-def materialise(manifest: Manifest, store: BlobStore, dest: PathLike) -> None:
-    """Build the job's folder `dest` (which must not exist) from the manifest, copying from the store.
+def materialise(manifest: Manifest, store: BlobStore, dest: PathLike, received: Iterable[str] = ()) -> None:
+    """Build the job's folder `dest` (which must not exist) from the manifest, copying from the store (the
+    first file of each blob in `received`, stored for this job, is a link to it instead: `Builder`).
 
     The folder is built beside `dest` and renamed into place when complete: a failure (a blob the
     store lacks, a bad path) leaves nothing. Every path is checked again, and every folder is opened
     relative to its parent without following symlinks, so no entry lands outside `dest`.
     Folders are 0700, files 0600 (0700 when executable).
     """
-    Builder(manifest, store, lambda: [Path(dest)]).finish()
+    builder = Builder(manifest, store, lambda: [Path(dest)])
+    for digest in received:
+        builder.stored(digest)
+    builder.finish()
 
 
 class Builder:
     """Job folders (`materialise`'s: those `dests()` names, asked for at the first use) built while an upload
-    comes in: `stored(digest)` places the files of a blob as soon as it is in the store (on the upload's disk
-    thread, beside the receive), `finish` places the rest and renames each folder into place; `abort` leaves
-    nothing of them.
+    comes in: `stored(digest)` places the files of a blob as soon as this upload stored it (on the upload's
+    disk thread, beside the receive), `finish` places the rest and renames each folder into place; `abort`
+    leaves nothing of them.
 
-    So the copy of the folder out of the store overlaps the upload instead of following it. Not
-    thread-safe: one thread at a time (the disk thread, then the one that calls `finish`).
+    Off macOS, the first file of a blob this upload stored becomes a hard link to it: those bytes are written
+    once. Every other file is a copy (on APFS a clone, which shares the blob's blocks until either is
+    written), so no two files of the jobs share their bytes (a job that writes into its linked file changes
+    the blob, which the store then counts as missing). Not thread-safe: one thread at a time (the disk
+    thread, then the one that calls `finish`).
     """
 
     def __init__(self, manifest: Manifest, store: BlobStore, dests: Callable[[], list[Path]]):
@@ -781,7 +871,7 @@ class Builder:
         """The blob `digest` is in the store now: place its files."""
         entries = self._prepare().pop(digest, None)
         if entries:
-            self._place(entries)
+            self._place(entries, linked=digest)
 
     def finish(self) -> None:
         """Place every file not placed yet (its blob was in the store already), then move each folder into place."""
@@ -804,7 +894,8 @@ class Builder:
         for partial in self._partials:
             shutil.rmtree(partial, ignore_errors=True)
 
-    def _place(self, entries: list[Entry]) -> None:
+    def _place(self, entries: list[Entry], linked: str = "") -> None:
+        """Place the entries in every folder; the first one of the digest `linked` as a link to its blob."""
         if not self._walkers:
             for partial in self._partials:
                 os.mkdir(partial, 0o700)
@@ -813,7 +904,11 @@ class Builder:
             for e in entries:
                 *folders, name = e.path.split("/")
                 for walker in self._walkers:
-                    _place(self.store, e, name, walker.open(folders))
+                    folder_fd = walker.open(folders)
+                    if e.digest == linked and _fclonefileat is None and _link(self.store, e, name, folder_fd):
+                        linked = ""
+                    else:
+                        _place(self.store, e, name, folder_fd)
         except BaseException:
             self.abort()
             raise
@@ -847,31 +942,58 @@ class _Folders:
             os.close(self._opened.pop()[1])
 
 
+def _link(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> bool:
+    """Make `name` in the open folder a hard link to the blob just stored for it; False (nothing made) where the
+    blob is not intact (another upload of the same content replaced it meanwhile) or no link can be made (a
+    filesystem without them)."""
+    try:
+        os.link(store.blob_path(entry.digest), name, dst_dir_fd=folder_fd, follow_symlinks=False)
+    except FileExistsError:
+        raise FolderError(f"{entry.path} comes twice in the manifest") from None
+    except OSError:
+        return False
+    st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+    if not store.intact(entry.digest, entry.size, st):
+        os.unlink(name, dir_fd=folder_fd)
+        return False
+    mode = 0o700 if entry.executable else 0o600
+    if st.st_mode & 0o777 != mode:  # a blob is stored 0600
+        os.chmod(name, mode, dir_fd=folder_fd)
+    return True
+
+
 def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:
-    """Clone (`clone_file`) or copy one blob into the open folder as `name`, refusing a name that exists already."""
+    """Clone (`clone_file`) or copy one blob into the open folder as `name`, refusing a name that exists already,
+    and a blob that is not intact before or after (a job wrote into the file it is)."""
     try:
         src = os.open(store.blob_path(entry.digest), os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise FolderError(f"{entry.path}: the store lacks its blob {entry.digest[:16]} (not uploaded, or pruned)") \
             from None
     try:
-        if os.fstat(src).st_size != entry.size:
-            raise FolderError(f"{entry.path}: the stored blob {entry.digest[:16]} is not {entry.size} bytes")
+        _check_intact(store, entry, src)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         mode = 0o700 if entry.executable else 0o600
         try:
             if clone_file(src, folder_fd, name):
                 os.chmod(name, mode, dir_fd=folder_fd)  # the clone has the blob's 0600
-                return
-            dst = os.open(name, flags, mode, dir_fd=folder_fd)
+            else:
+                dst = os.open(name, flags, mode, dir_fd=folder_fd)
+                try:
+                    copy_fd(src, dst, entry.size)
+                finally:
+                    os.close(dst)
         except FileExistsError:
             raise FolderError(f"{entry.path} comes twice in the manifest") from None
-        try:
-            copy_fd(src, dst, entry.size)
-        finally:
-            os.close(dst)
+        _check_intact(store, entry, src)
     finally:
         os.close(src)
+
+
+def _check_intact(store: BlobStore, entry: Entry, src: int) -> None:
+    if not store.intact(entry.digest, entry.size, os.fstat(src)):
+        raise FolderError(f"{entry.path}: the peer has no intact blob {entry.digest[:16]} of {entry.size} bytes (a "
+                          "job wrote into its file since it was stored?): submit again, and it is sent anew")
 
 
 def resolve_inside(root: PathLike, relpath: str) -> Path:

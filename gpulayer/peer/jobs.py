@@ -180,6 +180,7 @@ class Jobs:
         for stray in self.store.sweep():  # a receipt or a recording cut by a crash: never recorded
             log.info("removed %s from the jobs' folder: no recorded job's", stray)
         self.janitor.empty_trash()  # and what a crash left in the trash
+        self.blobs.recover()  # the partial uploads a crash left, and the blobs jobs wrote into
         found = Cgroups.find(self.holder)
         self.cgroups = found if isinstance(found, Cgroups) else None  # None: why was logged
         # how a job's process tree is held, for STATUS (`gpulayer peers`, the dashboard)
@@ -252,6 +253,7 @@ class Jobs:
             self.cgroups.close()
         await self.janitor.close()
         self.store.close()
+        self.blobs.close()
         os.close(self._lock)
 
     def forget(self, conn: JobConnection) -> None:

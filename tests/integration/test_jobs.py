@@ -7,6 +7,7 @@ exit, timeout and signal give its state; hostile paths and ids are refused and c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -486,8 +487,36 @@ def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
     finally:
         conn.close()
     assert jobs.rows(include_old=True) == []
-    wait_until(lambda: not [p for p in (state / "blobs").rglob("*") if p.is_file()], 10)
+    wait_until(lambda: not list((state / "blobs").glob("*/*")), 10)  # no blob, no partial one
     assert not list((state / "jobs").iterdir())
+
+
+def test_a_job_that_writes_into_a_shipped_file_leaves_the_next_job_the_files_as_shipped(jobs_peer, tmp_path):
+    """A blob received for a job is that job's file itself (ADR 0025: written once). The job rewrites one
+    shipped file and appends to another; the same folder submitted again gets the bytes as shipped (those two
+    sent again, the unchanged one not), and the first job's folder keeps what it wrote."""
+    _, state, _, jobs = jobs_peer()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.txt").write_text("lr=0.1\n")
+    (project / "log.txt").write_text("shipped\n")
+    (project / "weights.bin").write_bytes(secrets.token_bytes(1 << 20))
+    script = ("cat config.txt log.txt; echo lr=9.9 > config.txt; echo appended >> log.txt; "
+              "python -c 'import hashlib; print(hashlib.sha256(open(\"weights.bin\", \"rb\").read()).hexdigest())'")
+    first = jobs.submit(["sh", "-c", script], project, _cpu())
+    assert first.wait(60) == "succeeded", first.logs()
+    weights = state / "jobs" / first.id / "work" / "weights.bin"
+    stored = state / "blobs" / blake3(weights.read_bytes()).hexdigest()[:2] / blake3(weights.read_bytes()).hexdigest()
+    assert weights.stat().st_ino == stored.stat().st_ino  # one file: its bytes were written once
+    second = jobs.submit(["sh", "-c", script], project, _cpu())
+    assert second.wait(60) == "succeeded", second.logs()
+    for job in (first, second):
+        assert job.logs().splitlines()[:2] == ["lr=0.1", "shipped"], job.logs()
+        assert job.logs().splitlines()[2] == hashlib.sha256((project / "weights.bin").read_bytes()).hexdigest()
+    assert (state / "jobs" / first.id / "work" / "config.txt").read_text() == "lr=9.9\n"
+    assert (state / "jobs" / first.id / "work" / "log.txt").read_text() == "shipped\nappended\n"
+    # the unchanged blob was not sent again: the second job's copy of it is a copy out of the store
+    assert (state / "jobs" / second.id / "work" / "weights.bin").stat().st_ino != stored.stat().st_ino
 
 
 def test_a_folder_of_many_chunks_up_and_an_artifact_of_many_chunks_down_arrive_byte_exact(jobs_peer, tmp_path):

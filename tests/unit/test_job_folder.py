@@ -342,7 +342,8 @@ def test_truncated_or_wrong_upload_leaves_nothing(tmp_path, upload, problem):
         with pytest.raises(FolderError, match=problem):
             w.commit()
     assert store.missing({sha(data): len(data)}) == [sha(data)]
-    assert list((tmp_path / "store").rglob("*")) == [tmp_path / "store" / "tmp"]
+    assert sorted((tmp_path / "store").rglob("*")) == [tmp_path / "store" / "index", tmp_path / "store" / "tmp"]
+    assert (tmp_path / "store" / "index").read_bytes() == b""
 
 
 def test_overlong_upload_is_refused_at_once(tmp_path):
@@ -436,13 +437,122 @@ def test_on_macos_a_jobs_files_are_clones_of_the_stores_blobs(project, tmp_path,
     assert made == [True] * len(manifest.entries)
 
 
+def _built_while_uploaded(manifest: Manifest, store: BlobStore, dests: list[Path]) -> None:
+    """The folders built as a peer builds them during an upload: each blob placed as soon as it is stored."""
+    builder = folder.Builder(manifest, store, lambda: dests)
+    sources = manifest.source_of()
+    for digest in store.missing(manifest.blobs()):
+        with store.writer(digest, manifest.blobs()[digest]) as w:
+            w.write(Path(sources[digest]).read_bytes())
+            w.commit()
+        builder.stored(digest)
+    builder.finish()
+
+
+def test_a_blob_received_for_a_job_is_that_jobs_file_and_every_other_file_a_copy(project, tmp_path):
+    """Its bytes are written once (ADR 0025): the first job's file is the stored blob itself (a hard link; on
+    macOS an APFS clone instead); a second folder of the same upload (an array's), and a second file of the same
+    content, get copies."""
+    write(project, "pkg/empty_too.py", "")  # the same content as pkg/__init__.py
+    manifest = memory_scan(project)
+    store = BlobStore(tmp_path / "store")
+    first, second = tmp_path / "j1", tmp_path / "j2"
+    _built_while_uploaded(manifest, store, [first, second])
+    blob = store.path(sha(b"W = 1\n")).stat()
+    if sys.platform != "darwin":
+        assert (first / "pkg/model.py").stat().st_ino == blob.st_ino and blob.st_nlink == 2
+    assert (second / "pkg/model.py").stat().st_ino != blob.st_ino
+    inodes = {(first / name).stat().st_ino for name in ("pkg/__init__.py", "pkg/empty_too.py")}
+    assert len(inodes) == 2
+    for job in (first, second):
+        for e in manifest.entries:
+            assert (job / e.path).read_bytes() == (project / e.path).read_bytes()
+            assert (job / e.path).stat().st_mode & 0o777 == (0o700 if e.executable else 0o600)
+    assert store.missing(manifest.blobs()) == []  # a resubmit sends nothing
+
+
+def _write_mapped(path: Path, data: bytes) -> None:
+    """Write `data` over the file's start through a shared memory map, as numpy.memmap or torch's mmap'd tensors do
+    (the store relies on the kernel giving such a write a new mtime too)."""
+    import mmap
+
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), len(data)) as mapped:
+        mapped[:] = data
+
+
+@pytest.mark.parametrize("change", [
+    lambda path, other: path.write_text("W = 2\n"),  # same size, new bytes
+    lambda path, other: (path.write_text("W = 2\n"), os.utime(path, ns=(other.st_atime_ns, other.st_mtime_ns))),
+    lambda path, other: path.open("a").write("# more\n"),
+    lambda path, other: _write_mapped(path, b"W = 2\n"),
+], ids=["rewritten", "rewritten-and-another-blobs-mtime-copied-onto-it", "appended", "written-through-mmap"])
+def test_a_blob_a_job_wrote_into_is_missing_from_then_on(project, tmp_path, change):
+    """The job's file is the blob: written to (even with `cp -p` giving it another blob's mtime, as a job could),
+    it counts as missing, so the next submit sends it again; a copy out of it is refused."""
+    manifest = memory_scan(project)
+    store = BlobStore(tmp_path / "store")
+    job = tmp_path / "j1"
+    _built_while_uploaded(manifest, store, [job])
+    digest = sha(b"W = 1\n")
+    change(job / "pkg/model.py", (job / "train.py").stat())
+    assert store.missing(manifest.blobs()) == [digest]
+    with pytest.raises(FolderError, match="pkg/model.py: the peer has no intact blob"):
+        materialise(manifest, store, tmp_path / "j2")
+    assert not (tmp_path / "j2").exists()
+    _built_while_uploaded(manifest, store, [tmp_path / "j3"])  # sent again: stored anew, and that job's own
+    assert (tmp_path / "j3" / "pkg/model.py").read_text() == "W = 1\n"
+    assert (job / "pkg/model.py").read_text() != "W = 1\n"  # the first job's file is as it left it
+
+
+def test_a_blob_written_to_while_it_is_copied_is_refused(project, tmp_path, monkeypatch):
+    manifest = memory_scan(project)
+    store = BlobStore(tmp_path / "store")
+    _built_while_uploaded(manifest, store, [tmp_path / "j1"])
+    copy = folder.copy_fd
+
+    def copy_while_a_job_writes(src: int, dst: int, size: int) -> None:
+        copy(src, dst, size)
+        os.utime(src, ns=(1, 1))  # what a write into the blob's file does to it (its mtime)
+
+    monkeypatch.setattr(folder, "copy_fd", copy_while_a_job_writes)
+    monkeypatch.setattr(folder, "_fclonefileat", None)  # a copy, on macOS too
+    with pytest.raises(FolderError, match="no intact blob"):
+        materialise(manifest, store, tmp_path / "j2")
+    assert not (tmp_path / "j2").exists()
+
+
+def test_a_store_opened_again_knows_its_blobs_and_recover_drops_the_rest(project, tmp_path):
+    """The index outlives the peer: intact blobs are still there for a resubmit. `recover` (at the peer's start)
+    removes a partial upload, a blob a job wrote into, and one the index never noted (a crash between the
+    two, or an earlier release's store)."""
+    manifest = memory_scan(project)
+    store = BlobStore(tmp_path / "store")
+    job = tmp_path / "j1"
+    _built_while_uploaded(manifest, store, [job])
+    store.close()
+    (job / "pkg/model.py").write_text("W = 2\n")
+    write(tmp_path / "store", str(store.path(sha(b"unnoted")).relative_to(tmp_path / "store")), b"unnoted")
+    partial = tmp_path / "store" / "tmp" / "half"
+    partial.write_bytes(b"half")
+    reopened = BlobStore(tmp_path / "store")
+    assert reopened.missing({**manifest.blobs(), sha(b"unnoted"): 7}) == [sha(b"W = 1\n"), sha(b"unnoted")]
+    reopened.recover()
+    assert sorted(d for d, _ in reopened.blobs()) == sorted(set(manifest.blobs()) - {sha(b"W = 1\n")})
+    assert not partial.exists() and (job / "pkg/model.py").read_text() == "W = 2\n"
+    lines = (tmp_path / "store" / "index").read_text().splitlines()
+    assert sorted(line.split()[0] for line in lines) == sorted(d for d, _ in reopened.blobs())
+    assert (tmp_path / "store" / "index").stat().st_mode & 0o777 == 0o600
+    reopened.close()
+    assert BlobStore(tmp_path / "store").missing(manifest.blobs()) == [sha(b"W = 1\n")]
+
+
 @pytest.mark.parametrize("entries, problem", [
     ([Entry("../evil", 1, False, GOOD)], "goes up"),
     ([Entry("/tmp/evil", 1, False, GOOD)], "absolute"),
     ([Entry("a", 1, False, GOOD), Entry("a", 1, False, GOOD)], "twice"),
     ([Entry("a", 1, False, GOOD), Entry("a/b", 1, False, GOOD)], "needs it as a folder"),
     ([Entry("ok", 1, False, GOOD), Entry("z/missing", 2, False, sha(b"zz"))], "lacks its blob"),
-    ([Entry("short", 5, False, GOOD)], "is not 5 bytes"),
+    ([Entry("short", 5, False, GOOD)], "no intact blob .* of 5 bytes"),
 ])
 def test_materialise_refuses_hostile_manifests_and_leaves_nothing(tmp_path, entries, problem):
     store = BlobStore(tmp_path / "store")
