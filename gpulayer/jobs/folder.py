@@ -56,6 +56,7 @@ IGNORE_FILE = ".gitignore"
 NEVER_SHIPPED = ".git"
 
 PathLike = Union[str, "os.PathLike[str]"]
+Identity = tuple[int, int, int]  # a stored blob's file: inode, size, mtime_ns (`BlobStore`)
 
 
 class FolderError(GPULayerError):
@@ -488,11 +489,13 @@ class BlobWriter:
     Anything short of a successful commit (a truncated or wrong upload, an exception, `abort`) leaves
     nothing in the store. Use it as a context manager, or call `abort` on failure. With `caller_hashes`
     the caller hashes the very bytes it writes (on another thread, say) and gives `commit` that digest.
+    Once committed, `identity` is the stored file's (`Identity`).
     """
 
     def __init__(self, store: BlobStore, digest: str, size: int, caller_hashes: bool = False):
         self.store, self.digest, self.size = store, digest, size
         self.written = 0
+        self.identity: Identity | None = None
         self._hash = None if caller_hashes else new_digest()
         self._tmp = store.tmp_path(digest)
         self._fd: int | None = os.open(self._tmp, _NEW_FILE, 0o600)
@@ -522,10 +525,10 @@ class BlobWriter:
         if (self._hash.hexdigest() if self._hash is not None else hashed) != self.digest:
             self.abort()
             raise _not_its_digest(self.digest)
-        identity = _seal(self._fd)
+        self.identity = _seal(self._fd)
         os.close(self._fd)
         self._fd = None
-        return Path(self.store.move_in(self._tmp, self.digest, identity))
+        return Path(self.store.move_in(self._tmp, self.digest, self.identity))
 
     def abort(self) -> None:
         """Drop what was written."""
@@ -562,7 +565,7 @@ class BlobStore:
         os.chmod(self.directory, 0o700)
         self._index = self.directory / INDEX_FILE
         self._lock = threading.Lock()  # the index: its file and `_known` change together
-        self._known: dict[str, tuple[int, int, int]] = _read_index(self._index)  # digest -> (inode, size, mtime)
+        self._known: dict[str, Identity] = _read_index(self._index)
         self._index_file = _append_to(self._index)
 
     def close(self) -> None:
@@ -599,7 +602,7 @@ class BlobStore:
                 st = os.stat(self.blob_path(digest))
             except FileNotFoundError:
                 return False
-        return (st.st_ino, st.st_size, st.st_mtime_ns) == known
+        return _identity_of(st) == known
 
     def missing(self, blobs: Mapping[str, int]) -> list[str]:
         """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks intact, in their order.
@@ -620,7 +623,7 @@ class BlobStore:
         count: no random bytes to ask the kernel for, per small blob)."""
         return f"{self.tmp}/{digest[:16]}.{os.getpid()}.{next(_TMP_COUNT)}"
 
-    def move_in(self, tmp: str, digest: str, identity: tuple[int, int, int]) -> str:
+    def move_in(self, tmp: str, digest: str, identity: Identity) -> str:
         """Rename the checked blob at `tmp` (sealed: `_seal`'s identity) into the store (atomic), and note its
         identity; its path there."""
         final = self.blob_path(digest)
@@ -635,10 +638,10 @@ class BlobStore:
             self._index_file.write(_index_line(digest, identity))
         return final
 
-    def put(self, digest: str, data: memoryview) -> None:
+    def put(self, digest: str, data: memoryview) -> Identity:
         """Store a whole blob held in memory (one of a pack's small ones), checked against its digest first:
-        FolderError, and nothing kept, if it does not match. BlobWriter's checks, without its object: 25
-        KiB blobs 52 -> 38 us each here."""
+        FolderError, and nothing kept, if it does not match; the stored file's identity. BlobWriter's checks,
+        without its object: 25 KiB blobs 52 -> 38 us each here."""
         self.blob_path(digest)  # FolderError for what is not a digest
         hasher = new_digest()
         hasher.update(data)
@@ -656,6 +659,7 @@ class BlobStore:
         finally:
             os.close(fd)
         self.move_in(tmp, digest, identity)
+        return identity
 
     def writer(self, digest: str, size: int, caller_hashes: bool = False) -> BlobWriter:
         """A writer for one blob of `size` bytes and this digest (`BlobWriter`)."""
@@ -711,13 +715,16 @@ INDEX_FILE = "index"
 _SEALED = itertools.count()  # makes each blob's mtime unique within this process
 
 
-def _seal(fd: int) -> tuple[int, int, int]:
+def _seal(fd: int) -> Identity:
     """Give the blob being stored (open as `fd`) an mtime of its own, and return its identity (inode, size,
     mtime_ns). A write into it later sets its mtime to the time of that write; copying another blob's mtime
     onto it (`cp -p`) gives it that blob's, which is not its own either."""
     stamp = time.time_ns() // 1000 * 1000 + next(_SEALED) % 1000  # a count in the nanoseconds
     os.utime(fd, ns=(stamp, stamp))
-    st = os.fstat(fd)
+    return _identity_of(os.fstat(fd))
+
+
+def _identity_of(st: os.stat_result) -> Identity:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -726,14 +733,14 @@ def _append_to(path: Path) -> io.FileIO:
     return open(path, "ab", buffering=0, opener=lambda name, flags: os.open(name, flags, 0o600))  # noqa: SIM115
 
 
-def _index_line(digest: str, identity: tuple[int, int, int]) -> bytes:
+def _index_line(digest: str, identity: Identity) -> bytes:
     return f"{digest} {identity[0]} {identity[1]} {identity[2]}\n".encode()
 
 
-def _read_index(path: Path) -> dict[str, tuple[int, int, int]]:
+def _read_index(path: Path) -> dict[str, Identity]:
     """The identities an index file notes (the last line of a digest wins); lines that do not parse are left
     out (their blobs count as missing)."""
-    known: dict[str, tuple[int, int, int]] = {}
+    known: dict[str, Identity] = {}
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
@@ -811,19 +818,15 @@ def clone_file(src: int, folder_fd: int, name: str) -> bool:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
-def materialise(manifest: Manifest, store: BlobStore, dest: PathLike, received: Iterable[str] = ()) -> None:
-    """Build the job's folder `dest` (which must not exist) from the manifest, copying from the store (the
-    first file of each blob in `received`, stored for this job, is a link to it instead: `Builder`).
+def materialise(manifest: Manifest, store: BlobStore, dest: PathLike) -> None:
+    """Build the job's folder `dest` (which must not exist) from the manifest, copying from the store.
 
     The folder is built beside `dest` and renamed into place when complete: a failure (a blob the
     store lacks, a bad path) leaves nothing. Every path is checked again, and every folder is opened
     relative to its parent without following symlinks, so no entry lands outside `dest`.
     Folders are 0700, files 0600 (0700 when executable).
     """
-    builder = Builder(manifest, store, lambda: [Path(dest)])
-    for digest in received:
-        builder.stored(digest)
-    builder.finish()
+    Builder(manifest, store, lambda: [Path(dest)]).finish()
 
 
 class Builder:
@@ -867,11 +870,13 @@ class Builder:
                 self._waiting.setdefault(e.digest, []).append(e)
         return self._waiting
 
-    def stored(self, digest: str) -> None:
-        """The blob `digest` is in the store now: place its files."""
+    def stored(self, digest: str, identity: Identity) -> None:
+        """This upload stored the blob `digest` as the file of that identity: place its files (the first a link
+        to that very file, if the store still holds it: another upload of the same content may have replaced
+        it)."""
         entries = self._prepare().pop(digest, None)
         if entries:
-            self._place(entries, linked=digest)
+            self._place(entries, (digest, identity))
 
     def finish(self) -> None:
         """Place every file not placed yet (its blob was in the store already), then move each folder into place."""
@@ -894,8 +899,9 @@ class Builder:
         for partial in self._partials:
             shutil.rmtree(partial, ignore_errors=True)
 
-    def _place(self, entries: list[Entry], linked: str = "") -> None:
-        """Place the entries in every folder; the first one of the digest `linked` as a link to its blob."""
+    def _place(self, entries: list[Entry], linked: tuple[str, Identity] | None = None) -> None:
+        """Place the entries in every folder; the first one of the blob `linked` (its digest, the identity this
+        upload stored it with) as a link to it."""
         if not self._walkers:
             for partial in self._partials:
                 os.mkdir(partial, 0o700)
@@ -905,8 +911,9 @@ class Builder:
                 *folders, name = e.path.split("/")
                 for walker in self._walkers:
                     folder_fd = walker.open(folders)
-                    if e.digest == linked and _fclonefileat is None and _link(self.store, e, name, folder_fd):
-                        linked = ""
+                    if linked and e.digest == linked[0] and _fclonefileat is None \
+                            and _link(self.store, e, name, folder_fd, linked[1]):
+                        linked = None
                     else:
                         _place(self.store, e, name, folder_fd)
         except BaseException:
@@ -942,10 +949,10 @@ class _Folders:
             os.close(self._opened.pop()[1])
 
 
-def _link(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> bool:
-    """Make `name` in the open folder a hard link to the blob just stored for it; False (nothing made) where the
-    blob is not intact (another upload of the same content replaced it meanwhile) or no link can be made (a
-    filesystem without them)."""
+def _link(store: BlobStore, entry: Entry, name: str, folder_fd: int, identity: Identity) -> bool:
+    """Make `name` in the open folder a hard link to the blob just stored for it as the file of `identity`;
+    False (nothing made) where the store's file is another (another upload of the same content replaced it:
+    linked twice, two jobs would share its bytes) or no link can be made (a filesystem without them)."""
     try:
         os.link(store.blob_path(entry.digest), name, dst_dir_fd=folder_fd, follow_symlinks=False)
     except FileExistsError:
@@ -953,7 +960,7 @@ def _link(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> bool:
     except OSError:
         return False
     st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
-    if not store.intact(entry.digest, entry.size, st):
+    if _identity_of(st) != identity:
         os.unlink(name, dir_fd=folder_fd)
         return False
     mode = 0o700 if entry.executable else 0o600

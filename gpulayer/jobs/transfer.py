@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from ..protocol import framing, messages
-from .folder import (BlobStore, BlobWriter, FolderError, Manifest, PathLike, check_relpath, files_under,
-                     new_digest, resolve_inside)
+from .folder import (BlobStore, BlobWriter, FolderError, Identity, Manifest, PathLike, check_relpath,
+                     files_under, new_digest, resolve_inside)
 from .store import pause_point
 
 BLOB, FILE = messages.BLOB, messages.FILE
@@ -267,12 +267,12 @@ class BlobReceiver:
     its error.
     FolderError (and nothing of the blob kept) for a digest not asked for, a chunk out of place or past
     its size, or a blob that fails its check. `release(chunk)`, if given, gets each chunk once written;
-    `stored(digest)`, if given, is called by the disk work after each blob is stored (a `folder.Builder`
-    places its files then).
+    `stored(digest, identity)`, if given, is called by the disk work after each blob is stored, with its file's
+    identity (a `folder.Builder` places its files then).
     """
 
     def __init__(self, store: BlobStore, expected: Mapping[str, int], disk: DiskThread | None = None,
-                 release: Callable[[Any], None] | None = None, stored: Callable[[str], None] | None = None):
+                 release: Callable[[Any], None] | None = None, stored: Callable[[str, Identity], None] | None = None):
         self.store = store
         self._stored = stored
         self.left = dict(expected)
@@ -331,9 +331,9 @@ class BlobReceiver:
     def _store_whole(self, blobs: list[tuple[str, memoryview]], chunk: Any) -> None:
         """Store whole blobs (digest, bytes: views of `chunk`), each checked against its digest."""
         for digest, data in blobs:
-            self.store.put(digest, data)
+            identity = self.store.put(digest, data)
             if self._stored is not None:
-                self._stored(digest)
+                self._stored(digest, identity)
         self._sink.release(chunk)
 
     def finish(self) -> None:
@@ -359,8 +359,8 @@ class BlobReceiver:
         assert self._writer is not None
         writer, self._writer = self._writer, None
         writer.commit(hasher.hexdigest())
-        if self._stored is not None:
-            self._stored(writer.digest)
+        if self._stored is not None and writer.identity is not None:
+            self._stored(writer.digest, writer.identity)
 
     def abort(self) -> None:
         """Drop the blob being received (the connection broke, or the upload was refused)."""

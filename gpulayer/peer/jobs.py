@@ -418,7 +418,7 @@ class Jobs:
             if need else None
         receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need}, disk, pool.release,
                                          None if placer is None else
-                                         lambda digest: placer.run(partial(builder.stored, digest)))
+                                         lambda digest, identity: placer.run(partial(builder.stored, digest, identity)))
         if need:
             conn.channel.reader.allocate = pool.allocate
         upload = self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, placer, disk, array)

@@ -496,7 +496,7 @@ class Puller:
             self.jobs.pulling[job_id] = manifest
             await self._call(link.blobs, {**self._step(job_id, "need"), "need": need}, self.jobs.blobs,
                              {d: sizes[d] for d in need})
-            incoming = await self._call(self._build, manifest, need)
+            incoming = await self._call(self._build, manifest)
             try:
                 self.jobs.store.add_arriving(job_id, spec, submitted, manifest.total_bytes, owner, incoming)
             except BaseException:
@@ -507,12 +507,11 @@ class Puller:
             self._taking -= 1
         await self._commit(link, job_id)
 
-    def _build(self, manifest: folder.Manifest, received: list[str]) -> Path:
-        """A job's folder built from the blobs (those `received` for it linked), in a fresh folder of `reserve`
-        (recorded with the job)."""
+    def _build(self, manifest: folder.Manifest) -> Path:
+        """A job's folder built from the blobs, in a fresh folder of `reserve` (recorded with the job)."""
         incoming = Path(self.jobs.store.reserve())
         try:
-            folder.materialise(manifest, self.jobs.blobs, incoming / "work", received)
+            folder.materialise(manifest, self.jobs.blobs, incoming / "work")
             (incoming / "manifest.json").write_text(json.dumps(manifest.to_wire()))
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)

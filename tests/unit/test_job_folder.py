@@ -445,7 +445,7 @@ def _built_while_uploaded(manifest: Manifest, store: BlobStore, dests: list[Path
         with store.writer(digest, manifest.blobs()[digest]) as w:
             w.write(Path(sources[digest]).read_bytes())
             w.commit()
-        builder.stored(digest)
+        builder.stored(digest, w.identity)
     builder.finish()
 
 
@@ -469,6 +469,28 @@ def test_a_blob_received_for_a_job_is_that_jobs_file_and_every_other_file_a_copy
             assert (job / e.path).read_bytes() == (project / e.path).read_bytes()
             assert (job / e.path).stat().st_mode & 0o777 == (0o700 if e.executable else 0o600)
     assert store.missing(manifest.blobs()) == []  # a resubmit sends nothing
+
+
+def test_two_uploads_of_the_same_content_never_link_one_file_into_both_jobs(tmp_path):
+    """Two submits of one new folder at once both store its blob; the second's rename replaces the first's file
+    before the first links it. The first job then gets a copy, the second the stored file: no file is shared by
+    two jobs, so neither job's writes reach the other's."""
+    data = b"W = 1\n"
+    manifest = Manifest((Entry("model.py", len(data), False, sha(data)),))
+    store = BlobStore(tmp_path / "store")
+    identities = []
+    for _ in range(2):
+        with store.writer(sha(data), len(data)) as w:
+            w.write(data)
+            w.commit()
+        identities.append(w.identity)
+    for name, identity in zip(("first", "second"), identities):
+        builder = folder.Builder(manifest, store, lambda name=name: [tmp_path / name])
+        builder.stored(sha(data), identity)
+        builder.finish()
+    first, second = (os.stat(tmp_path / name / "model.py") for name in ("first", "second"))
+    assert second.st_ino == store.path(sha(data)).stat().st_ino != first.st_ino
+    assert first.st_nlink == 1 and (tmp_path / "first" / "model.py").read_bytes() == data
 
 
 def _write_mapped(path: Path, data: bytes) -> None:

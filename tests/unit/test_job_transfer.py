@@ -287,7 +287,7 @@ def test_the_jobs_folder_is_built_while_its_blobs_come(project, tmp_path):
     builder = Builder(manifest, store, lambda: dests)
     placed = []
     receiver = transfer.BlobReceiver(store, {d: manifest.blobs()[d] for d in need}, transfer.DiskThread(),
-                                     stored=lambda digest: (builder.stored(digest), placed.append(
+                                     stored=lambda digest, identity: (builder.stored(digest, identity), placed.append(
                                          sorted(p.name for p in (tmp_path / "jobs").rglob("*") if p.is_file()))))
     for msg, buffers in transfer.blob_messages(manifest, need, 1):
         receiver.feed(msg, [bytearray(b) for b in buffers])
@@ -304,7 +304,7 @@ def test_the_jobs_folder_is_built_while_its_blobs_come(project, tmp_path):
     dropped = tmp_path / "dropped" / "work"
     dropped.parent.mkdir()
     half = Builder(manifest, store, lambda: [dropped])
-    half.stored(manifest.entries[0].digest)
+    half.stored(manifest.entries[0].digest, (0, 0, 0))  # an identity not the file's: copied, not linked
     half.abort()
     assert list(dropped.parent.iterdir()) == []
 
