@@ -547,7 +547,8 @@ class BlobWriter:
 
 class BlobStore:
     """The peer's file contents, once each, by content digest (BLAKE3): `<dir>/<2 hex>/<digest>` (0700
-    folders, 0600 files), and `<dir>/index`, the identity each blob had when it was stored.
+    folders, 0600 files: 0700 where linked as an executable), and `<dir>/index`, the identity each blob had
+    when it was stored.
 
     A blob may be the very file of the job it came for (`Builder` links it there): a job that writes into
     that file changes the blob. So each blob gets a unique mtime as it is stored, and its identity (inode,
@@ -592,8 +593,9 @@ class BlobStore:
         return f"{self._root}/{digest[:2]}/{digest}"
 
     def intact(self, digest: str, size: int, st: os.stat_result | None = None) -> bool:
-        """Whether the blob is stored, `size` bytes long, and its file has the identity noted when it was stored
-        (`st`: its stat, if the caller has it)."""
+        """Whether the blob is stored, `size` bytes long, readable, and its file has the identity noted when it was
+        stored (`st`: its stat, if the caller has it). A job may make its linked file unreadable (chmod): the blob
+        is then missing, and sent again, rather than stored but unusable."""
         known = self._known.get(digest)
         if known is None or known[1] != size:
             return False
@@ -602,7 +604,7 @@ class BlobStore:
                 st = os.stat(self.blob_path(digest))
             except FileNotFoundError:
                 return False
-        return _identity_of(st) == known
+        return _identity_of(st) == known and bool(st.st_mode & stat.S_IRUSR)
 
     def missing(self, blobs: Mapping[str, int]) -> list[str]:
         """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks intact, in their order.
@@ -977,6 +979,8 @@ def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:
     except FileNotFoundError:
         raise FolderError(f"{entry.path}: the store lacks its blob {entry.digest[:16]} (not uploaded, or pruned)") \
             from None
+    except PermissionError:  # a job made its linked file unreadable
+        raise _not_intact(entry) from None
     try:
         _check_intact(store, entry, src)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -999,8 +1003,12 @@ def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:
 
 def _check_intact(store: BlobStore, entry: Entry, src: int) -> None:
     if not store.intact(entry.digest, entry.size, os.fstat(src)):
-        raise FolderError(f"{entry.path}: the peer has no intact blob {entry.digest[:16]} of {entry.size} bytes (a "
-                          "job wrote into its file since it was stored?): submit again, and it is sent anew")
+        raise _not_intact(entry)
+
+
+def _not_intact(entry: Entry) -> FolderError:
+    return FolderError(f"{entry.path}: the peer has no intact blob {entry.digest[:16]} of {entry.size} bytes (a job "
+                       "wrote into its file since it was stored?): submit again, and it is sent anew")
 
 
 def resolve_inside(root: PathLike, relpath: str) -> Path:

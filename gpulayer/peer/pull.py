@@ -221,12 +221,16 @@ class Owner:
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
 
     async def _send_blobs(self, conn: JobConnection, msg: messages.Message, row: JobRow) -> None:
-        """The blobs the puller lacks, from this peer's blob store, then a JOB_INFO."""
+        """The blobs the puller lacks, from this peer's blob store, then a JOB_INFO. A blob the store lacks intact (a
+        running job wrote into its file, ADR 0025) is read from the queued job's own copy (the puller checks every
+        blob against its digest)."""
         home = self.jobs.store.folder(row.id)
+        blobs = self.jobs.blobs
         try:
             shipped = folder.Manifest.from_wire(json.loads((home / "manifest.json").read_text()), 1 << 62)
-            manifest = folder.Manifest(shipped.entries, {e.path: self.jobs.blobs.blob_path(e.digest)
-                                                         for e in shipped.entries})
+            manifest = folder.Manifest(shipped.entries, {
+                e.path: blobs.blob_path(e.digest) if blobs.intact(e.digest, e.size)
+                else str(folder.resolve_inside(home / "work", e.path)) for e in shipped.entries})
             pool = transfer.Pool()  # each piece read into a buffer that comes back once sealed
             for piece, buffers in transfer.blob_messages(manifest, msg.get("need", []), msg["id"],
                                                          allocate=pool.allocate):

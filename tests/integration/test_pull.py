@@ -238,6 +238,30 @@ def test_a_moved_job_is_found_on_its_puller_while_its_owner_is_down(cluster_of_j
         client.close()
 
 
+def test_a_queued_job_whose_blob_a_running_job_wrote_into_moves_with_its_files_as_shipped(cluster_of_jobs, tmp_path):
+    """The running job's file is the stored blob (ADR 0025); it rewrites it after the second job of the same folder
+    was queued (a copy). The owner's store then lacks that blob intact, so it sends the queued job's own copy,
+    which the puller checks against its digest: the job moves, and runs with the file as shipped."""
+    cluster_of_jobs("owner")
+    jobs = cluster_of_jobs.jobs
+    project, go, release, out = tmp_path / "project", tmp_path / "go", tmp_path / "release", tmp_path / "out"
+    project.mkdir()
+    (project / "config.txt").write_text("lr=0.1\n")
+    rewrite = f"{_held(go)}; echo lr=9.9 > config.txt; echo rewritten > {out}; {_held(release)}"
+    first = jobs.submit(["sh", "-c", rewrite], project, _cpu(peer="owner"))
+    wait_until(lambda: first.refresh().state == "running", 60)
+    queued = jobs.submit(["sh", "-c", f"cat config.txt >> {out}; echo $GPULAYER_PEER_NAME >> {out}"], project, _cpu())
+    go.touch()
+    wait_until(lambda: out.exists(), 60)
+    cluster_of_jobs("puller")
+    try:
+        assert queued.wait(60) == "succeeded"
+        assert out.read_text().splitlines() == ["rewritten", "lr=0.1", "puller"]
+    finally:
+        release.touch()
+    assert first.wait(60) == "succeeded"
+
+
 def test_an_arriving_job_whose_owner_never_comes_back_is_lost_on_the_puller_and_never_runs(cluster_of_jobs,
                                                                                             tmp_path):
     """The owner dies (kill -9) right after it recorded the job moved, before the puller heard: past the
