@@ -7,8 +7,11 @@ file into one reused buffer, writing it, sealing records (`records.Sealer.stream
 (`records.Opener.feed_bytes_into`, which copies the ciphertext in as a receive would), SHA-256 (the
 content digest of protocol 2) and BLAKE3 (protocol 3's), a socketpair's send and receive (the kernel's
 part, no TCP stack), and the digests and AES-GCM sealing on two threads at once (whether they let go of
-the GIL: two threads' wall time against one's). Prints CPU seconds per GiB (process time, all threads)
-and the wall time; ADRs 0016 and 0023 use these figures.
+the GIL: two threads' wall time against one's). Then a peer's work for a fresh folder of `--mib` MiB
+shaped as bench/jobs.py's (a fifth in files of 25 KiB, the rest in 8 large ones), from blobs in memory:
+each blob checked and stored, and the job's folder built, by copies out of the store (the way before
+ADR 0025, still a resubmit's) or with each file a link to its blob (ADR 0025). Prints CPU seconds per
+GiB (process time, all threads) and the wall time; ADRs 0016, 0023 and 0025 use these figures.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpulayer.jobs.folder import new_digest  # noqa: E402
+from gpulayer.jobs.folder import BlobStore, Builder, Entry, Manifest, new_digest  # noqa: E402
 from gpulayer.protocol import records  # noqa: E402
 
 MiB = 1 << 20
@@ -112,6 +115,23 @@ def stages(folder: str, pieces: int) -> list[tuple[str, Callable[[], None], int]
         a.close()
         b.close()
 
+    def store_and_build(link: bool) -> Callable[[], None]:
+        """Store the folder's blobs in a fresh store, and build a job's folder from them (each file a link to
+        the blob just stored, or a copy out of the store)."""
+        blobs, manifest = _folder(pieces)
+
+        def run() -> None:
+            where = tempfile.mkdtemp(dir=folder)
+            store = BlobStore(os.path.join(where, "store"))
+            builder = Builder(manifest, store, lambda: [Path(where, "job")])
+            for digest, data in blobs:
+                identity = store.put(digest, data)
+                if link:
+                    builder.stored(digest, identity)
+            builder.finish()
+            store.close()
+        return run
+
     def two(fn: Callable[[], None]) -> Callable[[], None]:
         def both() -> None:
             threads = [threading.Thread(target=fn) for _ in range(2)]
@@ -125,7 +145,24 @@ def stages(folder: str, pieces: int) -> list[tuple[str, Callable[[], None], int]
             ("open (Opener.feed_bytes_into)", open_, 1), ("sha256 (protocol 2's digest)", sha256, 1),
             ("blake3 (the content digest)", blake3, 1), ("send+receive (socketpair)", send_receive, 1),
             ("sha256, 2 threads", two(sha256), 2), ("blake3, 2 threads", two(blake3), 2),
-            ("AES-GCM seal, 2 threads", two(seal_only), 2), ("AES-GCM seal, 1 thread", seal_only, 1)]
+            ("AES-GCM seal, 2 threads", two(seal_only), 2), ("AES-GCM seal, 1 thread", seal_only, 1),
+            ("store, copy into the job folder", store_and_build(link=False), 1),
+            ("store, link as the job's file", store_and_build(link=True), 1)]
+
+
+def _folder(mib: int) -> tuple[list[tuple[str, memoryview]], Manifest]:
+    """A fresh folder's blobs ((digest, bytes), all distinct) and manifest: a fifth of `mib` MiB in files of
+    25 KiB, the rest in 8 large files."""
+    sizes = [25 << 10] * (mib * MiB // 5 // (25 << 10)) + [mib * MiB * 4 // 5 // 8] * 8
+    blobs, entries = [], []
+    for i, size in enumerate(sizes):
+        data = memoryview(os.urandom(size))
+        digest = new_digest()
+        digest.update(data)
+        blobs.append((digest.hexdigest(), data))
+        entries.append(Entry(f"src/{i // 100}/f{i}.py" if size == 25 << 10 else f"data/{i}.bin", size, False,
+                             blobs[-1][0]))
+    return blobs, Manifest(tuple(sorted(entries, key=lambda e: e.path)))
 
 
 def main(argv: list[str] | None = None) -> int:
