@@ -507,7 +507,8 @@ def test_a_job_that_writes_into_a_shipped_file_leaves_the_next_job_the_files_as_
     assert first.wait(60) == "succeeded", first.logs()
     weights = state / "jobs" / first.id / "work" / "weights.bin"
     stored = state / "blobs" / blake3(weights.read_bytes()).hexdigest()[:2] / blake3(weights.read_bytes()).hexdigest()
-    assert weights.stat().st_ino == stored.stat().st_ino  # one file: its bytes were written once
+    linked = sys.platform != "darwin"  # on macOS every file is a clone
+    assert (weights.stat().st_ino == stored.stat().st_ino) is linked  # one file: its bytes were written once
     second = jobs.submit(["sh", "-c", script], project, _cpu())
     assert second.wait(60) == "succeeded", second.logs()
     for job in (first, second):

@@ -489,8 +489,10 @@ def test_two_uploads_of_the_same_content_never_link_one_file_into_both_jobs(tmp_
         builder.stored(sha(data), identity)
         builder.finish()
     first, second = (os.stat(tmp_path / name / "model.py") for name in ("first", "second"))
-    assert second.st_ino == store.path(sha(data)).stat().st_ino != first.st_ino
-    assert first.st_nlink == 1 and (tmp_path / "first" / "model.py").read_bytes() == data
+    assert first.st_ino != second.st_ino and first.st_nlink == 1
+    assert (tmp_path / "first" / "model.py").read_bytes() == data
+    if sys.platform != "darwin":  # there both are clones
+        assert second.st_ino == store.path(sha(data)).stat().st_ino
 
 
 def _write_mapped(path: Path, data: bytes) -> None:
@@ -502,6 +504,7 @@ def _write_mapped(path: Path, data: bytes) -> None:
         mapped[:] = data
 
 
+@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS a job's files are clones, never links to the store")
 @pytest.mark.parametrize("change", [
     lambda path, other: path.write_text("W = 2\n"),  # same size, new bytes
     lambda path, other: (path.write_text("W = 2\n"), os.utime(path, ns=(other.st_atime_ns, other.st_mtime_ns))),
@@ -554,7 +557,7 @@ def test_a_store_opened_again_knows_its_blobs_and_recover_drops_the_rest(project
     job = tmp_path / "j1"
     _built_while_uploaded(manifest, store, [job])
     store.close()
-    (job / "pkg/model.py").write_text("W = 2\n")
+    store.path(sha(b"W = 1\n")).write_text("W = 2\n")  # as a job writes into it through its link
     write(tmp_path / "store", str(store.path(sha(b"unnoted")).relative_to(tmp_path / "store")), b"unnoted")
     partial = tmp_path / "store" / "tmp" / "half"
     partial.write_bytes(b"half")
@@ -562,7 +565,7 @@ def test_a_store_opened_again_knows_its_blobs_and_recover_drops_the_rest(project
     assert reopened.missing({**manifest.blobs(), sha(b"unnoted"): 7}) == [sha(b"W = 1\n"), sha(b"unnoted")]
     reopened.recover()
     assert sorted(d for d, _ in reopened.blobs()) == sorted(set(manifest.blobs()) - {sha(b"W = 1\n")})
-    assert not partial.exists() and (job / "pkg/model.py").read_text() == "W = 2\n"
+    assert not partial.exists() and (job / "pkg/model.py").exists()
     lines = (tmp_path / "store" / "index").read_text().splitlines()
     assert sorted(line.split()[0] for line in lines) == sorted(d for d, _ in reopened.blobs())
     assert (tmp_path / "store" / "index").stat().st_mode & 0o777 == 0o600
