@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import psutil
-from output import PLOT_HELP, plot_beside  # this folder's
+from output import PLOT_HELP, draw_beside  # this folder's
 from overhead import latencies, machine  # this folder's: the same measurement as for tasks
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -201,9 +201,7 @@ def main(argv=None) -> int:
     result["summary"] = summarize(result["gpulayer"], result["ray"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    where = plot_beside(args.json, args.plot)
-    if where is not None:
-        plot(result, where)
+    draw_beside(plot, result, args.json, args.plot)
     print(json.dumps(result["summary"], indent=2))
     return 0
 

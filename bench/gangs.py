@@ -40,7 +40,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from output import PLOT_HELP, plot_beside  # this folder's
+from output import PLOT_HELP, draw_beside  # this folder's
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -359,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         result["nccl"] = nccl_bandwidth(args.mib, args.rounds)
     print(json.dumps(result, indent=2))
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    where = plot_beside(args.json, args.plot)
-    if where is not None:
-        draw(result, where)
+    draw_beside(draw, result, args.json, args.plot)
     return 0
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import cloudpickle
 import msgpack
 import numpy as np
-from output import PLOT_HELP, plot_beside  # this folder's
+from output import PLOT_HELP, draw_beside  # this folder's
 
 try:
     from gpulayer.protocol.framing import receive_buffer
@@ -515,13 +515,11 @@ def main(argv=None) -> int:
 
 
 def write_results(result: dict, json_path: str, plot: str | None, draw) -> None:
-    """Write a benchmark's JSON, draw its plot (`draw(result, path)`, where `plot_beside` says), and print its
+    """Write a benchmark's JSON, draw its plot (`draw(result, path)`, where `draw_beside` says), and print its
     summary."""
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2))
-    where = plot_beside(json_path, plot)
-    if where is not None:
-        draw(result, where)
+    draw_beside(draw, result, json_path, plot)
     print(json.dumps(result["summary"], indent=2))
 
 

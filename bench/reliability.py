@@ -27,7 +27,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "tests" / "lan"))
 
 from lanreport import merge, read_report, write_report  # noqa: E402
-from output import PLOT_HELP, plot_beside  # noqa: E402  this folder's
+from output import PLOT_HELP, draw_beside  # noqa: E402  this folder's
 
 
 def run_suite(pytest_args: list[str], report: Path) -> int:
@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             return code or 1
         report = merge(read_report(target), run)
         write_report(target, report)
-    where = plot_beside(target, args.plot)
-    if where is not None:
-        plot(report, where)
+    where = draw_beside(plot, report, target, args.plot)
     print(json.dumps({k: report.get(k) for k in ("written", "totals", "detection_times_s", "outcomes")}, indent=2))
     written = ([] if args.replot else [str(target)]) + ([str(where)] if where is not None else [])
     if written:

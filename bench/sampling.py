@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gpulayer.resources import utilisation
-from output import PLOT_HELP, plot_beside  # this folder's
+from output import PLOT_HELP, draw_beside  # this folder's
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -108,9 +108,7 @@ def main() -> int:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
-    where = plot_beside(args.json, args.plot)
-    if where is not None:
-        plot(report, where)
+    where = draw_beside(plot, report, args.json, args.plot)
     for name, part in parts.items():
         print(f"{name:38s} {1e6 * part['median_s']:9.1f} µs CPU per sample "
               f"(quartiles {1e6 * part['q1_s']:.1f}-{1e6 * part['q3_s']:.1f}) = "

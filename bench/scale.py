@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "lan"))
 
 from lanlab import why_unavailable  # noqa: E402
-from output import PLOT_HELP, plot_beside  # noqa: E402  this folder's
+from output import PLOT_HELP, draw_beside  # noqa: E402  this folder's
 from scalelab import PeerSpec, ScaleLan, discovery, fairness, mdns_traffic, throughput  # noqa: E402
 
 # The heterogeneous cluster of the fairness runs: (name, slots, slowdown). 11 slots, whose capacity is
@@ -171,10 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default=None, help=PLOT_HELP)
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     args = parser.parse_args(argv)
-    where = plot_beside(args.json, args.plot)
     if args.replot:
-        if where is not None:
-            plot(json.loads(Path(args.json).read_text()), where)
+        draw_beside(plot, json.loads(Path(args.json).read_text()), args.json, args.plot)
         return 0
     reason = why_unavailable()
     if reason:
@@ -186,8 +184,7 @@ def main(argv=None) -> int:
               "machine": f"{platform.machine()}, {os.cpu_count()} vCPUs, Python {platform.python_version()}",
               "sizes": sizes, "fairness": fair}
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    if where is not None:
-        plot(result, where)
+    where = draw_beside(plot, result, args.json, args.plot)
     print(f"wrote {args.json}" + (f" and {where}" if where is not None else ""))
     return 0
 

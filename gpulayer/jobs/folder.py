@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import pathspec
 
 from ..errors import ConfigError, GPULayerError
-from ..security import cache_home
+from ..security import cache_home, write_private_file
 
 DIGEST = "blake3"  # the content digest (ADR 0023): 4.2 GB/s on one core here, against 1.7 for SHA-256 with SHA-NI
 DIGEST_HEX = 64
@@ -56,7 +56,7 @@ IGNORE_FILE = ".gitignore"
 NEVER_SHIPPED = ".git"
 
 PathLike = Union[str, "os.PathLike[str]"]
-Identity = tuple[int, int, int]  # a stored blob's file: inode, size, mtime_ns (`BlobStore`)
+Identity = tuple[int, int, int]  # what says a file is unchanged: size, mtime_ns, inode (`_identity`)
 
 
 class FolderError(GPULayerError):
@@ -197,9 +197,10 @@ def _check_tree(entries: list[Entry]) -> None:
 # --- the submitter's side: scan -------------------------------------------------------------------
 
 
-def _identity(st: os.stat_result) -> list[int]:
-    """What says a file is unchanged since it was hashed: size, mtime_ns, inode."""
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
+def _identity(st: os.stat_result) -> Identity:
+    """What says a file is unchanged since it was hashed (the digest cache) or stored (`BlobStore`): size,
+    mtime_ns, inode."""
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 class DigestCache:
@@ -238,7 +239,7 @@ class DigestCache:
 
     def get(self, real: str, st: os.stat_result) -> str | None:
         hit = self._known.get(real)
-        if isinstance(hit, list) and len(hit) == 4 and hit[:3] == _identity(st) and is_digest(hit[3]):
+        if isinstance(hit, list) and len(hit) == 4 and tuple(hit[:3]) == _identity(st) and is_digest(hit[3]):
             self._seen[real] = hit
             return str(hit[3])
         return None
@@ -551,8 +552,8 @@ class BlobStore:
     when it was stored.
 
     A blob may be the very file of the job it came for (`Builder` links it there): a job that writes into
-    that file changes the blob. So each blob gets a unique mtime as it is stored, and its identity (inode,
-    size, mtime) is noted in memory and appended to the index; a blob whose file no longer has it (written
+    that file changes the blob. So each blob gets a unique mtime as it is stored, and its identity (size,
+    mtime, inode) is noted in memory and appended to the index; a blob whose file no longer has it (written
     to since, or of an earlier release's store) counts as missing, and a copy out of it (`_place`) is
     refused. `prune` frees what no retained job needs; `recover`, at the peer's start, removes what is not
     intact and rewrites the index.
@@ -578,10 +579,7 @@ class BlobStore:
         release's), and write the index afresh."""
         for stale in (self.directory / "tmp").iterdir():
             stale.unlink(missing_ok=True)
-        for digest, size in list(self.blobs()):
-            if not self.intact(digest, size):
-                self.path(digest).unlink(missing_ok=True)
-        self._rewrite_index()
+        self._rewrite_index(remove_others=True)
 
     def path(self, digest: str) -> Path:
         return Path(self.blob_path(digest))
@@ -597,14 +595,14 @@ class BlobStore:
         stored (`st`: its stat, if the caller has it). A job may make its linked file unreadable (chmod): the blob
         is then missing, and sent again, rather than stored but unusable."""
         known = self._known.get(digest)
-        if known is None or known[1] != size:
+        if known is None or known[0] != size:
             return False
         if st is None:
             try:
                 st = os.stat(self.blob_path(digest))
             except FileNotFoundError:
                 return False
-        return _identity_of(st) == known and bool(st.st_mode & stat.S_IRUSR)
+        return _identity(st) == known and bool(st.st_mode & stat.S_IRUSR)
 
     def missing(self, blobs: Mapping[str, int]) -> list[str]:
         """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks intact, in their order.
@@ -637,7 +635,7 @@ class BlobStore:
             os.replace(tmp, final)
         with self._lock:
             self._known[digest] = identity
-            self._index_file.write(_index_line(digest, identity))
+            self._index_file.write(_index_line(digest, identity).encode())
         return final
 
     def put(self, digest: str, data: memoryview) -> Identity:
@@ -697,18 +695,18 @@ class BlobStore:
         self._rewrite_index()
         return freed
 
-    def _rewrite_index(self) -> None:
-        """The index with one line per blob stored and intact (written beside it, then renamed over it)."""
+    def _rewrite_index(self, remove_others: bool = False) -> None:
+        """The index with one line per blob stored and intact (written beside it, then renamed over it);
+        `remove_others`: the blobs that are not intact are removed."""
         with self._lock:
-            self._known = {digest: self._known[digest] for digest, size in self.blobs()
-                           if self.intact(digest, size)}
-            tmp = f"{self._index}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, b"".join(_index_line(digest, identity) for digest, identity in self._known.items()))
-            finally:
-                os.close(fd)
-            os.replace(tmp, self._index)
+            known = {}
+            for digest, size in list(self.blobs()):
+                if self.intact(digest, size):
+                    known[digest] = self._known[digest]
+                elif remove_others:
+                    self.path(digest).unlink(missing_ok=True)
+            self._known = known
+            write_private_file(self._index, "".join(_index_line(digest, known[digest]) for digest in known))
             self._index_file.close()
             self._index_file = _append_to(self._index)
 
@@ -718,16 +716,12 @@ _SEALED = itertools.count()  # makes each blob's mtime unique within this proces
 
 
 def _seal(fd: int) -> Identity:
-    """Give the blob being stored (open as `fd`) an mtime of its own, and return its identity (inode, size,
-    mtime_ns). A write into it later sets its mtime to the time of that write; copying another blob's mtime
+    """Give the blob being stored (open as `fd`) an mtime of its own, and return its identity (size, mtime_ns,
+    inode). A write into it later sets its mtime to the time of that write; copying another blob's mtime
     onto it (`cp -p`) gives it that blob's, which is not its own either."""
     stamp = time.time_ns() // 1000 * 1000 + next(_SEALED) % 1000  # a count in the nanoseconds
     os.utime(fd, ns=(stamp, stamp))
-    return _identity_of(os.fstat(fd))
-
-
-def _identity_of(st: os.stat_result) -> Identity:
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return _identity(os.fstat(fd))
 
 
 def _append_to(path: Path) -> io.FileIO:
@@ -735,8 +729,8 @@ def _append_to(path: Path) -> io.FileIO:
     return open(path, "ab", buffering=0, opener=lambda name, flags: os.open(name, flags, 0o600))  # noqa: SIM115
 
 
-def _index_line(digest: str, identity: Identity) -> bytes:
-    return f"{digest} {identity[0]} {identity[1]} {identity[2]}\n".encode()
+def _index_line(digest: str, identity: Identity) -> str:
+    return " ".join(map(str, (digest, *identity))) + "\n"
 
 
 def _read_index(path: Path) -> dict[str, Identity]:
@@ -962,7 +956,7 @@ def _link(store: BlobStore, entry: Entry, name: str, folder_fd: int, identity: I
     except OSError:
         return False
     st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
-    if _identity_of(st) != identity:
+    if _identity(st) != identity:
         os.unlink(name, dir_fd=folder_fd)
         return False
     mode = 0o700 if entry.executable else 0o600
