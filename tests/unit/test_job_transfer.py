@@ -5,6 +5,7 @@ down (byte-exact, nothing overwritten unless forced), and what a broken or hosti
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -63,7 +64,8 @@ class Pair:
             result = mine()
         except BaseException:
             for end in (self.client, self.peer):
-                end.sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):  # ENOTCONN: the first shutdown's reset closed this end already
+                    end.sock.shutdown(socket.SHUT_RDWR)
             raise
         finally:
             thread.join(TIMEOUT)
