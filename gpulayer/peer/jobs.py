@@ -93,8 +93,8 @@ class Upload:
     manifest: folder.Manifest
     receiver: transfer.BlobReceiver
     builder: folder.Builder  # its folders are made in folders reserved in the store (`incoming`)
-    placer: transfer.DiskThread | None  # where the builder places each uploaded blob's files, beside `disk`
-    disk: transfer.DiskThread | None  # the receiver's: while it is full, the connection is not read
+    disk: transfer.DiskThread | None  # the receiver's, which also places each blob's files: while it is full,
+    # the connection is not read
     array: tuple[range, int] | None = None  # an array's indices and limit (`--array 0-99%8`)
     building: bool = False  # the folders are being finished off the event loop: that thread owns them
 
@@ -105,12 +105,8 @@ class Upload:
 
     def drop(self) -> list[Path]:
         """Nothing of it is recorded: stop receiving; its folders, to remove (none while their builder is busy)."""
-        self.receiver.abort()
-        if self.building:
-            return []
-        if self.placer is not None:
-            self.placer.stop()
-        return self.incoming
+        self.receiver.abort()  # its disk thread, which places files, has ended
+        return [] if self.building else self.incoming
 
 
 @dataclass
@@ -412,16 +408,14 @@ class Jobs:
         builder = folder.Builder(manifest, self.blobs,
                                  lambda: [Path(self.store.reserve()) / WORK_DIR for _ in range(count)])
         pool = transfer.Pool()  # the chunks are received into buffers used again (the reader's, while it uploads)
-        placer = transfer.DiskThread() if need else None  # none for a folder the store has: no thread to start
         loop = self._loop()
         disk = transfer.DiskThread(on_room=lambda: loop.call_soon_threadsafe(_read_again, conn, upload)) \
-            if need else None
-        receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need}, disk, pool.release,
-                                         None if placer is None else
-                                         lambda digest, identity: placer.run(partial(builder.stored, digest, identity)))
+            if need else None  # none for a folder the store has: no thread to start
+        # each blob's files are placed by the disk thread that stored it, right after (ADR 0026)
+        receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need}, disk, pool.release, builder.stored)
         if need:
             conn.channel.reader.allocate = pool.allocate
-        upload = self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, placer, disk, array)
+        upload = self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, disk, array)
         self._prepare_standby()  # a job comes: its supervisor starts meanwhile
         conn.channel.write({"t": messages.JOB_NEED, "id": request_id, "need": need, "holder": self.holder})
         if not need:
@@ -491,7 +485,7 @@ class Jobs:
         pause_point("job-building")
         problem = None
         try:
-            await self._loop().run_in_executor(None, _build, upload.manifest, upload.builder, upload.placer)
+            await self._loop().run_in_executor(None, _build, upload.manifest, upload.builder)
         except (OSError, folder.FolderError) as exc:
             problem = f"the job's folder cannot be built: {exc}"
         incoming = upload.incoming
@@ -843,15 +837,9 @@ class Jobs:
         conn.channel.write({"t": messages.JOB_INFO, "id": msg["id"], "job": row.public()})
 
 
-def _build(manifest: folder.Manifest, builder: folder.Builder, placer: transfer.DiskThread | None) -> None:
-    """Each job's folder: its working folder (`builder`'s, once `placer` placed what was uploaded), and the
+def _build(manifest: folder.Manifest, builder: folder.Builder) -> None:
+    """Each job's folder: its working folder (`builder`'s: what was uploaded is placed already), and the
     manifest it was shipped with."""
-    try:
-        if placer is not None:
-            placer.finish()
-    except BaseException:
-        builder.abort()
-        raise
     builder.finish()
     shipped = json.dumps(manifest.to_wire()).encode()
     for path in builder.dests:
