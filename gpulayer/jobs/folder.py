@@ -606,17 +606,12 @@ class BlobStore:
 
     def missing(self, blobs: Mapping[str, int]) -> list[str]:
         """The digests of `blobs` (digest -> size, `Manifest.blobs()`) the store lacks intact, in their order.
-
-        The folders they would be in are listed first, so only blobs present are looked at one by one
-        (a resubmit of 1,609 files: 14 -> 9 ms, on the peer's event loop)."""
+        Only the blobs the index notes are looked at on disk (`intact`), one by one: a fresh folder costs no
+        system call, however large the store."""
         for digest in blobs:
             if not is_digest(digest):
                 self.blob_path(digest)  # FolderError
-        present: set[str] = set()
-        for prefix in {digest[:2] for digest in blobs}:
-            with contextlib.suppress(FileNotFoundError):
-                present.update(os.listdir(f"{self._root}/{prefix}"))
-        return [digest for digest, size in blobs.items() if digest not in present or not self.intact(digest, size)]
+        return [digest for digest, size in blobs.items() if not self.intact(digest, size)]
 
     def tmp_path(self, digest: str) -> str:
         """A new name in the store's tmp folder for a blob being written (its digest's start, this process, a
