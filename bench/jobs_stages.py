@@ -10,8 +10,9 @@ part, no TCP stack), and the digests and AES-GCM sealing on two threads at once 
 the GIL: two threads' wall time against one's). Then a peer's work for a fresh folder of `--mib` MiB
 shaped as bench/jobs.py's (a fifth in files of 25 KiB, the rest in 8 large ones), from blobs in memory:
 each blob checked and stored, and the job's folder built, by copies out of the store (the way before
-ADR 0025, still a resubmit's) or with each file a link to its blob (ADR 0025). Prints CPU seconds per
-GiB (process time, all threads) and the wall time; ADRs 0016, 0023 and 0025 use these figures.
+ADR 0025, still a resubmit's) or with each blob written as its first file, which the store links to (ADRs
+0025 and 0027). Prints CPU seconds per GiB (process time, all threads) and the wall time; ADRs 0016, 0023,
+0025 and 0027 use these figures.
 """
 
 from __future__ import annotations
@@ -115,9 +116,9 @@ def stages(folder: str, pieces: int) -> list[tuple[str, Callable[[], None], int]
         a.close()
         b.close()
 
-    def store_and_build(link: bool) -> Callable[[], None]:
-        """Store the folder's blobs in a fresh store, and build a job's folder from them (each file a link to
-        the blob just stored, or a copy out of the store)."""
+    def store_and_build(written_there: bool) -> Callable[[], None]:
+        """Store the folder's blobs in a fresh store, and build a job's folder from them: each blob written as
+        the job's file and linked into the store (an upload's way), or stored and then copied out."""
         blobs, manifest = _folder(pieces)
 
         def run() -> None:
@@ -125,9 +126,8 @@ def stages(folder: str, pieces: int) -> list[tuple[str, Callable[[], None], int]
             store = BlobStore(os.path.join(where, "store"))
             builder = Builder(manifest, store, lambda: [Path(where, "job")])
             for digest, data in blobs:
-                identity = store.put(digest, data)
-                if link:
-                    builder.stored(digest, identity)
+                store.put(digest, data, builder.first(digest) if written_there else None)
+                builder.stored(digest)
             builder.finish()
             store.close()
         return run
@@ -146,8 +146,8 @@ def stages(folder: str, pieces: int) -> list[tuple[str, Callable[[], None], int]
             ("blake3 (the content digest)", blake3, 1), ("send+receive (socketpair)", send_receive, 1),
             ("sha256, 2 threads", two(sha256), 2), ("blake3, 2 threads", two(blake3), 2),
             ("AES-GCM seal, 2 threads", two(seal_only), 2), ("AES-GCM seal, 1 thread", seal_only, 1),
-            ("store, copy into the job folder", store_and_build(link=False), 1),
-            ("store, link as the job's file", store_and_build(link=True), 1)]
+            ("store, copy into the job folder", store_and_build(written_there=False), 1),
+            ("write as the job's file, link into the store", store_and_build(written_there=True), 1)]
 
 
 def _folder(mib: int) -> tuple[list[tuple[str, memoryview]], Manifest]:
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             fn()
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
             gib = times * args.mib / 1024
-            print(f"{name:32s} {cpu / gib:5.2f} CPU-s/GiB   {gib / wall:5.2f} GiB/s wall")
+            print(f"{name:44s} {cpu / gib:5.2f} CPU-s/GiB   {gib / wall:5.2f} GiB/s wall")
     finally:
         shutil.rmtree(folder)
     return 0

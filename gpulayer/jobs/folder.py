@@ -35,8 +35,9 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard, Union
 
 if TYPE_CHECKING:
     import blake3
@@ -57,6 +58,15 @@ NEVER_SHIPPED = ".git"
 
 PathLike = Union[str, "os.PathLike[str]"]
 Identity = tuple[int, int, int]  # what says a file is unchanged: size, mtime_ns, inode (`_identity`)
+
+
+class Place(NamedTuple):
+    """Where an upload writes a blob: its name in an open folder (`folder_fd`; None for a path of the store's
+    own), and the file's mode."""
+
+    folder_fd: int | None
+    name: str
+    mode: int
 
 
 class FolderError(GPULayerError):
@@ -485,21 +495,21 @@ def _not_its_digest(digest: str) -> FolderError:
 
 
 class BlobWriter:
-    """Receives one blob in pieces; `commit` checks its size and digest, then renames it into the store.
+    """Receives one blob in pieces; `commit` checks its size and digest, then enters it into the store.
 
     Anything short of a successful commit (a truncated or wrong upload, an exception, `abort`) leaves
-    nothing in the store. Use it as a context manager, or call `abort` on failure. With `caller_hashes`
-    the caller hashes the very bytes it writes (on another thread, say) and gives `commit` that digest.
-    Once committed, `identity` is the stored file's (`Identity`).
+    nothing, in the store or `at`. Use it as a context manager, or call `abort` on failure. With
+    `caller_hashes` the caller hashes the very bytes it writes (on another thread, say) and gives `commit`
+    that digest. With `at`, the blob is written there (a job's file) and the store links to it
+    (`BlobStore.enter`); `at`'s folder must stay open until the commit or the abort.
     """
 
-    def __init__(self, store: BlobStore, digest: str, size: int, caller_hashes: bool = False):
+    def __init__(self, store: BlobStore, digest: str, size: int, caller_hashes: bool = False, at: Place | None = None):
         self.store, self.digest, self.size = store, digest, size
         self.written = 0
-        self.identity: Identity | None = None
         self._hash = None if caller_hashes else new_digest()
-        self._tmp = store.tmp_path(digest)
-        self._fd: int | None = os.open(self._tmp, _NEW_FILE, 0o600)
+        self._at = store.new_file(digest, at)
+        self._fd: int | None = os.open(self._at.name, _NEW_FILE, self._at.mode, dir_fd=self._at.folder_fd)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append a piece; FolderError (and nothing kept) if it goes past the announced size."""
@@ -515,9 +525,9 @@ class BlobWriter:
         while view:
             view = view[os.write(self._fd, view):]
 
-    def commit(self, hashed: str | None = None) -> Path:
+    def commit(self, hashed: str | None = None) -> None:
         """Check the size and digest (`hashed`: the caller's, with `caller_hashes`), then store the blob
-        (atomic rename); FolderError, and nothing kept, if either is wrong."""
+        (`BlobStore.enter`); FolderError, and nothing kept, if either is wrong."""
         if self._fd is None:
             raise FolderError(f"blob {self.digest[:16]} is closed")
         if self.written != self.size:
@@ -526,18 +536,18 @@ class BlobWriter:
         if (self._hash.hexdigest() if self._hash is not None else hashed) != self.digest:
             self.abort()
             raise _not_its_digest(self.digest)
-        self.identity = _seal(self._fd)
+        identity = _seal(self._fd)
         os.close(self._fd)
         self._fd = None
-        return Path(self.store.move_in(self._tmp, self.digest, self.identity))
+        self.store.enter(self._at, self.digest, identity)
 
     def abort(self) -> None:
         """Drop what was written."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._tmp)
+            with contextlib.suppress(OSError):  # gone already, or with its job's folder
+                os.unlink(self._at.name, dir_fd=self._at.folder_fd)
 
     def __enter__(self) -> BlobWriter:
         return self
@@ -548,15 +558,15 @@ class BlobWriter:
 
 class BlobStore:
     """The peer's file contents, once each, by content digest (BLAKE3): `<dir>/<2 hex>/<digest>` (0700
-    folders, 0600 files: 0700 where linked as an executable), and `<dir>/index`, the identity each blob had
+    folders, 0600 files: 0700 where one is a job's executable), and `<dir>/index`, the identity each blob had
     when it was stored.
 
-    A blob may be the very file of the job it came for (`Builder` links it there): a job that writes into
-    that file changes the blob. So each blob gets a unique mtime as it is stored, and its identity (size,
-    mtime, inode) is noted in memory and appended to the index; a blob whose file no longer has it (written
-    to since, or of an earlier release's store) counts as missing, and a copy out of it (`_place`) is
-    refused. `prune` frees what no retained job needs; `recover`, at the peer's start, removes what is not
-    intact and rewrites the index.
+    A blob may be the very file of the job it came for (an upload writes it there, and the store links to
+    it: `Builder.first`): a job that writes into that file changes the blob. So each blob gets a unique mtime
+    as it is stored, and its identity (size, mtime, inode) is noted in memory and appended to the index; a
+    blob whose file no longer has it (written to since, or of an earlier release's store) counts as missing,
+    and a copy out of it (`_place`) is refused. `prune` frees what no retained job needs; `recover`, at the
+    peer's start, removes what is not intact and rewrites the index.
     """
 
     def __init__(self, directory: PathLike):
@@ -613,55 +623,87 @@ class BlobStore:
                 self.blob_path(digest)  # FolderError
         return [digest for digest, size in blobs.items() if not self.intact(digest, size)]
 
-    def tmp_path(self, digest: str) -> str:
-        """A new name in the store's tmp folder for a blob being written (its digest's start, this process, a
-        count: no random bytes to ask the kernel for, per small blob)."""
-        return f"{self.tmp}/{digest[:16]}.{os.getpid()}.{next(_TMP_COUNT)}"
+    def new_file(self, digest: str, at: Place | None) -> Place:
+        """Where a blob being written goes: `at`, or a new name in the store's tmp folder (its digest's start,
+        this process, a count: no random bytes to ask the kernel for, per small blob)."""
+        return at or Place(None, f"{self.tmp}/{digest[:16]}.{os.getpid()}.{next(_TMP_COUNT)}", 0o600)
 
-    def move_in(self, tmp: str, digest: str, identity: Identity) -> str:
-        """Rename the checked blob at `tmp` (sealed: `_seal`'s identity) into the store (atomic), and note its
-        identity; its path there."""
+    def enter(self, at: Place, digest: str, identity: Identity) -> None:
+        """Make the checked blob written `at` (sealed: `_seal`'s identity) the store's, and note its identity in
+        the same step, under the lock (the index then names the file at the blob's path). A job's file is linked
+        in, so its bytes are written once (ADR 0027); where a blob is there already (another upload's, or one a
+        job wrote into), through a tmp name (`_beside`) renamed over it. The store's own tmp file is renamed in
+        (atomic)."""
         final = self.blob_path(digest)
-        try:
-            os.replace(tmp, final)
-        except FileNotFoundError:  # the first blob of its two-hex folder
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(os.path.dirname(final), 0o700)
-            os.replace(tmp, final)
+        if at.folder_fd is not None:
+            with self._lock:
+                try:
+                    _into_folder(partial(os.link, at.name, src_dir_fd=at.folder_fd, follow_symlinks=False), final)
+                    linked = True
+                except OSError:
+                    linked = False
+                if linked:
+                    return self._note(digest, identity)
+            at, identity = self._beside(at, digest, identity)
         with self._lock:
-            self._known[digest] = identity
-            self._index_file.write(_index_line(digest, identity).encode())
-        return final
+            _into_folder(partial(os.replace, at.name), final)
+            self._note(digest, identity)
 
-    def put(self, digest: str, data: memoryview) -> Identity:
+    def _beside(self, at: Place, digest: str, identity: Identity) -> tuple[Place, Identity]:
+        """The job's file `at` under a new name in the store's tmp folder, and its identity: a link, or where the
+        filesystem has no hard links a copy of its own (sealed)."""
+        tmp = self.new_file(digest, None)
+        try:
+            os.link(at.name, tmp.name, src_dir_fd=at.folder_fd, follow_symlinks=False)
+            return tmp, identity
+        except OSError:
+            pass
+        src = os.open(at.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=at.folder_fd)
+        try:
+            dst = os.open(tmp.name, _NEW_FILE, 0o600)
+            try:
+                copy_fd(src, dst, identity[0])
+                return tmp, _seal(dst)
+            except BaseException:
+                os.unlink(tmp.name)
+                raise
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+
+    def _note(self, digest: str, identity: Identity) -> None:
+        self._known[digest] = identity
+        self._index_file.write(_index_line(digest, identity).encode())
+
+    def put(self, digest: str, data: memoryview, at: Place | None = None) -> None:
         """Store a whole blob held in memory (one of a pack's small ones), checked against its digest first:
-        FolderError, and nothing kept, if it does not match; the stored file's identity. BlobWriter's checks,
-        without its object: 25 KiB blobs 52 -> 38 us each here."""
+        FolderError, and nothing kept, if it does not match. With `at`, it is written there, as a job's file
+        (`enter`). BlobWriter's checks, without its object: 25 KiB blobs 52 -> 38 us each here."""
         self.blob_path(digest)  # FolderError for what is not a digest
         hasher = new_digest()
         hasher.update(data)
         if hasher.hexdigest() != digest:
             raise _not_its_digest(digest)
-        tmp = self.tmp_path(digest)
-        fd = os.open(tmp, _NEW_FILE, 0o600)
+        at = self.new_file(digest, at)
+        fd = os.open(at.name, _NEW_FILE, at.mode, dir_fd=at.folder_fd)
         try:
             while data:
                 data = data[os.write(fd, data):]
             identity = _seal(fd)
         except BaseException:
-            os.unlink(tmp)
+            os.unlink(at.name, dir_fd=at.folder_fd)
             raise
         finally:
             os.close(fd)
-        self.move_in(tmp, digest, identity)
-        return identity
+        self.enter(at, digest, identity)
 
-    def writer(self, digest: str, size: int, caller_hashes: bool = False) -> BlobWriter:
+    def writer(self, digest: str, size: int, caller_hashes: bool = False, at: Place | None = None) -> BlobWriter:
         """A writer for one blob of `size` bytes and this digest (`BlobWriter`)."""
         self.path(digest)
         if not isinstance(size, int) or size < 0:
             raise FolderError(f"a blob's size is a whole number of bytes, not {size!r}")
-        return BlobWriter(self, digest, size, caller_hashes)
+        return BlobWriter(self, digest, size, caller_hashes, at)
 
     def blobs(self) -> Iterator[tuple[str, int]]:
         """(digest, size) of every stored blob."""
@@ -722,6 +764,16 @@ def _seal(fd: int) -> Identity:
 def _append_to(path: Path) -> io.FileIO:
     """The file `path` (made 0600 if missing), open for appends: each write one system call, at its end."""
     return open(path, "ab", buffering=0, opener=lambda name, flags: os.open(name, flags, 0o600))  # noqa: SIM115
+
+
+def _into_folder(make: Callable[[str], None], final: str) -> None:
+    """`make(final)` (a link or a rename to a blob's path), making its two-hex folder first where it is missing."""
+    try:
+        make(final)
+    except FileNotFoundError:  # the first blob of its two-hex folder
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.dirname(final), 0o700)
+        make(final)
 
 
 def _index_line(digest: str, identity: Identity) -> str:
@@ -822,15 +874,15 @@ def materialise(manifest: Manifest, store: BlobStore, dest: PathLike) -> None:
 
 class Builder:
     """Job folders (`materialise`'s: those `dests()` names, asked for at the first use) built while an upload
-    comes in: `stored(digest)` places the files of a blob as soon as this upload stored it (on the upload's
-    disk thread, beside the receive), `finish` places the rest and renames each folder into place; `abort`
-    leaves nothing of them.
+    comes in, on the upload's disk thread: `first(digest)` says where the upload writes a blob (its first file
+    in the job's folder), `stored(digest)` places the blob's other files once it is stored; `finish` places
+    the rest and renames each folder into place; `abort` leaves nothing of them.
 
-    Off macOS, the first file of a blob this upload stored becomes a hard link to it: those bytes are written
-    once. Every other file is a copy (on APFS a clone, which shares the blob's blocks until either is
-    written), so no two files of the jobs share their bytes (a job that writes into its linked file changes
-    the blob, which the store then counts as missing). Not thread-safe: one thread at a time (the disk
-    thread, then the one that calls `finish`).
+    Off macOS, the first file of a blob this upload stored is the very file the store links to: those bytes
+    are written once. Every other file is a copy (on APFS a clone, which shares the blob's blocks until either
+    is written), so no two files of the jobs share their bytes (a job that writes into its own first file
+    changes the blob, which the store then counts as missing). Not thread-safe: one thread at a time (the
+    disk thread, then the one that calls `finish`).
     """
 
     def __init__(self, manifest: Manifest, store: BlobStore, dests: Callable[[], list[Path]]):
@@ -841,6 +893,7 @@ class Builder:
         self._partials: list[Path] = []
         self._walkers: list[_Folders] = []
         self._waiting: dict[str, list[Entry]] | None = None  # digest -> its entries not placed yet, in path order
+        self._written: dict[str, Entry] = {}  # digest -> the entry an upload writes it as, in the first folder only
 
     def _prepare(self) -> dict[str, list[Entry]]:
         """Check the manifest again and the folders to build (at the first use: on the thread that builds)."""
@@ -861,13 +914,25 @@ class Builder:
                 self._waiting.setdefault(e.digest, []).append(e)
         return self._waiting
 
-    def stored(self, digest: str, identity: Identity) -> None:
-        """This upload stored the blob `digest` as the file of that identity: place its files (the first a link
-        to that very file, if the store still holds it: another upload of the same content may have replaced
-        it)."""
-        entries = self._prepare().pop(digest, None)
-        if entries:
-            self._place(entries, (digest, identity))
+    def first(self, digest: str) -> Place | None:
+        """Where this upload writes the blob `digest`: as its first file in the (first) job's folder, which then
+        needs no copy (ADR 0027); None on macOS, where that file is a clone of the stored blob. Its folder stays
+        open until this builder's next call."""
+        entries = self._prepare().get(digest)
+        if _fclonefileat is not None or not entries:
+            return None
+        entry = self._written[digest] = entries.pop(0)
+        *folders, name = entry.path.split("/")
+        return Place(self._folders()[0].open(folders), name, 0o700 if entry.executable else 0o600)
+
+    def stored(self, digest: str) -> None:
+        """This upload stored the blob `digest`: place its files still to place (copies), the one it was written as
+        in the other folders (an array's) too."""
+        entries = self._prepare().pop(digest, [])
+        written = self._written.pop(digest, None)
+        if written is not None:
+            self._place([written], self._folders()[1:])
+        self._place(entries)
 
     def finish(self) -> None:
         """Place every file not placed yet (its blob was in the store already), then move each folder into place."""
@@ -877,8 +942,8 @@ class Builder:
             waiting.clear()
             for walker in self._walkers:
                 walker.close()
-            for partial, dest in zip(self._partials, self.dests):
-                os.rename(partial, dest)
+            for partial_dir, dest in zip(self._partials, self.dests):
+                os.rename(partial_dir, dest)
         except BaseException:
             self.abort()
             raise
@@ -887,26 +952,25 @@ class Builder:
         """Remove what was built."""
         for walker in self._walkers:
             walker.close()
-        for partial in self._partials:
-            shutil.rmtree(partial, ignore_errors=True)
+        for partial_dir in self._partials:
+            shutil.rmtree(partial_dir, ignore_errors=True)
 
-    def _place(self, entries: list[Entry], linked: tuple[str, Identity] | None = None) -> None:
-        """Place the entries in every folder; the first one of the blob `linked` (its digest, the identity this
-        upload stored it with) as a link to it."""
+    def _folders(self) -> list[_Folders]:
+        """The open folders of each job's folder being built (made at the first use)."""
         if not self._walkers:
-            for partial in self._partials:
-                os.mkdir(partial, 0o700)
-                self._walkers.append(_Folders(partial))
+            for partial_dir in self._partials:
+                os.mkdir(partial_dir, 0o700)
+                self._walkers.append(_Folders(partial_dir))
+        return self._walkers
+
+    def _place(self, entries: list[Entry], walkers: list[_Folders] | None = None) -> None:
+        """Place the entries in every folder (or those of `walkers`), as copies of the store's blobs."""
         try:
+            walkers = self._folders() if walkers is None else walkers
             for e in entries:
                 *folders, name = e.path.split("/")
-                for walker in self._walkers:
-                    folder_fd = walker.open(folders)
-                    if linked and e.digest == linked[0] and _fclonefileat is None \
-                            and _link(self.store, e, name, folder_fd, linked[1]):
-                        linked = None
-                    else:
-                        _place(self.store, e, name, folder_fd)
+                for walker in walkers:
+                    _place(self.store, e, name, walker.open(folders))
         except BaseException:
             self.abort()
             raise
@@ -938,26 +1002,6 @@ class _Folders:
     def close(self) -> None:
         while self._opened:
             os.close(self._opened.pop()[1])
-
-
-def _link(store: BlobStore, entry: Entry, name: str, folder_fd: int, identity: Identity) -> bool:
-    """Make `name` in the open folder a hard link to the blob just stored for it as the file of `identity`;
-    False (nothing made) where the store's file is another (another upload of the same content replaced it:
-    linked twice, two jobs would share its bytes) or no link can be made (a filesystem without them)."""
-    try:
-        os.link(store.blob_path(entry.digest), name, dst_dir_fd=folder_fd, follow_symlinks=False)
-    except FileExistsError:
-        raise FolderError(f"{entry.path} comes twice in the manifest") from None
-    except OSError:
-        return False
-    st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
-    if _identity(st) != identity:
-        os.unlink(name, dir_fd=folder_fd)
-        return False
-    mode = 0o700 if entry.executable else 0o600
-    if st.st_mode & 0o777 != mode:  # a blob is stored 0600
-        os.chmod(name, mode, dir_fd=folder_fd)
-    return True
 
 
 def _place(store: BlobStore, entry: Entry, name: str, folder_fd: int) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from ..protocol import framing, messages
-from .folder import (BlobStore, BlobWriter, FolderError, Identity, Manifest, PathLike, check_relpath,
+from .folder import (BlobStore, BlobWriter, Builder, FolderError, Manifest, PathLike, Place, check_relpath,
                      files_under, new_digest, resolve_inside)
 from .store import pause_point
 
@@ -266,15 +266,15 @@ class BlobReceiver:
     then waits for the disk work (hashing and writing; on `disk`, if given, else done inline) and raises
     its error.
     FolderError (and nothing of the blob kept) for a digest not asked for, a chunk out of place or past
-    its size, or a blob that fails its check. `release(chunk)`, if given, gets each chunk once written;
-    `stored(digest, identity)`, if given, is called by the disk work after each blob is stored, with its file's
-    identity (a `folder.Builder` places its files then).
+    its size, or a blob that fails its check. `release(chunk)`, if given, gets each chunk once written. With
+    `builder`, the disk work writes each blob as its first file in the job's folder (`Builder.first`) and has
+    the builder place its other files once it is stored.
     """
 
     def __init__(self, store: BlobStore, expected: Mapping[str, int], disk: DiskThread | None = None,
-                 release: Callable[[Any], None] | None = None, stored: Callable[[str, Identity], None] | None = None):
+                 release: Callable[[Any], None] | None = None, builder: Builder | None = None):
         self.store = store
-        self._stored = stored
+        self._builder = builder
         self.left = dict(expected)
         self.received = 0  # content bytes
         self._sink = _Sink(disk, release)
@@ -331,17 +331,23 @@ class BlobReceiver:
     def _store_whole(self, blobs: list[tuple[str, memoryview]], chunk: Any) -> None:
         """Store whole blobs (digest, bytes: views of `chunk`), each checked against its digest."""
         for digest, data in blobs:
-            identity = self.store.put(digest, data)
-            if self._stored is not None:
-                self._stored(digest, identity)
+            self.store.put(digest, data, self._first(digest))
+            self._placed(digest)
         self._sink.release(chunk)
 
     def finish(self) -> None:
         """Wait for the disk work; FolderError if a blob failed its check (nothing of it kept)."""
         self._sink.finish()
 
+    def _first(self, digest: str) -> Place | None:
+        return None if self._builder is None else self._builder.first(digest)
+
+    def _placed(self, digest: str) -> None:
+        if self._builder is not None:
+            self._builder.stored(digest)
+
     def _open(self, digest: str, size: int) -> None:
-        self._writer = self.store.writer(digest, size, caller_hashes=True)
+        self._writer = self.store.writer(digest, size, caller_hashes=True, at=self._first(digest))
 
     def _write(self, chunk: Any, hasher: Any) -> None:
         """Write the chunk, and hash it at the same time on the disk thread's second thread: the side
@@ -359,8 +365,7 @@ class BlobReceiver:
         assert self._writer is not None
         writer, self._writer = self._writer, None
         writer.commit(hasher.hexdigest())
-        if self._stored is not None and writer.identity is not None:
-            self._stored(writer.digest, writer.identity)
+        self._placed(writer.digest)
 
     def abort(self) -> None:
         """Drop the blob being received (the connection broke, or the upload was refused)."""

@@ -411,8 +411,8 @@ class Jobs:
         loop = self._loop()
         disk = transfer.DiskThread(on_room=lambda: loop.call_soon_threadsafe(_read_again, conn, upload)) \
             if need else None  # none for a folder the store has: no thread to start
-        # each blob's files are placed by the disk thread that stored it, right after (ADR 0026)
-        receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need}, disk, pool.release, builder.stored)
+        # the disk thread writes each blob as its job's file and places its other files (ADRs 0026, 0027)
+        receiver = transfer.BlobReceiver(self.blobs, {d: sizes[d] for d in need}, disk, pool.release, builder)
         if need:
             conn.channel.reader.allocate = pool.allocate
         upload = self._uploads[(conn, request_id)] = Upload(spec, manifest, receiver, builder, disk, array)

@@ -8,6 +8,7 @@ manifests: `..`, absolute, duplicates, a file as a folder), what a job changed, 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -322,7 +323,8 @@ def test_blob_store_keeps_verified_blobs_only(tmp_path):
     with store.writer(digest, len(data)) as w:
         for i in range(0, len(data), 1 << 20):
             w.write(memoryview(data)[i:i + (1 << 20)])
-        stored = w.commit()
+        w.commit()
+    stored = store.path(digest)
     assert stored.read_bytes() == data and stored.stat().st_mode & 0o077 == 0
     assert store.missing({digest: len(data), GOOD: 1}) == [GOOD]
     assert store.missing({digest: len(data) - 1}) == [digest]  # another size: not this blob
@@ -438,21 +440,26 @@ def test_on_macos_a_jobs_files_are_clones_of_the_stores_blobs(project, tmp_path,
 
 
 def _built_while_uploaded(manifest: Manifest, store: BlobStore, dests: list[Path]) -> None:
-    """The folders built as a peer builds them during an upload: each blob placed as soon as it is stored."""
+    """The folders built as a peer builds them during an upload: each blob written as its first file (a large
+    blob's way, in pieces; and a small one's, whole), its other files placed as soon as it is stored."""
     builder = folder.Builder(manifest, store, lambda: dests)
     sources = manifest.source_of()
-    for digest in store.missing(manifest.blobs()):
-        with store.writer(digest, manifest.blobs()[digest]) as w:
-            w.write(Path(sources[digest]).read_bytes())
-            w.commit()
-        builder.stored(digest, w.identity)
+    for n, digest in enumerate(store.missing(manifest.blobs())):
+        data = Path(sources[digest]).read_bytes()
+        if n % 2:
+            store.put(digest, memoryview(data), builder.first(digest))
+        else:
+            with store.writer(digest, len(data), at=builder.first(digest)) as w:
+                w.write(data)
+                w.commit()
+        builder.stored(digest)
     builder.finish()
 
 
 def test_a_blob_received_for_a_job_is_that_jobs_file_and_every_other_file_a_copy(project, tmp_path):
-    """Its bytes are written once (ADR 0025): the first job's file is the stored blob itself (a hard link; on
-    macOS an APFS clone instead); a second folder of the same upload (an array's), and a second file of the same
-    content, get copies."""
+    """Its bytes are written once (ADRs 0025, 0027): the first job's file is the stored blob itself (written there,
+    the store's entry a hard link to it; on macOS an APFS clone of it instead); a second folder of the same upload
+    (an array's), and a second file of the same content, get copies."""
     write(project, "pkg/empty_too.py", "")  # the same content as pkg/__init__.py
     manifest = memory_scan(project)
     store = BlobStore(tmp_path / "store")
@@ -471,28 +478,50 @@ def test_a_blob_received_for_a_job_is_that_jobs_file_and_every_other_file_a_copy
     assert store.missing(manifest.blobs()) == []  # a resubmit sends nothing
 
 
-def test_two_uploads_of_the_same_content_never_link_one_file_into_both_jobs(tmp_path):
-    """Two submits of one new folder at once both store its blob; the second's rename replaces the first's file
-    before the first links it. The first job then gets a copy, the second the stored file: no file is shared by
-    two jobs, so neither job's writes reach the other's."""
+@pytest.mark.parametrize("entered", [(0, 1), (1, 0)], ids=["in-turn", "the-second-first"])
+def test_two_uploads_of_the_same_content_never_share_a_file(tmp_path, entered):
+    """Two submits of one new folder at once each write the blob as their own job's file; whichever the store takes
+    last is its blob, the other job's file stays that job's alone (neither job's writes reach the other's), and the
+    index names the file the store has."""
     data = b"W = 1\n"
     manifest = Manifest((Entry("model.py", len(data), False, sha(data)),))
     store = BlobStore(tmp_path / "store")
-    identities = []
-    for _ in range(2):
-        with store.writer(sha(data), len(data)) as w:
-            w.write(data)
-            w.commit()
-        identities.append(w.identity)
-    for name, identity in zip(("first", "second"), identities):
-        builder = folder.Builder(manifest, store, lambda name=name: [tmp_path / name])
-        builder.stored(sha(data), identity)
+    builders = [folder.Builder(manifest, store, lambda name=name: [tmp_path / name]) for name in ("first", "second")]
+    writers = [store.writer(sha(data), len(data), at=builder.first(sha(data))) for builder in builders]
+    for w in writers:
+        w.write(data)
+    for n in entered:
+        writers[n].commit()
+    for builder in builders:
+        builder.stored(sha(data))
         builder.finish()
     first, second = (os.stat(tmp_path / name / "model.py") for name in ("first", "second"))
-    assert first.st_ino != second.st_ino and first.st_nlink == 1
-    assert (tmp_path / "first" / "model.py").read_bytes() == data
-    if sys.platform != "darwin":  # there both are clones
-        assert second.st_ino == store.path(sha(data)).stat().st_ino
+    assert first.st_ino != second.st_ino
+    assert (tmp_path / "first" / "model.py").read_bytes() == (tmp_path / "second" / "model.py").read_bytes() == data
+    if sys.platform != "darwin":  # there both are clones of the store's own file
+        last = (first, second)[entered[-1]]
+        assert store.path(sha(data)).stat().st_ino == last.st_ino and last.st_nlink == 2
+        assert (first, second)[entered[0]].st_nlink == 1
+    assert store.missing(manifest.blobs()) == []
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS a job's files are clones, never links to the store")
+def test_without_hard_links_the_store_keeps_a_copy_of_the_jobs_file(project, tmp_path, monkeypatch):
+    """On a filesystem without hard links (EPERM from link(2): some FUSE and FAT ones), an upload still writes each
+    blob as its job's file, and the store gets a copy of its own: a job writing into its file leaves the blob
+    intact."""
+    def no_links(*args, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    manifest = memory_scan(project)
+    store = BlobStore(tmp_path / "store")
+    _built_while_uploaded(manifest, store, [tmp_path / "j1"])
+    (tmp_path / "j1" / "pkg/model.py").write_text("W = 2\n")
+    assert store.missing(manifest.blobs()) == [] and store.path(sha(b"W = 1\n")).read_text() == "W = 1\n"
+    for e in manifest.entries:
+        assert store.path(e.digest).stat().st_nlink == 1
+    assert list((tmp_path / "store" / "tmp").iterdir()) == []
 
 
 def _write_mapped(path: Path, data: bytes) -> None:

@@ -286,11 +286,16 @@ def test_the_jobs_folder_is_built_while_its_blobs_come(project, tmp_path):
     dests = [tmp_path / "jobs" / name / "work" for name in ("a", "b")]  # an array of two
     for dest in dests:
         dest.parent.mkdir(parents=True)
-    builder = Builder(manifest, store, lambda: dests)
     placed = []
+
+    class Recorded(Builder):
+        def stored(self, digest: str) -> None:
+            super().stored(digest)
+            placed.append(sorted(p.name for p in (tmp_path / "jobs").rglob("*") if p.is_file()))
+
+    builder = Recorded(manifest, store, lambda: dests)
     receiver = transfer.BlobReceiver(store, {d: manifest.blobs()[d] for d in need}, transfer.DiskThread(),
-                                     stored=lambda digest, identity: (builder.stored(digest, identity), placed.append(
-                                         sorted(p.name for p in (tmp_path / "jobs").rglob("*") if p.is_file()))))
+                                     builder=builder)
     for msg, buffers in transfer.blob_messages(manifest, need, 1):
         receiver.feed(msg, [bytearray(b) for b in buffers])
     receiver.finish()
@@ -306,7 +311,7 @@ def test_the_jobs_folder_is_built_while_its_blobs_come(project, tmp_path):
     dropped = tmp_path / "dropped" / "work"
     dropped.parent.mkdir()
     half = Builder(manifest, store, lambda: [dropped])
-    half.stored(manifest.entries[0].digest, (0, 0, 0))  # an identity not the file's: copied, not linked
+    half.stored(manifest.entries[0].digest)
     half.abort()
     assert list(dropped.parent.iterdir()) == []
 
