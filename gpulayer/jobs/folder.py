@@ -940,18 +940,21 @@ class Builder:
             waiting = self._prepare()
             self._place(sorted((e for entries in waiting.values() for e in entries), key=lambda e: e.path))
             waiting.clear()
-            for walker in self._walkers:
-                walker.close()
+            self.close()
             for partial_dir, dest in zip(self._partials, self.dests):
                 os.rename(partial_dir, dest)
         except BaseException:
             self.abort()
             raise
 
-    def abort(self) -> None:
-        """Remove what was built."""
+    def close(self) -> None:
+        """Close the folders it holds open (what it built stays)."""
         for walker in self._walkers:
             walker.close()
+
+    def abort(self) -> None:
+        """Remove what was built."""
+        self.close()
         for partial_dir in self._partials:
             shutil.rmtree(partial_dir, ignore_errors=True)
 

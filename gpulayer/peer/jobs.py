@@ -106,7 +106,10 @@ class Upload:
     def drop(self) -> list[Path]:
         """Nothing of it is recorded: stop receiving; its folders, to remove (none while their builder is busy)."""
         self.receiver.abort()  # its disk thread, which places files, has ended
-        return [] if self.building else self.incoming
+        if self.building:
+            return []
+        self.builder.close()
+        return self.incoming
 
 
 @dataclass

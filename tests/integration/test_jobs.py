@@ -470,6 +470,8 @@ def test_an_upload_whose_disk_falls_behind_is_held_back_by_tcp_while_the_peer_an
 
 
 def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
+    """The connection closes half way through a blob, once the peer has begun writing it as the job's file:
+    nothing is recorded or kept, and the peer holds none of the dropped folder open."""
     from gpulayer.protocol import handshake, jobs as job_protocol, messages
     from gpulayer.transport import blocking
     from gpulayer.jobs.store import JobSpec
@@ -484,11 +486,16 @@ def test_a_truncated_upload_records_nothing(jobs_peer, tmp_path):
         need, _ = conn.recv()
         assert need["t"] == messages.JOB_NEED and need["need"] == [digest]
         conn.send({"t": messages.BLOB, "id": 1, "d": digest, "off": 0, "size": len(data)}, [data[:1000]])
+        wait_until(lambda: list((state / "jobs").glob("*/.work.partial-*/blob.bin")), 10)  # written as the job's file
     finally:
         conn.close()
     assert jobs.rows(include_old=True) == []
     wait_until(lambda: not list((state / "blobs").glob("*/*")), 10)  # no blob, no partial one
     assert not list((state / "jobs").iterdir())
+    if sys.platform == "linux":  # and the dropped job's folder is not held open
+        held = [os.readlink(fd) for fd in Path(f"/proc/{peer.proc.pid}/fd").iterdir() if fd.is_symlink()]
+        folders = [path for path in held if path.startswith((f"{state / 'jobs'}/", f"{state / 'trash'}/"))]
+        assert folders == []
 
 
 def test_a_job_that_writes_into_a_shipped_file_leaves_the_next_job_the_files_as_shipped(jobs_peer, tmp_path):
