@@ -639,10 +639,9 @@ class BlobStore:
             with self._lock:
                 try:
                     _into_folder(partial(os.link, at.name, src_dir_fd=at.folder_fd, follow_symlinks=False), final)
-                    linked = True
                 except OSError:
-                    linked = False
-                if linked:
+                    pass
+                else:
                     return self._note(digest, identity)
             at, identity = self._beside(at, digest, identity)
         with self._lock:
@@ -655,22 +654,9 @@ class BlobStore:
         tmp = self.new_file(digest, None)
         try:
             os.link(at.name, tmp.name, src_dir_fd=at.folder_fd, follow_symlinks=False)
-            return tmp, identity
         except OSError:
-            pass
-        src = os.open(at.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=at.folder_fd)
-        try:
-            dst = os.open(tmp.name, _NEW_FILE, 0o600)
-            try:
-                copy_fd(src, dst, identity[0])
-                return tmp, _seal(dst)
-            except BaseException:
-                os.unlink(tmp.name)
-                raise
-            finally:
-                os.close(dst)
-        finally:
-            os.close(src)
+            return tmp, _copied(at, tmp.name, identity[0])
+        return tmp, identity
 
     def _note(self, digest: str, identity: Identity) -> None:
         self._known[digest] = identity
@@ -764,6 +750,25 @@ def _seal(fd: int) -> Identity:
 def _append_to(path: Path) -> io.FileIO:
     """The file `path` (made 0600 if missing), open for appends: each write one system call, at its end."""
     return open(path, "ab", buffering=0, opener=lambda name, flags: os.open(name, flags, 0o600))  # noqa: SIM115
+
+
+def _copied(at: Place, path: str, size: int) -> Identity:
+    """Copy the `size` bytes of the file `at` to a new file `path` (removed again on failure); its identity, sealed."""
+    src = os.open(at.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=at.folder_fd)
+    try:
+        dst = os.open(path, _NEW_FILE, 0o600)
+    except BaseException:
+        os.close(src)
+        raise
+    try:
+        copy_fd(src, dst, size)
+        return _seal(dst)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(src)
+        os.close(dst)
 
 
 def _into_folder(make: Callable[[str], None], final: str) -> None:
