@@ -338,11 +338,10 @@ class Submitter:
 
     def peer_upload(self, address: tuple[str, int], state_dir: Path) -> tuple[float, float]:
         """Seconds of a real submit of the folder (scanned: its digests cached) to the real peer at `address`,
-        to its JOB_INFO, and the longest answer (s) to the JOB_LISTs another connection sent meanwhile, one at
-        a time, 20 ms apart (how long the peer's event loop was held); then the job is waited for, and the
-        peer's removal of it and of its blobs (the tiny retention's work, on the peer's janitor thread, off the
-        event loop: it would load the next round)."""
-        import threading
+        to its JOB_INFO, and the longest answer (s) to the JOB_LISTs a prober process (`probe`) sent meanwhile
+        (how long the peer's event loop was held); then the job is waited for, and the peer's removal of it and
+        of its blobs (the tiny retention's work, on the peer's janitor thread, off the event loop: it would load
+        the next round)."""
         from types import SimpleNamespace
 
         from gpulayer.client.jobs import JobError, JobLink, _submit_over
@@ -350,25 +349,21 @@ class Submitter:
         from gpulayer.protocol import jobs as job_protocol
 
         client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")  # as GPULAYER_KEY
-        done, answers = threading.Event(), [0.0]
-
-        def probe() -> None:
+        prober = subprocess.Popen([sys.executable, __file__, "--probe", "--host", address[0], "--port",
+                                   str(address[1])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert prober.stdin is not None and prober.stdout is not None
+        try:
+            if prober.stdout.readline().strip() != "probing":  # its start is not timed
+                raise RuntimeError("the prober did not start")
+            started = time.perf_counter()
+            manifest = scan(self.folder, cache=self.cache)
             with JobLink(client, [address]) as link:  # type: ignore[arg-type]
-                while not done.is_set():
-                    asked = time.perf_counter()
-                    link.ask(job_protocol.request(messages.JOB_LIST, 0), timeout=60.0)
-                    answers.append(time.perf_counter() - asked)
-                    done.wait(0.02)
-
-        prober = threading.Thread(target=probe)
-        prober.start()
-        started = time.perf_counter()
-        manifest = scan(self.folder, cache=self.cache)
-        with JobLink(client, [address]) as link:  # type: ignore[arg-type]
-            info = _submit_over(link, JobSpec(["true"]), manifest, None)
-        seconds = time.perf_counter() - started
-        done.set()
-        prober.join()
+                info = _submit_over(link, JobSpec(["true"]), manifest, None)
+            seconds = time.perf_counter() - started
+            longest = float(prober.communicate("", timeout=60)[0])
+        finally:
+            prober.kill()
+            prober.wait()
         with JobLink(client, [address]) as link:  # type: ignore[arg-type]
             try:
                 ended = link.ask(job_protocol.request(messages.JOB_WAIT, 0, info["job"]["id"], timeout=120.0))
@@ -382,7 +377,7 @@ class Submitter:
             if time.monotonic() > deadline:
                 raise RuntimeError("the peer did not remove the ended job and its blobs in 60 s")
             time.sleep(0.02)
-        return seconds, max(answers)
+        return seconds, longest
 
 
     def peer_artifact(self, address: tuple[str, int], state_dir: Path) -> str:
@@ -434,6 +429,29 @@ class Submitter:
         client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")
         with JobLink(client, [address]) as link:  # type: ignore[arg-type]
             link.ask(job_protocol.request(messages.JOB_STOP, 0, job_id, grace=1.0))
+
+
+def probe(host: str, port: int) -> None:
+    """The prober of a real submit (`Submitter.peer_upload`), in a process of its own as a dashboard would be,
+    not beside the submitter's upload in its process: a JOB_LIST to the peer every 20 ms, one at a time, until
+    its stdin ends (at most TIMEOUT s); prints "probing" once the first is answered, then the longest answer (s)."""
+    import select
+    from types import SimpleNamespace
+
+    from gpulayer.client.jobs import JobLink
+    from gpulayer.protocol import jobs as job_protocol
+
+    client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-prober")
+    answers = []
+    with JobLink(client, [(host, port)]) as link:  # type: ignore[arg-type]
+        link.ask(job_protocol.request(messages.JOB_LIST, 0), timeout=60.0)  # the first: not counted
+        print("probing", flush=True)
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and not select.select([sys.stdin], [], [], 0.02)[0]:  # till stdin ends
+            asked = time.perf_counter()
+            link.ask(job_protocol.request(messages.JOB_LIST, 0), timeout=60.0)
+            answers.append(time.perf_counter() - asked)
+    print(max(answers, default=0.0), flush=True)
 
 
 def run_submitter(args: argparse.Namespace) -> None:
@@ -874,7 +892,11 @@ def main(argv=None) -> int:
                    "--peer-state"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--submit", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.probe:
+        probe(args.host, int(args.port))
+        return 0
     if args.serve:
         serve(Path(args.serve), args.bind)
         return 0
