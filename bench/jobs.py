@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[1:1] = [str(ROOT / "tests"), str(ROOT / "tests" / "lan")]  # after bench/; no gpulayer in either
@@ -240,6 +241,11 @@ def serve_gpulayer(conn: blocking.BlockingConnection, workdir: Path) -> None:
 
 # ---- the submitter's side -----------------------------------------------------------------------------
 
+def key_holder(submitter_id: str) -> SimpleNamespace:
+    """What a JobLink needs of its client: the run's cluster key (as GPULAYER_KEY) and a submitter id."""
+    return SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id=submitter_id)
+
+
 def cable_bytes() -> int:
     """Bytes through this namespace's eth0, both ways."""
     stats = Path("/sys/class/net/eth0/statistics")
@@ -342,13 +348,11 @@ class Submitter:
         (how long the peer's event loop was held); then the job is waited for, and the peer's removal of it and
         of its blobs (the tiny retention's work, on the peer's janitor thread, off the event loop: it would load
         the next round)."""
-        from types import SimpleNamespace
-
         from gpulayer.client.jobs import JobError, JobLink, _submit_over
         from gpulayer.jobs.store import JobSpec
         from gpulayer.protocol import jobs as job_protocol
 
-        client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")  # as GPULAYER_KEY
+        client = key_holder("bench-submitter")
         prober = subprocess.Popen([sys.executable, __file__, "--probe", "--host", address[0], "--port",
                                    str(address[1])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert prober.stdin is not None and prober.stdout is not None
@@ -383,8 +387,6 @@ class Submitter:
     def peer_artifact(self, address: tuple[str, int], state_dir: Path) -> str:
         """A job on the real peer whose command copies the artifact into its folder and then waits (so that
         the tiny retention keeps it); its id, once the copy is complete."""
-        from types import SimpleNamespace
-
         from gpulayer.client.jobs import JobLink, _submit_over
         from gpulayer.jobs.store import JobSpec
         from gpulayer.protocol import jobs as job_protocol
@@ -392,7 +394,7 @@ class Submitter:
         empty = self.workdir / "empty"
         empty.mkdir(exist_ok=True)
         command = ["sh", "-c", f"cp {shlex.quote(self.artifact)} model.bin && touch ready && exec sleep {TIMEOUT:.0f}"]
-        client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")
+        client = key_holder("bench-submitter")
         with JobLink(client, [address]) as link:  # type: ignore[arg-type]
             job_id = _submit_over(link, JobSpec(command), scan(empty, cache=DigestCache(None)), None)["job"]["id"]
             deadline = time.monotonic() + 120
@@ -405,11 +407,9 @@ class Submitter:
     def peer_fetch(self, address: tuple[str, int], job_id: str) -> float:
         """Seconds of a real fetch of the artifact from the real peer's job: `Job.fetch` (JOB_FETCH, the peer's
         FILE stream from its event loop, the submitter's receiver)."""
-        from types import SimpleNamespace
-
         from gpulayer.client.jobs import Job, JobLink
 
-        client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")
+        client = key_holder("bench-submitter")
         jobs = SimpleNamespace(link=lambda holder: JobLink(client, holder.addresses))  # type: ignore[arg-type]
         job = Job(jobs, SimpleNamespace(name="bench-peer", addresses=[address]), {"id": job_id})  # type: ignore[arg-type]
         dest = self.workdir / "peer-fetched"
@@ -421,12 +421,10 @@ class Submitter:
         return seconds
 
     def peer_stop(self, address: tuple[str, int], job_id: str) -> None:
-        from types import SimpleNamespace
-
         from gpulayer.client.jobs import JobLink
         from gpulayer.protocol import jobs as job_protocol
 
-        client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-submitter")
+        client = key_holder("bench-submitter")
         with JobLink(client, [address]) as link:  # type: ignore[arg-type]
             link.ask(job_protocol.request(messages.JOB_STOP, 0, job_id, grace=1.0))
 
@@ -436,12 +434,11 @@ def probe(host: str, port: int) -> None:
     not beside the submitter's upload in its process: a JOB_LIST to the peer every 20 ms, one at a time, until
     its stdin ends (at most TIMEOUT s); prints "probing" once the first is answered, then the longest answer (s)."""
     import select
-    from types import SimpleNamespace
 
     from gpulayer.client.jobs import JobLink
     from gpulayer.protocol import jobs as job_protocol
 
-    client = SimpleNamespace(key=os.environ[KEY_ENV].encode(), submitter_id="bench-prober")
+    client = key_holder("bench-prober")
     answers = []
     with JobLink(client, [(host, port)]) as link:  # type: ignore[arg-type]
         link.ask(job_protocol.request(messages.JOB_LIST, 0), timeout=60.0)  # the first: not counted
