@@ -30,6 +30,7 @@ log = logging.getLogger("gpulayer.client")
 SHORT_TASK_S = 0.002  # a peer's typical run time under which a lease takes any number of tasks at once
 ASK_AGAIN_S = 0.25  # after a peer had no worker to lend, the least time before asking it again
 OUTBOX_MAX = 1 << 18  # bytes of SUBMITs that a lease keeps back for one write at most
+WORKER_STOPS = frozenset({"timeout", "cancelled"})  # the ERRORs of a leased worker that stopped a task: it ends
 
 
 def enabled() -> bool:
@@ -204,13 +205,15 @@ class LeaseConnection(PeerConnection):
         return known
 
     def _answered(self, msg: dict[str, Any], buffers: list[Any]) -> None:
-        """A RESULT or ERROR of the worker: once no other waits to be read, what was kept back goes; then
-        routed as on any connection."""
+        """A RESULT or ERROR of the worker: once no other waits to be read, what was kept back goes (not
+        when the worker stopped the task and ends: what it was not sent is placed again); then routed as on
+        any connection."""
         if msg.get("id") is not None:
             with self._outbox_lock:
                 self._at_worker = max(0, self._at_worker - 1)
-                batch = self._take_outbox() if self._outbox and not (self._at_worker and self._wire.reader.messages) \
-                    else None
+                ending = msg["t"] == messages.ERROR and msg.get("code") in WORKER_STOPS
+                batch = self._take_outbox() if self._outbox and not ending \
+                    and not (self._at_worker and self._wire.reader.messages) else None
             if batch is not None:
                 try:
                     self._wire.send_encoded(batch)

@@ -136,15 +136,20 @@ def mark_then_sleep(started: str, seconds: float, finished: str | None = None) -
 
 def test_cancelling_a_task_that_runs_on_a_lease_stops_it(solo, tmp_path):
     peer, client = solo
-    assert leased(client, peer) is not None
+    lease = leased(client, peer)
+    assert lease is not None
     started, marker = tmp_path / "started", tmp_path / "finished"
     future = run(client, mark_then_sleep, str(started), 3, str(marker))
     killed = int(wait_until(lambda: started.exists() and started.read_text(), 30))
-    worker = run(client, os.getpid)  # queued behind it (submitted with it, it could run first)
+    worker = run(client, os.getpid)  # kept back behind it (submitted with it, it could run first)
+    behind = worker._task.task_id
     assert future.cancel()
     with pytest.raises(CancelledError):
         future.result(1)
     assert worker.result(30) != killed  # placed again: it did not start on the killed worker
+    # never written to the worker, which ends: had it been, its fate would hang on whether LEASE_END is read
+    # before the connection resets (the worker exits with it unread), and it could fail as WorkerDied
+    assert lease.sent_up_to < behind
     wait_until(lambda: not _alive(killed), 15)
     assert not marker.exists()
 
