@@ -30,7 +30,6 @@ log = logging.getLogger("gpulayer.client")
 SHORT_TASK_S = 0.002  # a peer's typical run time under which a lease takes any number of tasks at once
 ASK_AGAIN_S = 0.25  # after a peer had no worker to lend, the least time before asking it again
 OUTBOX_MAX = 1 << 18  # bytes of SUBMITs that a lease keeps back for one write at most
-WORKER_STOPS = frozenset({"timeout", "cancelled"})  # the ERRORs of a leased worker that stopped a task: it ends
 
 
 def enabled() -> bool:
@@ -211,7 +210,7 @@ class LeaseConnection(PeerConnection):
         if msg.get("id") is not None:
             with self._outbox_lock:
                 self._at_worker = max(0, self._at_worker - 1)
-                ending = msg["t"] == messages.ERROR and msg.get("code") in WORKER_STOPS
+                ending = msg.get("ends") is True  # the worker stopped the task (a timeout, a cancel) and ends
                 batch = self._take_outbox() if self._outbox and not ending \
                     and not (self._at_worker and self._wire.reader.messages) else None
             if batch is not None:

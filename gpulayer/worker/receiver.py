@@ -329,7 +329,7 @@ class Receiver:
             self._stopping = True
             others = [s for s in self.direct if s is not stream]
         self.output.drain()
-        stream.tell(messages.error(code, reason, task_id))
+        stream.tell({**messages.error(code, reason, task_id), "ends": True})  # nothing more is sent to it
         if self.lease is not None:
             self.lease.stream.tell({"t": messages.LEASE_END, "reason": reason})
         for other in others:  # no id: the connection is about to close, and this is why

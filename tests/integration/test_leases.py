@@ -154,6 +154,22 @@ def test_cancelling_a_task_that_runs_on_a_lease_stops_it(solo, tmp_path):
     assert not marker.exists()
 
 
+def test_a_task_cancelled_at_the_worker_before_it_starts_never_runs_and_the_lease_goes_on(solo, tmp_path):
+    peer, client = solo
+    assert leased(client, peer) is not None
+    started, skipped = tmp_path / "started", tmp_path / "skipped"
+    first = run(client, time.sleep, 0.3)  # written at once; the two behind it go together when it answers
+    running = run(client, mark_then_sleep, str(started), 1)
+    queued = run(client, mark_then_sleep, str(skipped), 0)  # at the worker, behind the one that runs
+    pid = int(wait_until(lambda: started.exists() and started.read_text(), 30))
+    later = [run(client, pow, 3, i) for i in range(5)]  # kept back while the worker is busy
+    assert queued.cancel()
+    # its answer (ERROR cancelled) is not a stop: the worker goes on, and what was kept back is sent
+    assert [f.result(30) for f in later] == [3 ** i for i in range(5)]
+    assert first.result(30) is None and running.result(30) is None
+    assert not skipped.exists() and run(client, os.getpid).result(30) == pid  # the same worker
+
+
 def test_a_worker_killed_mid_lease_fails_one_task_and_the_others_are_placed_again(solo, tmp_path):
     peer, client = solo
     assert leased(client, peer) is not None
