@@ -55,25 +55,35 @@ class Cgroups:
         own = own_cgroup()
         if own is None:
             return "no cgroup v2 here (/proc/self/cgroup names none mounted)"
-        base = os.path.join(own, f"gpulayer-{holder}")
+        cgroups = cls(os.path.join(own, f"gpulayer-{holder}"))
+        return cgroups._prepare() or cgroups
+
+    def _prepare(self) -> str | None:
+        """Make the peer's folder (if it is not there), its jobs' memory controller on where its cgroup has one
+        (each job's memory.peak); why it cannot be used, or None."""
+        base = self.base
         try:
             os.makedirs(base, exist_ok=True)
             if not os.access(os.path.join(base, "cgroup.procs"), os.W_OK):
                 return f"{base}/cgroup.procs is not writable"
         except OSError as exc:
             return f"cannot make {base}: {exc.strerror or exc}"
-        if "memory" in _read(os.path.join(base, "cgroup.controllers")).split():  # each job's memory.peak
+        if "memory" in _read(os.path.join(base, "cgroup.controllers")).split():
             _write(os.path.join(base, "cgroup.subtree_control"), "+memory")
-        return cls(base)
+        return None
 
     def path(self, job_id: str) -> str:
         return os.path.join(self.base, f"job-{job_id}")
 
     def make(self, job_id: str) -> str:
         """The job's cgroup, made empty (what an earlier attempt left is killed first); the peer's folder too, if it
-        was removed meanwhile (by hand, say)."""
+        was removed meanwhile (by hand, or by a sweep of empty cgroups)."""
         self.remove(job_id)
-        os.makedirs(self.path(job_id))
+        try:
+            os.mkdir(self.path(job_id))
+        except FileNotFoundError:
+            self._prepare()
+            os.mkdir(self.path(job_id))
         return self.path(job_id)
 
     def end(self, job_id: str) -> int | None:
@@ -96,7 +106,11 @@ class Cgroups:
     def sweep(self) -> list[str]:
         """At the peer's start, no job runs: the cgroups of its earlier life (of jobs that ended while it was
         down, or lost) killed and removed; their job ids."""
-        gone = sorted(name[4:] for name in os.listdir(self.base) if name.startswith("job-"))
+        try:
+            names = os.listdir(self.base)
+        except FileNotFoundError:  # removed since `find`: made again for the next job (`make`)
+            return []
+        gone = sorted(name[4:] for name in names if name.startswith("job-"))
         for job_id in gone:
             self.remove(job_id)
         return gone

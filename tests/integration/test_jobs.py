@@ -217,6 +217,27 @@ def test_a_peers_cgroup_folder_removed_while_it_runs_is_made_again_for_its_next_
     assert f"/gpulayer-{first.id.rsplit('-', 1)[0]}/job-{job.id}" in job.logs()
 
 
+def test_a_peers_cgroup_folder_removed_before_its_start_sweep_is_made_again_with_its_memory_controller():
+    """Removed between the peer's `find` and its `sweep` at start (the end of a test session beside it once did
+    that, and the peer failed to start): the sweep finds nothing, and the next job's cgroup makes it again, with
+    what `find` had turned on for the jobs (the memory controller, where the peer's cgroup has it)."""
+    from gpulayer.jobs import cgroup
+
+    cgroups_or_skip()
+    groups = cgroup.Cgroups.find(f"test-{secrets.token_hex(4)}")
+    assert isinstance(groups, cgroup.Cgroups), groups
+    on = os.path.join(groups.base, "cgroup.subtree_control")
+    controllers = cgroup._read(on).split()
+    os.rmdir(groups.base)
+    try:
+        assert groups.sweep() == []
+        assert os.path.isdir(groups.make("again")) and cgroup._read(on).split() == controllers
+        groups.remove("again")
+    finally:
+        groups.close()
+    assert not os.path.exists(groups.base)
+
+
 def test_without_cgroup_kill_a_cgroup_is_frozen_and_each_of_its_processes_killed(monkeypatch):
     """Before Linux 5.14 a cgroup has no cgroup.kill file: `jobs.cgroup.kill` then freezes it (nothing in it can
     fork meanwhile), sends SIGKILL to each of its processes and thaws it. A real cgroup, real processes (a shell
