@@ -39,8 +39,11 @@ ends (the job messages stood in for by SUBMIT/ACCEPT maps): the transfer alone. 
 real submit to a real peer (`python -m gpulayer.peer` in the peer's namespace): JOB_SUBMIT, JOB_NEED,
 the blobs into the peer's event loop and its disk thread, the job's folder built from them and the job
 recorded, until its JOB_INFO; the peer's retention (a tiny --job-retention-gb) then drops the ended job
-and its blobs, so each round's store is fresh. Rounds alternate the ways compared; medians are given
-with their min and max.
+and its blobs, so each round's store is fresh. The "peer_probed" way is the same submit while another
+process asks the peer for its job list every 20 ms (`probe`): the longest answer says how long the
+upload held the peer's event loop, and the way's time what the asking costs the upload (the raw socket
+has no such load, so the ratio to it is the "peer" way's). Rounds alternate the ways compared; medians
+are given with their min and max.
 """
 
 from __future__ import annotations
@@ -342,32 +345,33 @@ class Submitter:
         self.connect(b"Q").close()
 
 
-    def peer_upload(self, address: tuple[str, int], state_dir: Path) -> tuple[float, float]:
+    def peer_upload(self, address: tuple[str, int], state_dir: Path, probed: bool) -> tuple[float, float | None]:
         """Seconds of a real submit of the folder (scanned: its digests cached) to the real peer at `address`,
-        to its JOB_INFO, and the longest answer (s) to the JOB_LISTs a prober process (`probe`) sent meanwhile
-        (how long the peer's event loop was held); then the job is waited for, and the peer's removal of it and
-        of its blobs (the tiny retention's work, on the peer's janitor thread, off the event loop: it would load
-        the next round)."""
+        to its JOB_INFO, and if `probed` the longest answer (s) to the JOB_LISTs a prober process (`probe`) sent
+        meanwhile (how long the peer's event loop was held); then the job is waited for, and the peer's removal
+        of it and of its blobs (the tiny retention's work, on the peer's janitor thread, off the event loop: it
+        would load the next round)."""
         from gpulayer.client.jobs import JobError, JobLink, _submit_over
         from gpulayer.jobs.store import JobSpec
         from gpulayer.protocol import jobs as job_protocol
 
         client = key_holder("bench-submitter")
         prober = subprocess.Popen([sys.executable, __file__, "--probe", "--host", address[0], "--port",
-                                   str(address[1])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert prober.stdin is not None and prober.stdout is not None
+                                   str(address[1])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) \
+            if probed else None
         try:
-            if prober.stdout.readline().strip() != "probing":  # its start is not timed
-                raise RuntimeError("the prober did not start")
+            if prober is not None and prober.stdout.readline().strip() != "probing":  # type: ignore[union-attr]
+                raise RuntimeError("the prober did not start")  # its start is not timed
             started = time.perf_counter()
             manifest = scan(self.folder, cache=self.cache)
             with JobLink(client, [address]) as link:  # type: ignore[arg-type]
                 info = _submit_over(link, JobSpec(["true"]), manifest, None)
             seconds = time.perf_counter() - started
-            longest = float(prober.communicate("", timeout=60)[0])
+            longest = float(prober.communicate("", timeout=60)[0]) if prober is not None else None
         finally:
-            prober.kill()
-            prober.wait()
+            if prober is not None:
+                prober.kill()
+                prober.wait()
         with JobLink(client, [address]) as link:  # type: ignore[arg-type]
             try:
                 ended = link.ask(job_protocol.request(messages.JOB_WAIT, 0, info["job"]["id"], timeout=120.0))
@@ -464,7 +468,7 @@ def run_submitter(args: argparse.Namespace) -> None:
     deadline = Deadline(args.max_minutes)
     sub.upload("warm-up")
     sub.drop("warm-up")
-    up: dict[str, list[float]] = {"raw": [], "gpulayer": [], "peer": []}
+    up: dict[str, list[float]] = {"raw": [], "gpulayer": [], "peer": [], "peer_probed": []}
     up_cpu: dict[str, list[float]] = {"raw": [], "gpulayer": []}
     up_busy: dict[str, list[float]] = {"raw": [], "gpulayer": []}
     peer_stall: list[float] = []
@@ -472,10 +476,12 @@ def run_submitter(args: argparse.Namespace) -> None:
     for i in deadline.rounds(args.rounds):
         store = f"round-{i}"
         for way in rotated(list(up), i):
-            if way == "peer":
-                seconds, stall = sub.peer_upload((args.host, int(args.peer_port)), Path(args.peer_state))
+            if way.startswith("peer"):
+                seconds, stall = sub.peer_upload((args.host, int(args.peer_port)), Path(args.peer_state),
+                                                 probed=way == "peer_probed")
                 up[way].append(seconds)
-                peer_stall.append(stall)
+                if stall is not None:
+                    peer_stall.append(stall)
                 continue
             if way == "raw":
                 seconds, cpu = sub.raw_upload()
@@ -753,8 +759,8 @@ def summarize(m: dict) -> dict:
     up = {way: gb_per_s(folder, s) for way, s in m["upload_s"].items()}
     down = {way: gb_per_s(artifact, s) for way, s in m["fetch_s"].items()}
     up_ratio = spread([r / g for g, r in zip(m["upload_s"]["gpulayer"], m["upload_s"]["raw"])])
-    peer_ratio = spread([r / g for g, r in zip(m["upload_s"].get("peer", []), m["upload_s"]["raw"])]) \
-        if m["upload_s"].get("peer") else None
+    peer_ratio, probed_ratio = ((spread([r / g for g, r in zip(m["upload_s"][way], m["upload_s"]["raw"])])
+                                 if m["upload_s"].get(way) else None) for way in ("peer", "peer_probed"))
     down_ratio = spread([r / g for g, r in zip(m["fetch_s"]["gpulayer"], m["fetch_s"]["raw"])])
     peer_down = spread([r / g for g, r in zip(m["fetch_s"].get("peer", []), m["fetch_s"]["raw"])]) \
         if m["fetch_s"].get("peer") else None
@@ -766,6 +772,9 @@ def summarize(m: dict) -> dict:
         # a real submit to a real peer (its event loop, its disk thread, the job's folder built and recorded)
         "upload_peer_over_raw": peer_ratio and peer_ratio["median"],
         "upload_peer_over_raw_range": peer_ratio and [peer_ratio["min"], peer_ratio["max"]],
+        # the same while another process asks the peer for its job list every 20 ms
+        "upload_peer_probed_over_raw": probed_ratio and probed_ratio["median"],
+        "upload_peer_probed_over_raw_range": probed_ratio and [probed_ratio["min"], probed_ratio["max"]],
         # the longest a JOB_LIST waited for its answer while the peer received an upload (its event loop held)
         "upload_peer_longest_answer_ms": m.get("peer_upload_longest_answer_s") and
         1e3 * spread(m["peer_upload_longest_answer_s"])["median"],
@@ -827,12 +836,13 @@ def plot(result: dict, path: Path) -> None:
         rows = s[key]
         labels = {"raw": "raw socket", "gpulayer": "GPUlayer, the transfer\n(secure channel, verified)",
                   "peer": "GPUlayer, a real peer\n" + ("(submit to job recorded)" if key.startswith("upload")
-                                                       else "(Job.fetch)")}
+                                                       else "(Job.fetch)"),
+                  "peer_probed": "the same, its job list\nasked every 20 ms meanwhile"}
         names = [n for n in labels if n in rows]
         medians = [rows[n][0] for n in names]
         errors = [[rows[n][0] - rows[n][1] for n in names], [rows[n][2] - rows[n][0] for n in names]]
         ax.barh([labels[n] for n in names], medians, xerr=errors,
-                color=["tab:gray", "tab:green", "tab:olive"][:len(names)], capsize=4)
+                color=["tab:gray", "tab:green", "tab:olive", "tab:brown"][:len(names)], capsize=4)
         for y, (name, m) in enumerate(zip(names, medians)):
             ax.text(rows[name][2], y, f"  {m:.2f} GB/s", va="center")
         ax.axvline(TARGETS[target] * rows["raw"][0], color="k", linestyle="--", label="target: 0.8 x raw")
@@ -843,6 +853,7 @@ def plot(result: dict, path: Path) -> None:
         peer = target.replace("_over_raw", "_peer_over_raw")
         busy = s.get(key.replace("gb_per_s", "cores_busy"))  # the upload's only
         ax.set_title(f"{title}\nGPUlayer / raw = {s[target]:.2f}" + (f", real peer {s[peer]:.2f}" if peer in s else "")
+                     + (f" ({s[probed]:.2f} probed)" if s.get(probed := peer.replace("_over", "_probed_over")) else "")
                      + f"\n(GB/s, across the veth); CPU s per GB, both sides\n(the transfer): raw {cpu['raw']:.2f}, "
                      f"GPUlayer {cpu['gpulayer']:.2f}"
                      + (f"\ncores busy meanwhile (of {result['machine']['cpus']}): raw {busy['raw']:.2f}, "
