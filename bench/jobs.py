@@ -49,6 +49,7 @@ are given with their min and max.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -62,6 +63,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -356,22 +358,13 @@ class Submitter:
         from gpulayer.protocol import jobs as job_protocol
 
         client = key_holder("bench-submitter")
-        prober = subprocess.Popen([sys.executable, __file__, "--probe", "--host", address[0], "--port",
-                                   str(address[1])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) \
-            if probed else None
-        try:
-            if prober is not None and prober.stdout.readline().strip() != "probing":  # type: ignore[union-attr]
-                raise RuntimeError("the prober did not start")  # its start is not timed
+        with prober(address) if probed else contextlib.nullcontext() as asking:
             started = time.perf_counter()
             manifest = scan(self.folder, cache=self.cache)
             with JobLink(client, [address]) as link:  # type: ignore[arg-type]
                 info = _submit_over(link, JobSpec(["true"]), manifest, None)
             seconds = time.perf_counter() - started
-            longest = float(prober.communicate("", timeout=60)[0]) if prober is not None else None
-        finally:
-            if prober is not None:
-                prober.kill()
-                prober.wait()
+            longest = float(asking.communicate("", timeout=60)[0]) if asking is not None else None
         with JobLink(client, [address]) as link:  # type: ignore[arg-type]
             try:
                 ended = link.ask(job_protocol.request(messages.JOB_WAIT, 0, info["job"]["id"], timeout=120.0))
@@ -431,6 +424,21 @@ class Submitter:
         client = key_holder("bench-submitter")
         with JobLink(client, [address]) as link:  # type: ignore[arg-type]
             link.ask(job_protocol.request(messages.JOB_STOP, 0, job_id, grace=1.0))
+
+
+@contextlib.contextmanager
+def prober(address: tuple[str, int]) -> Iterator[subprocess.Popen]:
+    """A prober process (`probe`) asking the peer at `address`, started (its start is not timed) and killed
+    after; its stdin's end stops it, and then it prints the longest answer."""
+    proc = subprocess.Popen([sys.executable, __file__, "--probe", "--host", address[0], "--port", str(address[1])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "probing":  # type: ignore[union-attr]
+            raise RuntimeError("the prober did not start")
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def probe(host: str, port: int) -> None:
@@ -754,16 +762,17 @@ def gb_per_s(nbytes: int, seconds: list[float]) -> dict:
     return spread([nbytes / s / 1e9 for s in seconds])
 
 
+def over_raw(seconds: dict[str, list[float]], way: str) -> dict | None:
+    """The spread of the raw socket's time over `way`'s, round by round; None where `way` was not run."""
+    return spread([r / g for g, r in zip(seconds[way], seconds["raw"])]) if seconds.get(way) else None
+
+
 def summarize(m: dict) -> dict:
     folder, artifact = m["shape"]["bytes"], m["shape"]["artifact_bytes"]
     up = {way: gb_per_s(folder, s) for way, s in m["upload_s"].items()}
     down = {way: gb_per_s(artifact, s) for way, s in m["fetch_s"].items()}
-    up_ratio = spread([r / g for g, r in zip(m["upload_s"]["gpulayer"], m["upload_s"]["raw"])])
-    peer_ratio, probed_ratio = ((spread([r / g for g, r in zip(m["upload_s"][way], m["upload_s"]["raw"])])
-                                 if m["upload_s"].get(way) else None) for way in ("peer", "peer_probed"))
-    down_ratio = spread([r / g for g, r in zip(m["fetch_s"]["gpulayer"], m["fetch_s"]["raw"])])
-    peer_down = spread([r / g for g, r in zip(m["fetch_s"].get("peer", []), m["fetch_s"]["raw"])]) \
-        if m["fetch_s"].get("peer") else None
+    up_ratio, peer_ratio, probed_ratio = (over_raw(m["upload_s"], w) for w in ("gpulayer", "peer", "peer_probed"))
+    down_ratio, peer_down = (over_raw(m["fetch_s"], w) for w in ("gpulayer", "peer"))
     cable = spread([r["cable_bytes"] / folder for r in m["resubmit"]])
     s = {
         "folder_mb": folder / 1e6, "folder_files": m["files"], "artifact_mib": artifact / MIB,
